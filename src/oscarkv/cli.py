@@ -1,0 +1,146 @@
+"""Command-line front end: ``oscarkv info | demo`` (flags come from the config dataclasses)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_dataclass_args", "dataclass_from_args", "main"]
+
+
+# ---- dataclass <-> argparse ---------------------------------------------------------------
+def _scalar_type(tp: Any) -> Any:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType) and len(args) == 1:
+        return args[0]
+    return tp
+
+
+def add_dataclass_args(
+    parser: argparse.ArgumentParser, cls: type, group: str | None = None
+) -> None:
+    """Add one ``--field-name`` flag per field of dataclass ``cls`` (default: the field default)."""
+    target = parser.add_argument_group(group or cls.__name__) if group != "" else parser
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = _scalar_type(hints[f.name])
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_ = f.metadata.get("help", "") + f" (default: {default})"
+        if tp is bool:
+            target.add_argument(
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=help_,
+                dest=f.name,
+            )
+        else:
+            target.add_argument(flag, type=tp, default=default, help=help_, dest=f.name)
+
+
+def dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:
+    """Build ``cls`` from the flags added by :func:`add_dataclass_args` (validation errors
+    surface as the dataclass's own ``ValueError``)."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+# ---- commands -----------------------------------------------------------------------------
+def _cmd_info(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .rotation import load_rotations
+
+    cfg = None
+    if args.model_config:
+        import json
+
+        cfg = json.loads(Path(args.model_config).read_text())
+    rs = load_rotations(args.path, v_path=args.v_path, model_config=cfg)
+    con = Console()
+    p, spec = rs.provenance, rs.spec
+    ortho = rs.orthogonality_errors()
+    t = Table(title=f"rotations: {args.path}", show_header=False)
+    t.add_row("source", p.source + (f" ({p.model_name})" if p.model_name else ""))
+    t.add_row("layers", f"{len(rs.layer_ids)}: {rs.layer_ids}")
+    t.add_row("head dim", str(rs.head_dim))
+    gran = rs.granularity + (f" ({rs.num_kv_heads} KV heads)" if rs.num_kv_heads else "")
+    t.add_row("granularity", gran)
+    t.add_row("spec", ", ".join(f"{k}={v}" for k, v in spec.to_dict().items()))
+    worst = max(ortho, key=ortho.__getitem__)
+    t.add_row("worst orthogonality", f"{ortho[worst]:.2e} (layer {worst}); max|RᵀR − I|")
+    clips = {i: rs.clips(i) for i in rs.layer_ids}
+    if any(rs.layers[i].k_clip is not None or rs.layers[i].v_clip is not None for i in clips):
+        t.add_row(
+            "per-layer clips", "; ".join(f"{i}: {k:.3f}/{v:.3f}" for i, (k, v) in clips.items())
+        )
+    bpe = [
+        f"{n // 1024}K: {spec.bits_per_element(n, rs.head_dim):.3f}" for n in (4096, 32768, 131072)
+    ]
+    t.add_row(
+        "bits/element", f"tier {spec.bits_per_element(None, rs.head_dim):.3f}; " + ", ".join(bpe)
+    )
+    if p.recipe:
+        t.add_row("recipe", ", ".join(f"{k}={v}" for k, v in p.recipe.items()))
+    if p.config_hash:
+        t.add_row("model config hash", p.config_hash)
+    if p.library_version:
+        t.add_row("written by", f"oscarkv {p.library_version} {p.created}")
+    con.print(t)
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(seed=args.seed, tokens=args.tokens)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    ap = argparse.ArgumentParser(
+        prog="oscarkv",
+        description="2-bit KV caches with near-BF16 quality (OSCAR re-implemented and extended).",
+    )
+    ap.add_argument("--version", action="version", version=f"oscarkv {__version__}")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("info", help="describe a rotation artifact (ours or OSCAR RotationZoo)")
+    p.add_argument(
+        "path", help="artifact directory, rotations.safetensors, or an OSCAR k_rotation*.pt"
+    )
+    p.add_argument("--v-path", help="OSCAR V file when PATH is a K .pt file with no single sibling")
+    p.add_argument(
+        "--model-config", help="config.json to validate head_dim and layer coverage against"
+    )
+    p.set_defaults(func=_cmd_info)
+
+    p = sub.add_parser("demo", help="the main job on an embedded default (no downloads)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokens", type=int, default=4096, help="synthetic tokens per layer")
+    p.set_defaults(func=_cmd_demo)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .config import SpecError
+    from .rotation import RotationFileError
+
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if not getattr(args, "command", None):
+        ap.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except (RotationFileError, SpecError) as e:
+        print(f"oscarkv {args.command}: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,151 @@
+"""Frozen, validated configuration dataclasses (the lowest layer: stdlib only).
+
+Every knob of the library is a field here; the CLI builds its flags from these fields
+(`oscarkv.cli.add_dataclass_args`), so flags and code cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["META_DTYPE_BYTES", "QuantSpec", "SpecError", "field_error"]
+
+#: bytes per stored scale or zero, by ``QuantSpec.meta_dtype``
+META_DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+SUPPORTED_BITS = (2, 3, 4)
+CODEBOOKS = ("uniform", "lloyd_max")
+
+
+class SpecError(ValueError):
+    """A configuration value is invalid; the message names field, allowed values and value."""
+
+
+def field_error(cls: str, name: str, allowed: str, got: Any) -> SpecError:
+    return SpecError(f"{cls}.{name} must be {allowed}; got {got!r}")
+
+
+def _help(text: str, **kw: Any) -> Any:
+    return field(metadata={"help": text}, **kw)
+
+
+def packed_bytes(head_dim: int, bits: int) -> int:
+    """Bytes that one packed row of ``head_dim`` codes of ``bits`` bits occupies."""
+    return head_dim * bits // 8
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How keys and values are stored: bit widths, groups, windows, clipping, codebook.
+
+    Defaults reproduce OSCAR's evaluated configuration (spec §3-§5) with 16-bit metadata.
+    """
+
+    key_bits: int = _help("bits per key element in the quantized tier (2, 3 or 4)", default=2)
+    value_bits: int = _help("bits per value element in the quantized tier (2, 3 or 4)", default=2)
+    group_size: int | None = _help(
+        "elements per (scale, zero) pair along the rotated head dim; default: the head dim",
+        default=None,
+    )
+    sink_tokens: int = _help("first prompt tokens kept in 16 bits (attention sink)", default=64)
+    recent_tokens: int = _help("most recent tokens kept in 16 bits", default=256)
+    demote_block: int = _help(
+        "recent tokens are demoted to the quantized tier in blocks of this many", default=8
+    )
+    k_clip: float = _help("per-row key clip ratio in [0, 1] (0 = off)", default=0.96)
+    v_clip: float = _help("per-row value clip ratio in [0, 1] (0 = off)", default=0.92)
+    codebook: str = _help("uniform (min-max) or lloyd_max (OSCAR's hybrid)", default="uniform")
+    meta_dtype: str = _help(
+        "dtype of the stored scale and zero: fp16, bf16 or fp32", default="fp16"
+    )
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        for f in ("key_bits", "value_bits"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v not in SUPPORTED_BITS:
+                raise field_error(name, f, "one of 2, 3, 4", v)
+        gs = self.group_size
+        if gs is not None and (not isinstance(gs, int) or isinstance(gs, bool) or gs < 4):
+            raise field_error(name, "group_size", "None (= head dim) or an integer >= 4", gs)
+        for f in ("sink_tokens", "recent_tokens"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise field_error(name, f, "an integer >= 0", v)
+        db = self.demote_block
+        if not isinstance(db, int) or isinstance(db, bool) or db < 1:
+            raise field_error(name, "demote_block", "an integer >= 1", db)
+        for f in ("k_clip", "v_clip"):
+            v = getattr(self, f)
+            if (
+                not isinstance(v, (int, float))
+                or isinstance(v, bool)
+                or not math.isfinite(v)
+                or not 0.0 <= v <= 1.0
+            ):
+                raise field_error(name, f, "a number in [0, 1] (0 disables clipping)", v)
+        if self.codebook not in CODEBOOKS:
+            raise field_error(name, "codebook", "one of " + ", ".join(CODEBOOKS), self.codebook)
+        if self.codebook == "lloyd_max" and (self.key_bits != 2 or self.value_bits != 2):
+            raise field_error(
+                name,
+                "codebook",
+                "'uniform' when key_bits/value_bits are not 2 "
+                "(OSCAR's Lloyd-Max hybrid is defined for INT2 only)",
+                self.codebook,
+            )
+        if self.meta_dtype not in META_DTYPE_BYTES:
+            raise field_error(name, "meta_dtype", "one of fp16, bf16, fp32", self.meta_dtype)
+
+    # ---- derived quantities -------------------------------------------------------------
+    def group_for(self, head_dim: int) -> int:
+        """The group size for ``head_dim``; raises if it does not divide the head dim."""
+        if head_dim % 4:
+            raise SpecError(f"head_dim must be a multiple of 4 for packing; got {head_dim}")
+        g = head_dim if self.group_size is None else self.group_size
+        if head_dim % g:
+            raise field_error(
+                "QuantSpec", "group_size", f"a divisor of the head dim {head_dim}", self.group_size
+            )
+        return g
+
+    def row_bytes(self, head_dim: int, bits: int) -> int:
+        """Stored bytes of one quantized row: packed codes + (scale, zero) per group."""
+        groups = head_dim // self.group_for(head_dim)
+        return packed_bytes(head_dim, bits) + 2 * groups * META_DTYPE_BYTES[self.meta_dtype]
+
+    def quantized_bits_per_element(self, head_dim: int = 128) -> float:
+        """Bits per element of the quantized tier alone, K and V averaged (2.25 for INT2/fp16)."""
+        total = self.row_bytes(head_dim, self.key_bits) + self.row_bytes(head_dim, self.value_bits)
+        return total * 8 / (2 * head_dim)
+
+    def bits_per_element(
+        self, context_len: int | None = None, head_dim: int = 128, hp_bits: int = 16
+    ) -> float:
+        """Effective bits per cached K/V element at ``context_len`` tokens (spec §4.4).
+
+        ``None`` gives the quantized tier alone. Otherwise the first ``sink_tokens`` and last
+        ``recent_tokens`` tokens count at ``hp_bits`` and the rest at the quantized tier's cost
+        measured from its storage sizes. Like OSCAR's formula, it ignores the up to
+        ``demote_block - 1`` extra recent tokens between demotions.
+        """
+        q = self.quantized_bits_per_element(head_dim)
+        if context_len is None:
+            return q
+        if context_len <= 0:
+            raise field_error("bits_per_element", "context_len", "a positive integer", context_len)
+        hp = min(context_len, self.sink_tokens + self.recent_tokens)
+        return (hp * hp_bits + (context_len - hp) * q) / context_len
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> QuantSpec:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise SpecError(f"unknown QuantSpec fields {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**d)

@@ -1,0 +1,34 @@
+"""Quantization math: clipping, quantizers, bit packing, the stored row format (pure torch)."""
+
+from .format import QUANTIZERS, RowFormat, dequantize_rows, quantize_rows
+from .packing import pack, packed_dim, unpack
+from .quantizer import (
+    clip_index,
+    clip_rows,
+    clip_threshold,
+    dequantize_affine,
+    dequantize_codebook,
+    lloyd_max_gaussian,
+    quantize_asymmetric,
+    quantize_lloyd_max,
+    quantize_symmetric,
+)
+
+__all__ = [
+    "QUANTIZERS",
+    "RowFormat",
+    "clip_index",
+    "clip_rows",
+    "clip_threshold",
+    "dequantize_affine",
+    "dequantize_codebook",
+    "dequantize_rows",
+    "lloyd_max_gaussian",
+    "pack",
+    "packed_dim",
+    "quantize_asymmetric",
+    "quantize_lloyd_max",
+    "quantize_rows",
+    "quantize_symmetric",
+    "unpack",
+]
