@@ -22,9 +22,7 @@ def _scalar_type(tp: Any) -> Any:
     return tp
 
 
-def add_dataclass_args(
-    parser: argparse.ArgumentParser, cls: type, group: str | None = None
-) -> None:
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, group: str | None = None) -> None:
     """Add one ``--field-name`` flag per field of dataclass ``cls`` (default: the field default)."""
     target = parser.add_argument_group(group or cls.__name__) if group != "" else parser
     hints = typing.get_type_hints(cls)
@@ -78,15 +76,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
     t.add_row("worst orthogonality", f"{ortho[worst]:.2e} (layer {worst}); max|RᵀR − I|")
     clips = {i: rs.clips(i) for i in rs.layer_ids}
     if any(rs.layers[i].k_clip is not None or rs.layers[i].v_clip is not None for i in clips):
-        t.add_row(
-            "per-layer clips", "; ".join(f"{i}: {k:.3f}/{v:.3f}" for i, (k, v) in clips.items())
-        )
-    bpe = [
-        f"{n // 1024}K: {spec.bits_per_element(n, rs.head_dim):.3f}" for n in (4096, 32768, 131072)
-    ]
-    t.add_row(
-        "bits/element", f"tier {spec.bits_per_element(None, rs.head_dim):.3f}; " + ", ".join(bpe)
-    )
+        t.add_row("per-layer clips", "; ".join(f"{i}: {k:.3f}/{v:.3f}" for i, (k, v) in clips.items()))
+    bpe = [f"{n // 1024}K: {spec.bits_per_element(n, rs.head_dim):.3f}" for n in (4096, 32768, 131072)]
+    t.add_row("bits/element", f"tier {spec.bits_per_element(None, rs.head_dim):.3f}; " + ", ".join(bpe))
     if p.recipe:
         t.add_row("recipe", ", ".join(f"{k}={v}" for k, v in p.recipe.items()))
     if p.config_hash:
@@ -114,13 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("info", help="describe a rotation artifact (ours or OSCAR RotationZoo)")
-    p.add_argument(
-        "path", help="artifact directory, rotations.safetensors, or an OSCAR k_rotation*.pt"
-    )
+    p.add_argument("path", help="artifact directory, rotations.safetensors, or an OSCAR k_rotation*.pt")
     p.add_argument("--v-path", help="OSCAR V file when PATH is a K .pt file with no single sibling")
-    p.add_argument(
-        "--model-config", help="config.json to validate head_dim and layer coverage against"
-    )
+    p.add_argument("--model-config", help="config.json to validate head_dim and layer coverage against")
     p.set_defaults(func=_cmd_info)
 
     p = sub.add_parser("demo", help="the main job on an embedded default (no downloads)")

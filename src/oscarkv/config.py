@@ -57,9 +57,7 @@ class QuantSpec:
     k_clip: float = _help("per-row key clip ratio in [0, 1] (0 = off)", default=0.96)
     v_clip: float = _help("per-row value clip ratio in [0, 1] (0 = off)", default=0.92)
     codebook: str = _help("uniform (min-max) or lloyd_max (OSCAR's hybrid)", default="uniform")
-    meta_dtype: str = _help(
-        "dtype of the stored scale and zero: fp16, bf16 or fp32", default="fp16"
-    )
+    meta_dtype: str = _help("dtype of the stored scale and zero: fp16, bf16 or fp32", default="fp16")
 
     def __post_init__(self) -> None:
         name = type(self).__name__

@@ -45,9 +45,7 @@ class RowFormat:
 
     def __post_init__(self) -> None:
         if self.quantizer not in QUANTIZERS:
-            raise ValueError(
-                f"quantizer must be one of {sorted(QUANTIZERS)}; got {self.quantizer!r}"
-            )
+            raise ValueError(f"quantizer must be one of {sorted(QUANTIZERS)}; got {self.quantizer!r}")
         packed_dim(self.head_dim, self.bits)
         if self.head_dim % self.group:
             raise ValueError(f"group {self.group} must divide head_dim {self.head_dim}")

@@ -25,9 +25,7 @@ def packed_dim(d: int, bits: int) -> int:
         raise ValueError(f"bits must be 2, 3 or 4; got {bits}")
     need = 8 if bits == 3 else 4
     if d % need:
-        raise ValueError(
-            f"{bits}-bit packing needs the last dim to be a multiple of {need}; got {d}"
-        )
+        raise ValueError(f"{bits}-bit packing needs the last dim to be a multiple of {need}; got {d}")
     return d * bits // 8
 
 

@@ -112,9 +112,7 @@ def quantize_symmetric(
 
 
 @lru_cache(maxsize=8)
-def lloyd_max_gaussian(
-    levels: int, iters: int = 2000
-) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def lloyd_max_gaussian(levels: int, iters: int = 2000) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Lloyd-Max quantizer of N(0, 1) with ``levels`` levels: ``(thresholds, centroids)``."""
     inv_sqrt2pi = 1.0 / math.sqrt(2.0 * math.pi)
 

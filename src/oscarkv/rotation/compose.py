@@ -142,9 +142,7 @@ def compose(
     u = eigenvectors.to(torch.float64)
     d = lam.shape[-1]
     if u.shape != (d, d):
-        raise ValueError(
-            f"eigenvectors must be [{d}, {d}] to match eigenvalues; got {tuple(u.shape)}"
-        )
+        raise ValueError(f"eigenvectors must be [{d}, {d}] to match eigenvalues; got {tuple(u.shape)}")
     if not is_power_of_two(d):
         u = _deal_into_blocks(lam, u)
     perm = importance_permutation(lam)

@@ -156,9 +156,7 @@ def _oscar_layers(obj: Any, src: str) -> dict[int, tuple[torch.Tensor, torch.Ten
             f"{type(obj).__name__} with keys {sorted(obj) if isinstance(obj, dict) else '-'}",
         )
     if obj.get("format_version", 1) != 1:
-        raise RotationFileError(
-            src, "unsupported OSCAR format_version", "1", repr(obj.get("format_version"))
-        )
+        raise RotationFileError(src, "unsupported OSCAR format_version", "1", repr(obj.get("format_version")))
     grouping = obj.get("source_grouping", "layer")
     if grouping != "layer":
         raise RotationFileError(src, "unsupported source_grouping", "'layer'", repr(grouping))
@@ -167,9 +165,7 @@ def _oscar_layers(obj: Any, src: str) -> dict[int, tuple[torch.Tensor, torch.Ten
         try:
             lid = int(key)
         except (TypeError, ValueError) as e:
-            raise RotationFileError(
-                src, "layer key is not an integer", "int or str(int)", repr(key)
-            ) from e
+            raise RotationFileError(src, "layer key is not an integer", "int or str(int)", repr(key)) from e
         if not isinstance(entry, dict) or not isinstance(entry.get("rotation"), torch.Tensor):
             raise RotationFileError(
                 src,
@@ -184,9 +180,7 @@ def _oscar_layers(obj: Any, src: str) -> dict[int, tuple[torch.Tensor, torch.Ten
     return out
 
 
-def load_oscar_files(
-    k_file: str | Path, v_file: str | Path, spec: QuantSpec | None = None
-) -> RotationSet:
+def load_oscar_files(k_file: str | Path, v_file: str | Path, spec: QuantSpec | None = None) -> RotationSet:
     """Read an OSCAR ``k_rotation_*.pt`` / ``v_rotation_*.pt`` pair into a :class:`RotationSet`."""
     k_file, v_file = Path(k_file), Path(v_file)
     k_obj, v_obj = _torch_load_plain(k_file), _torch_load_plain(v_file)

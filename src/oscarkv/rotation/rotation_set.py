@@ -32,9 +32,7 @@ ORTHO_TOL = 1e-3
 class RotationFileError(ValueError):
     """A rotation artifact is unreadable or inconsistent; the message names file and fix."""
 
-    def __init__(
-        self, source: str, problem: str, expected: str = "", found: str = "", fix: str = ""
-    ):
+    def __init__(self, source: str, problem: str, expected: str = "", found: str = "", fix: str = ""):
         parts = [f"{source}: {problem}"]
         if expected:
             parts.append(f"expected {expected}")
