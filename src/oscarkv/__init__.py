@@ -6,17 +6,32 @@ never imports triton, fastapi or transformers' cache classes, and never initiali
 
 from __future__ import annotations
 
-from .config import QuantSpec, SpecError
+from typing import Any
+
+from .config import CalibrationConfig, QuantSpec, SpecError
 from .rotation import RotationFileError, RotationSet, load_rotations, save_rotations
 
 __version__ = "0.1.0"
 
+
+def calibrate(model: Any, tokenizer: Any, *args: Any, **kwargs: Any) -> RotationSet:
+    """Fit rotations for a transformers causal LM; see :func:`oscarkv.calibration.calibrate`.
+
+    (Imported lazily so that ``import oscarkv`` stays free of transformers.)
+    """
+    from .calibration import calibrate as _calibrate
+
+    return _calibrate(model, tokenizer, *args, **kwargs)
+
+
 __all__ = [
+    "CalibrationConfig",
     "QuantSpec",
     "RotationFileError",
     "RotationSet",
     "SpecError",
     "__version__",
+    "calibrate",
     "load_rotations",
     "save_rotations",
 ]

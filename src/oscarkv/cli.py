@@ -1,4 +1,4 @@
-"""Command-line front end: ``oscarkv info | demo`` (flags come from the config dataclasses)."""
+"""Command-line front end: ``oscarkv calibrate | info | demo`` (flags come from config dataclasses)."""
 
 from __future__ import annotations
 
@@ -80,12 +80,73 @@ def _cmd_info(args: argparse.Namespace) -> int:
     bpe = [f"{n // 1024}K: {spec.bits_per_element(n, rs.head_dim):.3f}" for n in (4096, 32768, 131072)]
     t.add_row("bits/element", f"tier {spec.bits_per_element(None, rs.head_dim):.3f}; " + ", ".join(bpe))
     if p.recipe:
-        t.add_row("recipe", ", ".join(f"{k}={v}" for k, v in p.recipe.items()))
+        t.add_row("recipe", ", ".join(f"{k}={v}" for k, v in p.recipe.items() if k != "clip_search"))
     if p.config_hash:
         t.add_row("model config hash", p.config_hash)
     if p.library_version:
         t.add_row("written by", f"oscarkv {p.library_version} {p.created}")
     con.print(t)
+    return 0
+
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "auto": "auto"}
+
+
+def load_model(path: str, device: str, dtype: str) -> tuple[Any, Any]:
+    """Load a causal LM and its tokenizer (a local path or a hub id) onto ``device``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "bf16" if device.startswith("cuda") else "fp32"
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, DTYPES[dtype]))
+    return model.to(device).eval(), tok
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .calibration import calibrate
+    from .calibration.report import summary_rows
+    from .config import CalibrationConfig, QuantSpec
+    from .rotation import save_oscar_files, save_rotations
+
+    cfg = dataclass_from_args(CalibrationConfig, args)
+    spec = dataclass_from_args(QuantSpec, args)
+    con = Console()
+    model, tok = load_model(args.model, args.device, args.dtype)
+    rs = calibrate(model, tok, cfg, spec, data=args.data or None, progress=not args.quiet)
+    out = save_rotations(rs, args.out)
+    t = Table(title=f"{cfg.method} rotations ({cfg.granularity}, V target {cfg.v_target})")
+    cols = ("layer", "K λmax/mean", "V λmax/mean", "K clip", "V clip", "max|RᵀR−I|", "err", "K/V gain")
+    for c in cols:
+        t.add_column(c, justify="right")
+    for r in summary_rows(rs):
+        err = f"{r['err_global']:.2e}" if "err_global" in r else "-"
+        gain = f"{r['k_gain']:.0%}/{r['v_gain']:.0%}" if "k_gain" in r else "-"
+        t.add_row(
+            str(r["layer"]),
+            f"{r['k_spread']:.1f}",
+            f"{r['v_spread']:.1f}",
+            f"{r['k_clip']:.2f}",
+            f"{r['v_clip']:.2f}",
+            f"{r['ortho']:.1e}",
+            err,
+            gain,
+        )
+    con.print(t)
+    con.print(
+        "err: held-out relative attention-output error (INT2, windows) at the global clips; "
+        "K/V gain: error reduction from the chosen K / V clip"
+    )
+    con.print(f"wrote {out}")
+    if args.export_oscar:
+        k, v = save_oscar_files(rs, out.parent)
+        con.print(f"wrote {k} and {v} (OSCAR RotationZoo format)")
     return 0
 
 
@@ -97,6 +158,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
+    from .config import CalibrationConfig, QuantSpec
 
     ap = argparse.ArgumentParser(
         prog="oscarkv",
@@ -111,6 +173,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-config", help="config.json to validate head_dim and layer coverage against")
     p.set_defaults(func=_cmd_info)
 
+    p = sub.add_parser("calibrate", help="fit K/V rotations and clip ratios for a causal LM")
+    p.add_argument("--model", required=True, help="local model directory (or a hub id)")
+    p.add_argument("--out", required=True, help="output directory for rotations.safetensors")
+    p.add_argument("--data", nargs="*", help="text files, folders or JSONL (default: Python stdlib)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if present)")
+    p.add_argument("--dtype", default="auto", choices=sorted(DTYPES), help="model dtype")
+    p.add_argument("--export-oscar", action="store_true", help="also write OSCAR-format .pt files")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_dataclass_args(p, CalibrationConfig, "calibration")
+    add_dataclass_args(p, QuantSpec, "storage format")
+    p.set_defaults(func=_cmd_calibrate)
+
     p = sub.add_parser("demo", help="the main job on an embedded default (no downloads)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokens", type=int, default=4096, help="synthetic tokens per layer")
@@ -119,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .calibration.data import CorpusError
     from .config import SpecError
     from .rotation import RotationFileError
 
@@ -129,6 +204,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return int(args.func(args) or 0)
-    except (RotationFileError, SpecError) as e:
+    except (RotationFileError, SpecError, CorpusError) as e:
         print(f"oscarkv {args.command}: error: {e}", file=sys.stderr)
         return 2

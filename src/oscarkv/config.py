@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["META_DTYPE_BYTES", "QuantSpec", "SpecError", "field_error"]
+__all__ = ["META_DTYPE_BYTES", "CalibrationConfig", "QuantSpec", "SpecError", "field_error"]
 
 #: bytes per stored scale or zero, by ``QuantSpec.meta_dtype``
 META_DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
@@ -147,3 +147,54 @@ class QuantSpec:
         if unknown:
             raise SpecError(f"unknown QuantSpec fields {sorted(unknown)}; known: {sorted(known)}")
         return cls(**d)
+
+
+CAL_METHODS = ("oscar", "hadamard", "identity", "ktk_vtv")
+V_TARGETS = ("oscar", "softmax")
+CLIP_GRID_K = (0.0, 0.86, 0.88, 0.9, 0.92, 0.94, 0.96, 0.98)
+CLIP_GRID_V = (0.0, 0.82, 0.84, 0.86, 0.88, 0.9, 0.92, 0.94, 0.96)
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """How `oscarkv calibrate` turns a model and some text into a RotationSet."""
+
+    tokens: int = _help("calibration tokens used for the statistics", default=20000)
+    seq_len: int = _help("tokens per calibration sequence", default=2048)
+    granularity: str = _help("one rotation per layer, or per KV head: layer | kv_head", default="layer")
+    method: str = _help("oscar | hadamard | identity | ktk_vtv (spec §6.7 ablations)", default="oscar")
+    v_target: str = _help(
+        "value target: oscar (score-energy weights, OSCAR's code) | softmax (causal VᵀSᵀSV)",
+        default="oscar",
+    )
+    clip_search: bool = _help("search per-layer K/V clip ratios on held-out tokens", default=True)
+    holdout_tokens: int = _help("held-out tokens (beyond --tokens) for the clip search", default=4096)
+    batch_size: int = _help("sequences per forward pass", default=1)
+    seed: int = _help("seed for corpus sampling", default=0)
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        for f in ("tokens", "seq_len", "batch_size"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise field_error(name, f, "a positive integer", v)
+        if not isinstance(self.holdout_tokens, int) or self.holdout_tokens < 0:
+            raise field_error(name, "holdout_tokens", "an integer >= 0", self.holdout_tokens)
+        if self.granularity not in ("layer", "kv_head"):
+            raise field_error(name, "granularity", "layer or kv_head", self.granularity)
+        if self.method not in CAL_METHODS:
+            raise field_error(name, "method", " | ".join(CAL_METHODS), self.method)
+        if self.v_target not in V_TARGETS:
+            raise field_error(name, "v_target", " | ".join(V_TARGETS), self.v_target)
+        if self.clip_search and self.holdout_tokens < 1:
+            raise field_error(
+                name, "holdout_tokens", "> 0 when clip_search is on (or pass --no-clip-search)", 0
+            )
+
+    @property
+    def num_sequences(self) -> int:
+        return -(-self.tokens // self.seq_len)
+
+    @property
+    def num_holdout_sequences(self) -> int:
+        return -(-self.holdout_tokens // self.seq_len) if self.clip_search else 0

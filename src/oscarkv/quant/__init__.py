@@ -1,6 +1,6 @@
 """Quantization math: clipping, quantizers, bit packing, the stored row format (pure torch)."""
 
-from .format import QUANTIZERS, RowFormat, dequantize_rows, quantize_rows
+from .format import QUANTIZERS, RowFormat, dequantize_rows, fake_quantize_rows, quantize_rows
 from .packing import pack, packed_dim, unpack
 from .quantizer import (
     clip_index,
@@ -23,6 +23,7 @@ __all__ = [
     "dequantize_affine",
     "dequantize_codebook",
     "dequantize_rows",
+    "fake_quantize_rows",
     "lloyd_max_gaussian",
     "pack",
     "packed_dim",

@@ -21,7 +21,7 @@ from .quantizer import (
     quantize_symmetric,
 )
 
-__all__ = ["QUANTIZERS", "RowFormat", "dequantize_rows", "quantize_rows"]
+__all__ = ["QUANTIZERS", "RowFormat", "dequantize_rows", "fake_quantize_rows", "quantize_rows"]
 
 #: quantizer name -> how codes are read back ("affine" or "codebook")
 QUANTIZERS = {
@@ -76,6 +76,24 @@ class RowFormat:
         )
 
 
+def _quantize(x: torch.Tensor, fmt: RowFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.shape[-1] != fmt.head_dim:
+        raise ValueError(f"rows have last dim {x.shape[-1]}, format expects {fmt.head_dim}")
+    xc = clip_rows(x.float(), fmt.clip)
+    if fmt.quantizer == "asymmetric":
+        return quantize_asymmetric(xc, fmt.bits, fmt.group, fmt.meta_dtype)
+    if fmt.quantizer == "symmetric":
+        return quantize_symmetric(xc, fmt.bits, fmt.group, fmt.meta_dtype)
+    mode = "centroid" if fmt.quantizer == "lloyd_max_centroid" else "hybrid"
+    return quantize_lloyd_max(xc, fmt.bits, fmt.group, fmt.meta_dtype, mode=mode)
+
+
+def _dequantize(q: torch.Tensor, meta: torch.Tensor, fmt: RowFormat) -> torch.Tensor:
+    if QUANTIZERS[fmt.quantizer] == "codebook":
+        return dequantize_codebook(q, meta, fmt.bits)
+    return dequantize_affine(q, meta)
+
+
 def quantize_rows(x: torch.Tensor, fmt: RowFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """Clip, quantize and pack rows.
 
@@ -85,22 +103,15 @@ def quantize_rows(x: torch.Tensor, fmt: RowFormat) -> tuple[torch.Tensor, torch.
         ``codes`` uint8 ``[..., packed_dim]`` and ``meta`` ``[..., groups, 2]`` (scale, zero)
         in ``fmt.meta_dtype``.
     """
-    if x.shape[-1] != fmt.head_dim:
-        raise ValueError(f"rows have last dim {x.shape[-1]}, format expects {fmt.head_dim}")
-    xc = clip_rows(x.float(), fmt.clip)
-    if fmt.quantizer == "asymmetric":
-        codes, meta = quantize_asymmetric(xc, fmt.bits, fmt.group, fmt.meta_dtype)
-    elif fmt.quantizer == "symmetric":
-        codes, meta = quantize_symmetric(xc, fmt.bits, fmt.group, fmt.meta_dtype)
-    else:
-        mode = "centroid" if fmt.quantizer == "lloyd_max_centroid" else "hybrid"
-        codes, meta = quantize_lloyd_max(xc, fmt.bits, fmt.group, fmt.meta_dtype, mode=mode)
+    codes, meta = _quantize(x, fmt)
     return pack(codes, fmt.bits), meta
 
 
 def dequantize_rows(codes: torch.Tensor, meta: torch.Tensor, fmt: RowFormat) -> torch.Tensor:
     """Unpack and dequantize: uint8 ``[..., packed_dim]`` + meta -> float32 ``[..., head_dim]``."""
-    q = unpack(codes, fmt.bits, fmt.head_dim)
-    if QUANTIZERS[fmt.quantizer] == "codebook":
-        return dequantize_codebook(q, meta, fmt.bits)
-    return dequantize_affine(q, meta)
+    return _dequantize(unpack(codes, fmt.bits, fmt.head_dim), meta, fmt)
+
+
+def fake_quantize_rows(x: torch.Tensor, fmt: RowFormat) -> torch.Tensor:
+    """``dequantize_rows(*quantize_rows(x, fmt), fmt)`` without the (lossless) packing step."""
+    return _dequantize(*_quantize(x, fmt), fmt)

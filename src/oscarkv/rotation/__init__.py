@@ -1,5 +1,6 @@
 """Rotations: Hadamard, bit reversal, OSCAR's ``U·H·P`` composition and rotation artifacts."""
 
+from .apply import rotate_heads
 from .compose import (
     COMPOSITIONS,
     bit_reversal,
@@ -42,6 +43,7 @@ __all__ = [
     "load_oscar_files",
     "load_rotations",
     "model_head_dim",
+    "rotate_heads",
     "save_oscar_files",
     "save_rotations",
 ]

@@ -1,0 +1,72 @@
+"""Shared benchmark plumbing: environment stamp and result files (outside the package)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def git_commit() -> str:
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def env_info() -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": git_commit(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+    }
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        try:
+            import triton
+
+            info["triton"] = triton.__version__
+        except ImportError:
+            pass
+    return info
+
+
+def save(name: str, payload: dict[str, Any], markdown: str) -> tuple[Path, Path]:
+    """Write ``results/<name>.json`` (payload + env) and ``results/<name>.md``."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    env = env_info()
+    j = RESULTS / f"{name}.json"
+    j.write_text(json.dumps({"env": env, **payload}, indent=1, default=str))
+    stamp = ", ".join(f"{k}: {v}" for k, v in env.items())
+    m = RESULTS / f"{name}.md"
+    m.write_text(f"<!-- {stamp} -->\n{markdown}\n\n_{stamp}_\n")
+    return j, m

@@ -1,0 +1,162 @@
+"""`calibrate(model, tokenizer, ...) -> RotationSet`: one streaming pass, a fit, a clip search."""
+
+from __future__ import annotations
+
+import datetime as _dt
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import CLIP_GRID_K, CLIP_GRID_V, CalibrationConfig, QuantSpec
+from ..rotation import LayerRotation, Provenance, RotationSet, config_fingerprint
+from .capture import UnsupportedModelError, attention_geometry, capture_attention, check_supported
+from .data import token_sequences
+from .error import ClipSearch
+from .fit import fit_layer, fixed_layer
+from .stats import LayerStats
+
+__all__ = ["calibrate"]
+
+
+def _progress(enabled: bool, total: int, label: str):
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    cols = [
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} tokens"),
+        TextColumn("{task.fields[rate]} tok/s"),
+        TimeElapsedColumn(),
+    ]
+    prog = Progress(*cols, disable=not enabled)
+    return prog, prog.add_task(label, total=total, rate="-")
+
+
+def _run(
+    model: Any,
+    batches: list[torch.Tensor],
+    cb: Callable[..., None],
+    want_layers: list[int],
+    label: str,
+    progress: bool,
+) -> None:
+    import time
+
+    total = sum(b.numel() for b in batches)
+    prog, task = _progress(progress, total, label)
+    device = next(model.parameters()).device
+    start, done = time.perf_counter(), 0
+    with prog, capture_attention(model, cb) as seen, torch.inference_mode():
+        for b in batches:
+            model(input_ids=b.to(device), use_cache=False)
+            missing = sorted(set(want_layers) - seen)
+            if missing:
+                raise UnsupportedModelError(
+                    f"{type(model).__name__}: attention layers {missing} did not go through "
+                    "transformers' AttentionInterface; oscarkv cannot calibrate this model"
+                )
+            done += b.numel()
+            rate = done / max(time.perf_counter() - start, 1e-9)
+            prog.update(task, completed=done, rate=f"{rate:,.0f}")
+
+
+def _batches(seqs: Sequence[torch.Tensor], batch_size: int) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for s in seqs:  # sequences of equal length share a batch; a shorter tail goes alone
+        if out and out[-1].shape[1] == s.numel() and out[-1].shape[0] < batch_size:
+            out[-1] = torch.cat([out[-1], s[None]])
+        else:
+            out.append(s[None])
+    return out
+
+
+def calibrate(
+    model: Any,
+    tokenizer: Any,
+    config: CalibrationConfig | None = None,
+    spec: QuantSpec | None = None,
+    data: Sequence[str | Path] | None = None,
+    progress: bool = False,
+) -> RotationSet:
+    """Fit K/V rotations (and per-layer clip ratios) for a transformers causal LM.
+
+    Args:
+        model: a loaded ``transformers`` model whose attention uses the AttentionInterface.
+        tokenizer: its tokenizer.
+        config: the recipe (tokens, sequence length, granularity, method, value target, ...).
+        spec: the storage format the rotations are tuned for (clip grid, windows, bits).
+        data: text files / folders / JSONL; ``None`` uses the Python standard library sources.
+        progress: show a progress bar with tokens/s.
+    Returns:
+        A validated :class:`~oscarkv.rotation.RotationSet`.
+    """
+    cfg, spec = config or CalibrationConfig(), spec or QuantSpec()
+    check_supported(model)
+    geo = attention_geometry(model)
+    layers, d, hkv = geo["layer_ids"], geo["head_dim"], geo["num_kv_heads"]
+    spec.group_for(d)
+    model.eval()
+    needs = LayerStats.needs_for(cfg.method, cfg.v_target)
+    n_cal = cfg.num_sequences if needs else 0
+    ids = token_sequences(tokenizer, data, n_cal + cfg.num_holdout_sequences, cfg.seq_len, cfg.seed)
+    cal = list(ids[:n_cal].reshape(-1)[: cfg.tokens].split(cfg.seq_len)) if n_cal else []
+    hold = list(ids[n_cal:])
+
+    rots: dict[int, LayerRotation] = {}
+    if needs:
+        stats = {i: LayerStats(geo["num_heads"], hkv, d, needs) for i in layers}
+        _run(
+            model,
+            _batches(cal, cfg.batch_size),
+            lambda i, q, k, v, o: stats[i].update(q, k, v, o),
+            layers,
+            "statistics",
+            progress,
+        )
+        for i in layers:
+            rots[i] = fit_layer(*stats[i].targets(cfg.method, cfg.v_target), cfg.granularity)
+            stats[i] = None  # type: ignore[assignment]  # free the K/V buffers early
+    else:
+        rots = {i: fixed_layer(cfg.method, d, hkv, cfg.granularity) for i in layers}
+
+    search: dict[int, dict[str, float]] = {}
+    if cfg.clip_search:
+        cs = ClipSearch(rots, spec, d, CLIP_GRID_K, CLIP_GRID_V)
+        _run(
+            model,
+            _batches(hold, cfg.batch_size),
+            lambda i, q, k, v, o: cs.update(i, q, k, v),
+            layers,
+            "clip search",
+            progress,
+        )
+        search = cs.result()
+        for i, r in search.items():
+            rots[i].k_clip, rots[i].v_clip = r["k_clip"], r["v_clip"]
+
+    from .. import __version__
+
+    name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+    recipe = {
+        "method": cfg.method,
+        "v_target": cfg.v_target,
+        "granularity": cfg.granularity,
+        "tokens": sum(s.numel() for s in cal),
+        "seq_len": cfg.seq_len,
+        "seed": cfg.seed,
+        "data": [str(p) for p in data] if data else "python-stdlib",
+        "clip_search": {str(k): v for k, v in search.items()} if search else "off",
+        "holdout_tokens": sum(s.numel() for s in hold),
+    }
+    prov = Provenance(
+        source="oscarkv",
+        model_name=str(name),
+        config_hash=config_fingerprint(model.config),
+        recipe=recipe,
+        library_version=__version__,
+        created=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    )
+    rs = RotationSet(rots, spec, cfg.granularity, prov)
+    return rs.validate(model.config, source=f"calibration of {name}")

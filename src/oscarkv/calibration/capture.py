@@ -1,0 +1,95 @@
+"""Seeing post-RoPE (post-QK-norm) Q, K and V at every attention layer, with no per-model code.
+
+A function registered in transformers' ``AttentionInterface`` (and the matching mask function)
+receives exactly the tensors OSCAR dumps (spec §1.2): ``query [B, H_q, T, d]`` and
+``key/value [B, H_kv, T, d]`` after QK-norm and RoPE. It hands them, with the SDPA output, to a
+callback, then returns that output, so the model computes what it always computes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["CAPTURE_IMPL", "UnsupportedModelError", "attention_geometry", "capture_attention"]
+
+CAPTURE_IMPL = "oscarkv_capture"
+
+#: callback(layer_idx, query, key, value, output); output is ``[B, T, H_q, d]``
+Callback = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+_active: list[Callback] = []
+
+
+class UnsupportedModelError(TypeError):
+    """The model does not route attention through transformers' AttentionInterface."""
+
+
+def _capture_forward(module: Any, query, key, value, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if _active:
+        _active[-1](int(module.layer_idx), query, key, value, out)
+    return out, weights
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(CAPTURE_IMPL, _capture_forward)
+    AttentionMaskInterface.register(CAPTURE_IMPL, sdpa_mask)
+
+
+def attention_geometry(model: Any) -> dict[str, Any]:
+    """Head counts, head dim and attention layer ids of a loaded transformers model."""
+    from ..rotation import attention_layer_ids, model_head_dim
+
+    cfg = model.config.get_text_config()
+    return {
+        "num_heads": int(cfg.num_attention_heads),
+        "num_kv_heads": int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads),
+        "head_dim": model_head_dim(cfg),
+        "layer_ids": attention_layer_ids(cfg),
+    }
+
+
+def check_supported(model: Any) -> None:
+    """Raise :class:`UnsupportedModelError` if ``model`` cannot be hooked through the interface."""
+    if not getattr(model, "_supports_attention_backend", False) or not hasattr(
+        model, "set_attn_implementation"
+    ):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} does not route attention through transformers' "
+            "AttentionInterface, so oscarkv cannot see its queries and keys. Supported: models "
+            "whose attention calls ALL_ATTENTION_FUNCTIONS (Llama, Mistral, Qwen2/Qwen3, Gemma, ...)."
+        )
+
+
+@contextlib.contextmanager
+def capture_attention(model: Any, callback: Callback) -> Iterator[set[int]]:
+    """Route ``model``'s attention through the capture function while the block runs.
+
+    Yields the set of layer ids seen so far (callers check coverage). The previous attention
+    implementation is restored on exit.
+    """
+    check_supported(model)
+    _register()
+    previous = model.config._attn_implementation
+    seen: set[int] = set()
+
+    def wrapped(layer: int, q, k, v, o) -> None:
+        seen.add(layer)
+        callback(layer, q, k, v, o)
+
+    model.set_attn_implementation(CAPTURE_IMPL)
+    _active.append(wrapped)
+    try:
+        yield seen
+    finally:
+        _active.pop()
+        model.set_attn_implementation(previous)
