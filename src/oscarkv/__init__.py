@@ -24,8 +24,18 @@ def calibrate(model: Any, tokenizer: Any, *args: Any, **kwargs: Any) -> Rotation
     return _calibrate(model, tokenizer, *args, **kwargs)
 
 
+def __getattr__(name: str) -> Any:
+    # OscarCache subclasses transformers' Cache: import it only when asked for.
+    if name == "OscarCache":
+        from .hf import OscarCache
+
+        return OscarCache
+    raise AttributeError(f"module 'oscarkv' has no attribute {name!r}")
+
+
 __all__ = [
     "CalibrationConfig",
+    "OscarCache",
     "QuantSpec",
     "RotationFileError",
     "RotationSet",

@@ -169,7 +169,7 @@ def quantize_lloyd_max(
 def dequantize_affine(codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
     """``(q - zero) * scale`` per group -> float32 ``[..., d]``."""
     groups = meta.shape[-2]
-    qg = codes.float().reshape(*codes.shape[:-1], groups, -1)
+    qg = codes.float().reshape(*codes.shape[:-1], groups, codes.shape[-1] // groups)
     m = meta.float()
     return ((qg - m[..., 1:2]) * m[..., 0:1]).flatten(-2)
 
@@ -178,6 +178,6 @@ def dequantize_codebook(codes: torch.Tensor, meta: torch.Tensor, bits: int) -> t
     """``mu + sigma * centroid[q]`` per group (true-centroid Lloyd-Max) -> float32 ``[..., d]``."""
     groups = meta.shape[-2]
     cb = torch.tensor(lloyd_max_gaussian(1 << bits)[1], device=codes.device)
-    qg = cb[codes.long()].reshape(*codes.shape[:-1], groups, -1)
+    qg = cb[codes.long()].reshape(*codes.shape[:-1], groups, codes.shape[-1] // groups)
     m = meta.float()
     return (m[..., 1:2] + m[..., 0:1] * qg).flatten(-2)

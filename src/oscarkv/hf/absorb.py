@@ -1,0 +1,47 @@
+"""Folding ``R_V`` into the value projection (spec §5.6), so values leave it already rotated."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..rotation import RotationSet
+
+__all__ = ["absorb_value_rotation"]
+
+
+@torch.no_grad()
+def absorb_value_rotation(model: Any, rotations: RotationSet) -> None:
+    """Replace each layer's ``v_proj`` by ``v ↦ v·R_V`` (per KV head), in fp32 math, in place.
+
+    For ``y = x Wᵀ + b`` and a head's rows ``W_h [d, in]``: ``W_h ← R_Vᵀ W_h``, ``b_h ← b_h R_V``.
+    Marks the model so a second call (or a second cache) does not rotate twice. Raises for
+    attention modules without a plain ``v_proj`` linear layer.
+    """
+    if getattr(model, "_oscarkv_v_absorbed", False):
+        raise ValueError("R_V is already absorbed into this model's value projections")
+    d = rotations.head_dim
+    for i, module in _attention_modules(model):
+        lin = getattr(module, "v_proj", None)
+        if not isinstance(lin, torch.nn.Linear):
+            raise TypeError(f"{type(module).__name__} (layer {i}) has no nn.Linear v_proj to absorb R_V into")
+        r = rotations.layers[i].v.to(torch.float32)
+        w = lin.weight.float().view(-1, d, lin.in_features)  # [Hkv, d, in]
+        rt = r.transpose(-1, -2)
+        w_new = (rt @ w) if r.dim() == 2 else torch.einsum("hed,hdi->hei", rt, w)
+        lin.weight.copy_(w_new.reshape_as(lin.weight).to(lin.weight.dtype))
+        if lin.bias is not None:
+            bias = lin.bias.float().view(-1, d)
+            b_new = bias @ r if r.dim() == 2 else torch.einsum("hd,hde->he", bias, r)
+            lin.bias.copy_(b_new.reshape_as(lin.bias).to(lin.bias.dtype))
+    model._oscarkv_v_absorbed = True
+
+
+def _attention_modules(model: Any) -> list[tuple[int, Any]]:
+    found = [
+        (int(m.layer_idx), m) for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "v_proj")
+    ]
+    if not found:
+        raise TypeError(f"{type(model).__name__}: no attention modules with v_proj found")
+    return sorted(found, key=lambda x: x[0])

@@ -1,0 +1,276 @@
+"""`OscarCache`: a transformers ``Cache`` that stores K/V packed in ~2 bits with OSCAR's tiers.
+
+    cache = OscarCache.from_rotations(model, load_rotations(path))
+    model.generate(**inputs, past_key_values=cache)
+
+``from_rotations`` switches the model's attention implementation to ``oscarkv`` (plain SDPA for
+any other cache). Everything stored is in the rotated basis; queries are rotated with ``R_K``
+and outputs rotated back with ``R_Vᵀ`` (spec §5.6).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from ..config import QuantSpec
+from ..kernels import Backend, KernelOps, resolve
+from ..quant import RowFormat
+from ..rotation import RotationSet, attention_layer_ids, rotate_heads
+from . import attention as attn
+from .absorb import absorb_value_rotation
+from .pools import LayerPools
+from .slots import SlotTable, StepPlan
+
+__all__ = ["OscarCache", "OscarCacheLayer"]
+
+
+class OscarCacheLayer(DynamicLayer):
+    """One attention layer: its rotations, formats and pools; tiers are shared via the owner."""
+
+    def __init__(
+        self,
+        owner: OscarCache,
+        layer_idx: int,
+        r_k: torch.Tensor,
+        r_v: torch.Tensor,
+        k_fmt: RowFormat,
+        v_fmt: RowFormat,
+    ):
+        super().__init__()
+        self.owner, self.layer_idx = owner, layer_idx
+        self.r_k, self.r_v = r_k, r_v
+        self.k_fmt, self.v_fmt = k_fmt, v_fmt
+        self.pools: LayerPools | None = None
+        self.seen = 0
+
+    # ---- transformers' layer API ------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        b, h, _, d = key_states.shape
+        self.pools = LayerPools(b, h, d, key_states.dtype, key_states.device, self.k_fmt, self.v_fmt)
+        self.r_k = self.r_k.to(self.device, self.dtype)
+        self.r_v = self.r_v.to(self.device, self.dtype)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        attn.PENDING[self.layer_idx] = (id(key_states), self)
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int, *args: Any) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        raise NotImplementedError("OscarCache cannot be reset; build a new one per generate call")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("OscarCache does not support cropping (assisted/speculative decoding)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("OscarCache does not support beam search; use greedy or sampling")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("OscarCache does not support num_return_sequences > 1 or beam search")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("OscarCache does not support batch selection")
+
+    # ---- attention ----------------------------------------------------------------------------
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor | None,
+        scaling: float | None,
+    ) -> torch.Tensor:
+        """``query [B, Hq, T, d]``, new ``key/value [B, Hkv, T, d]`` -> ``[B, T, Hq, d]``."""
+        assert self.pools is not None
+        owner, ops = self.owner, self.owner.ops
+        bsz, _, t, d = query.shape
+        past = self.seen
+        self.seen += t
+        plan = owner.plan(past, t, mask, bsz, query.device)
+        scale = scaling if scaling is not None else 1.0 / math.sqrt(d)
+        q_rot = rotate_heads(query, self.r_k).transpose(1, 2)  # [B, T, Hq, d]
+        k_rot = rotate_heads(key, self.r_k).transpose(1, 2)
+        v_rot = (value if owner.values_prerotated else rotate_heads(value, self.r_v)).transpose(1, 2)
+        if plan.is_decode:
+            self.pools.apply(plan, k_rot, v_rot, ops)
+            p = self.pools
+            o = ops.decode_attention(
+                q_rot[:, 0],
+                p.k_codes,
+                p.k_meta,
+                p.v_codes,
+                p.v_meta,
+                p.hp_k,
+                p.hp_v,
+                *plan.post,
+                scale,
+                self.k_fmt,
+                self.v_fmt,
+            )[:, None]
+        else:
+            o = self._prefill(plan, q_rot, k_rot, v_rot, scale, ops)
+            self.pools.apply(plan, k_rot, v_rot, ops)
+        return rotate_heads(o.transpose(1, 2), self.r_v, inverse=True).transpose(1, 2).contiguous()
+
+    def _prefill(
+        self,
+        plan: StepPlan,
+        q_rot: torch.Tensor,
+        k_rot: torch.Tensor,
+        v_rot: torch.Tensor,
+        scale: float,
+        ops: KernelOps,
+    ) -> torch.Tensor:
+        assert self.pools is not None
+        self.pools.ensure(plan.cap_q, plan.cap_h)
+        out = torch.zeros_like(q_rot)
+        for b in range(q_rot.shape[0]):
+            keep = plan.valid[b]
+            if not bool(keep.any()):
+                continue
+            pk, pv = self.pools.gather_prefix(*plan.pre, b, ops)
+            out[b, keep] = ops.prefill_attention(
+                q_rot[b, keep], pk, pv, k_rot[b, keep], v_rot[b, keep], scale
+            )
+        return out
+
+
+class OscarCache(Cache):
+    """A transformers cache holding rotated K/V in OSCAR's three tiers (see docs/hf_cache.md)."""
+
+    def __init__(
+        self,
+        rotations: RotationSet,
+        num_layers: int,
+        spec: QuantSpec | None = None,
+        backend: Backend | str = Backend.AUTO,
+        device: torch.device | str = "cpu",
+        quantize: bool = True,
+        values_prerotated: bool = False,
+    ):
+        self.spec = spec or rotations.spec
+        self.rotations, self.quantize = rotations, quantize
+        self.values_prerotated = values_prerotated
+        self.ops: KernelOps = resolve(backend, device)
+        d = rotations.head_dim
+        layers: list[Any] = []
+        for i in range(num_layers):
+            if i not in rotations.layers:
+                raise ValueError(f"rotations have no layer {i}; OscarCache needs every attention layer")
+            kc, vc = rotations.clips(i) if spec is None else (self.spec.k_clip, self.spec.v_clip)
+            lr = rotations.layers[i]
+            layers.append(
+                OscarCacheLayer(
+                    self,
+                    i,
+                    lr.k.float(),
+                    lr.v.float(),
+                    RowFormat.from_spec(self.spec, d, "k", kc),
+                    RowFormat.from_spec(self.spec, d, "v", vc),
+                )
+            )
+        super().__init__(layers=layers)
+        self.table: SlotTable | None = None
+        self._plan_key: tuple[int, int] | None = None
+        self._plan: StepPlan | None = None
+
+    @classmethod
+    def from_rotations(
+        cls,
+        model: Any,
+        rotations: RotationSet,
+        spec: QuantSpec | None = None,
+        backend: Backend | str = Backend.AUTO,
+        absorb_v: bool = False,
+        quantize: bool = True,
+    ) -> OscarCache:
+        """Validate ``rotations`` against ``model``, route its attention through oscarkv, build a cache.
+
+        ``absorb_v=True`` folds ``R_V`` into the value projections (modifies the model in place,
+        once; spec §5.6). ``quantize=False`` keeps every token in 16 bits (a passthrough used to
+        test the plumbing). ``spec`` overrides the artifact's spec (and its per-layer clips).
+        """
+        cfg = model.config.get_text_config()
+        rotations.validate(cfg, source="rotations passed to OscarCache")
+        ids = attention_layer_ids(cfg)
+        if ids != list(range(cfg.num_hidden_layers)):
+            raise NotImplementedError(
+                f"{type(model).__name__} mixes attention with other layer types {getattr(cfg, 'layer_types', '')}; "
+                "OscarCache supports models whose every layer is full attention"
+            )
+        if not getattr(model, "_supports_attention_backend", False):
+            raise TypeError(
+                f"{type(model).__name__} does not route attention through transformers' "
+                "AttentionInterface; OscarCache cannot serve it"
+            )
+        if absorb_v:
+            absorb_value_rotation(model, rotations)
+        elif getattr(model, "_oscarkv_v_absorbed", False):
+            absorb_v = True
+        attn.register()
+        if model.config._attn_implementation != attn.ATTN_IMPL:
+            model.set_attn_implementation(attn.ATTN_IMPL)
+        device = next(model.parameters()).device
+        return cls(rotations, cfg.num_hidden_layers, spec, backend, device, quantize, absorb_v)
+
+    # ---- shared planning -------------------------------------------------------------------
+    def plan(self, past: int, t: int, mask: torch.Tensor | None, bsz: int, device: torch.device) -> StepPlan:
+        """The tier/slot plan of the current forward (computed by its first layer, then reused)."""
+        if self._plan_key == (past, t) and self._plan is not None:
+            return self._plan
+        if self.table is None:
+            self.table = SlotTable(bsz, self.spec, self.quantize)
+        valid = attn.valid_from_mask(mask, bsz, t, past)
+        self._plan = self.table.plan(valid, device)
+        self._plan_key = (past, t)
+        return self._plan
+
+    # ---- reporting -------------------------------------------------------------------------
+    def memory_report(self) -> dict[str, Any]:
+        """Bytes per tier from the tensors held, and the effective bits per stored element."""
+        if self.table is None:
+            return {
+                "quantized_bytes": 0,
+                "hp_bytes": 0,
+                "total_bytes": 0,
+                "allocated_bytes": 0,
+                "tokens_quantized": 0,
+                "tokens_hp": 0,
+                "bits_per_element": float("nan"),
+            }
+        n_q, n_h = self.table.tokens_held()
+        q_bytes = h_bytes = alloc = elems = 0
+        for layer in self.layers:
+            p = layer.pools
+            if p is None:
+                continue
+            b = p.bytes(n_q, n_h)
+            q_bytes, h_bytes = q_bytes + b["quantized"], h_bytes + b["hp"]
+            alloc += p.allocated_bytes()
+            elems += 2 * (n_q + n_h) * p.heads * p.d
+        total = q_bytes + h_bytes
+        return {
+            "quantized_bytes": q_bytes,
+            "hp_bytes": h_bytes,
+            "total_bytes": total,
+            "allocated_bytes": alloc,
+            "tokens_quantized": n_q,
+            "tokens_hp": n_h,
+            "bf16_bytes": elems * 2,
+            "bits_per_element": 8 * total / elems if elems else float("nan"),
+        }

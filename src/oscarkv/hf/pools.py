@@ -1,0 +1,118 @@
+"""One layer's storage: packed quantized rows + 16-bit rows, laid out as :mod:`.slots` says.
+
+Only packed codes and their (scale, zero) metadata are kept for the quantized tier: no float
+copy of the history exists anywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import KernelOps
+from ..quant import RowFormat
+from .slots import StepPlan
+
+__all__ = ["LayerPools"]
+
+
+def _relayout(t: torch.Tensor, batch: int, old_cap: int, new_cap: int) -> torch.Tensor:
+    """Move each sequence's region from stride ``old_cap`` to stride ``new_cap`` (rows)."""
+    out = t.new_zeros((batch * new_cap, *t.shape[1:]))
+    if old_cap:
+        keep = min(old_cap, new_cap)
+        out.view(batch, new_cap, *t.shape[1:])[:, :keep] = t.view(batch, old_cap, *t.shape[1:])[:, :keep]
+    return out
+
+
+class LayerPools:
+    """Packed K/V codes + metadata ``[B·cap_q, H, ...]`` and 16-bit K/V ``[B·cap_h, H, d]``."""
+
+    def __init__(
+        self,
+        batch: int,
+        heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        k_fmt: RowFormat,
+        v_fmt: RowFormat,
+    ):
+        self.batch, self.heads, self.d = batch, heads, head_dim
+        self.k_fmt, self.v_fmt = k_fmt, v_fmt
+        self.cap_q = self.cap_h = 0
+        meta = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+        self.k_codes = torch.zeros(0, heads, k_fmt.packed_dim, dtype=torch.uint8, device=device)
+        self.v_codes = torch.zeros(0, heads, v_fmt.packed_dim, dtype=torch.uint8, device=device)
+        self.k_meta = torch.zeros(0, heads, k_fmt.groups, 2, dtype=meta[k_fmt.meta_dtype], device=device)
+        self.v_meta = torch.zeros(0, heads, v_fmt.groups, 2, dtype=meta[v_fmt.meta_dtype], device=device)
+        self.hp_k = torch.zeros(0, heads, head_dim, dtype=dtype, device=device)
+        self.hp_v = torch.zeros(0, heads, head_dim, dtype=dtype, device=device)
+
+    def ensure(self, cap_q: int, cap_h: int) -> None:
+        if cap_q != self.cap_q:
+            b, o = self.batch, self.cap_q
+            self.k_codes = _relayout(self.k_codes, b, o, cap_q)
+            self.v_codes = _relayout(self.v_codes, b, o, cap_q)
+            self.k_meta = _relayout(self.k_meta, b, o, cap_q)
+            self.v_meta = _relayout(self.v_meta, b, o, cap_q)
+            self.cap_q = cap_q
+        if cap_h != self.cap_h:
+            self.hp_k = _relayout(self.hp_k, self.batch, self.cap_h, cap_h)
+            self.hp_v = _relayout(self.hp_v, self.batch, self.cap_h, cap_h)
+            self.cap_h = cap_h
+
+    def apply(self, plan: StepPlan, k_rot: torch.Tensor, v_rot: torch.Tensor, ops: KernelOps) -> None:
+        """Write one forward's tokens. ``k_rot, v_rot``: rotated ``[B, T, H, d]`` (model dtype).
+
+        Demotions run first: a slot they free may receive a new token in the same step.
+        """
+        self.ensure(plan.cap_q, plan.cap_h)
+        src, dst = plan.demote
+        if src.numel():
+            self._write_q(dst, self.hp_k[src], self.hp_v[src], ops)
+        b, t, s = plan.new_q
+        if s.numel():
+            self._write_q(s, k_rot[b, t], v_rot[b, t], ops)
+        b, t, s = plan.new_hp
+        if s.numel():
+            self.hp_k[s] = k_rot[b, t].to(self.hp_k.dtype)
+            self.hp_v[s] = v_rot[b, t].to(self.hp_v.dtype)
+
+    def _write_q(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ops: KernelOps) -> None:
+        kc, km = ops.quantize_pack(k, None, self.k_fmt)
+        vc, vm = ops.quantize_pack(v, None, self.v_fmt)
+        self.k_codes[slots], self.k_meta[slots] = kc, km.to(self.k_meta.dtype)
+        self.v_codes[slots], self.v_meta[slots] = vc, vm.to(self.v_meta.dtype)
+
+    def gather_prefix(
+        self,
+        indptr: torch.Tensor,
+        idx: torch.Tensor,
+        hp_indptr: torch.Tensor,
+        hp_idx: torch.Tensor,
+        b: int,
+        ops: KernelOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence ``b``'s cached rows (16-bit + dequantized) as ``[P, H, d]`` in the model dtype."""
+        qi = idx[int(indptr[b]) : int(indptr[b + 1])].long()
+        hi = hp_idx[int(hp_indptr[b]) : int(hp_indptr[b + 1])].long()
+        dt = self.hp_k.dtype
+        k = torch.cat([self.hp_k[hi], ops.dequantize(self.k_codes[qi], self.k_meta[qi], self.k_fmt, dt)])
+        v = torch.cat([self.hp_v[hi], ops.dequantize(self.v_codes[qi], self.v_meta[qi], self.v_fmt, dt)])
+        return k, v
+
+    def bytes(self, n_q: int, n_h: int) -> dict[str, int]:
+        """Bytes of ``n_q`` quantized and ``n_h`` 16-bit tokens (all heads, K and V)."""
+        row_q = self._row_q_bytes()
+        row_h = 2 * self.heads * self.d * self.hp_k.element_size()
+        return {"quantized": n_q * row_q, "hp": n_h * row_h}
+
+    def _row_q_bytes(self) -> int:
+        meta = self.k_meta.element_size()
+        k = self.heads * (self.k_fmt.packed_dim + 2 * self.k_fmt.groups * meta)
+        v = self.heads * (self.v_fmt.packed_dim + 2 * self.v_fmt.groups * meta)
+        return k + v
+
+    def allocated_bytes(self) -> int:
+        ts = (self.k_codes, self.v_codes, self.k_meta, self.v_meta, self.hp_k, self.hp_v)
+        return sum(t.numel() * t.element_size() for t in ts)

@@ -1,0 +1,80 @@
+"""Kernel ops behind one backend choice, resolved once (no branching on the hot path).
+
+``Backend.TORCH`` is the readable reference in ``kernels/ref`` (any device); ``Backend.TRITON``
+the fused GPU kernels in ``kernels/triton`` (same signatures); ``Backend.AUTO`` picks Triton on a
+CUDA device when it can run, else the reference. Asking explicitly for a backend that cannot
+run raises :class:`BackendError` with the reason.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Backend", "BackendError", "KernelOps", "resolve", "triton_unavailable_reason"]
+
+
+class Backend(str, enum.Enum):
+    AUTO = "auto"
+    TORCH = "torch"
+    TRITON = "triton"
+
+
+class BackendError(RuntimeError):
+    """The requested kernel backend cannot run here; the message says why."""
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    """The resolved ops (see ``kernels/ref`` for signatures and shapes)."""
+
+    backend: Backend
+    quantize_pack: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    dequantize: Callable[..., torch.Tensor]
+    decode_attention: Callable[..., torch.Tensor]
+    prefill_attention: Callable[..., torch.Tensor]
+
+
+def triton_unavailable_reason(device: torch.device) -> str | None:
+    """``None`` if the Triton kernels can run on ``device``, else why not."""
+    if device.type != "cuda":
+        return f"Triton kernels need a CUDA device; got {device}"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "the triton package is not installed (pip install 'oscarkv[triton]')"
+    try:
+        from .triton import ops  # noqa: F401
+    except ImportError as e:
+        return f"the Triton kernels failed to import: {e}"
+    return None
+
+
+def _torch_ops() -> KernelOps:
+    from . import ref
+
+    return KernelOps(
+        Backend.TORCH, ref.quantize_pack, ref.dequantize, ref.decode_attention, ref.prefill_attention
+    )
+
+
+def resolve(backend: Backend | str, device: torch.device | str) -> KernelOps:
+    """Pick the ops for ``device`` once; raises :class:`BackendError` for an impossible request."""
+    try:
+        backend = Backend(backend)
+    except ValueError as e:
+        raise BackendError(f"backend must be one of auto, torch, triton; got {backend!r}") from e
+    device = torch.device(device)
+    if backend is Backend.TORCH:
+        return _torch_ops()
+    reason = triton_unavailable_reason(device)
+    if reason is None:
+        from .triton import ops
+
+        return ops.KERNEL_OPS
+    if backend is Backend.TRITON:
+        raise BackendError(f"backend 'triton' cannot run: {reason}")
+    return _torch_ops()

@@ -1,0 +1,14 @@
+"""Readable PyTorch reference kernels (fp32 math): the CPU path and the test oracle."""
+
+from .decode_attention import decode_attention, merge_states, partial_attention
+from .prefill_attention import prefill_attention
+from .quantize_pack import dequantize, quantize_pack
+
+__all__ = [
+    "decode_attention",
+    "dequantize",
+    "merge_states",
+    "partial_attention",
+    "prefill_attention",
+    "quantize_pack",
+]

@@ -1,0 +1,1 @@
+"""Fused Triton kernels (imported lazily, only on CUDA)."""
