@@ -112,11 +112,15 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     from .calibration import calibrate
     from .calibration.report import summary_rows
-    from .config import CalibrationConfig, QuantSpec
+    from .config import CalibrationConfig, QuantSpec, SpecError
     from .rotation import save_oscar_files, save_rotations
 
     cfg = dataclass_from_args(CalibrationConfig, args)
     spec = dataclass_from_args(QuantSpec, args)
+    if args.export_oscar and cfg.granularity != "layer":
+        raise SpecError(
+            f"--export-oscar needs --granularity layer (got {cfg.granularity}): OSCAR files hold one matrix per layer"
+        )
     con = Console()
     model, tok = load_model(args.model, args.device, args.dtype)
     rs = calibrate(model, tok, cfg, spec, data=args.data or None, progress=not args.quiet)
@@ -193,8 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .calibration.capture import UnsupportedModelError
     from .calibration.data import CorpusError
     from .config import SpecError
+    from .kernels import BackendError
     from .rotation import RotationFileError
 
     ap = build_parser()
@@ -204,6 +210,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return int(args.func(args) or 0)
-    except (RotationFileError, SpecError, CorpusError) as e:
+    except (RotationFileError, SpecError, CorpusError, UnsupportedModelError, BackendError) as e:
         print(f"oscarkv {args.command}: error: {e}", file=sys.stderr)
         return 2

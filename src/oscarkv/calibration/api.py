@@ -100,7 +100,12 @@ def calibrate(
     model.eval()
     needs = LayerStats.needs_for(cfg.method, cfg.v_target)
     n_cal = cfg.num_sequences if needs else 0
-    ids = token_sequences(tokenizer, data, n_cal + cfg.num_holdout_sequences, cfg.seq_len, cfg.seed)
+    n_all = n_cal + cfg.num_holdout_sequences
+    ids = (
+        token_sequences(tokenizer, data, n_all, cfg.seq_len, cfg.seed)
+        if n_all
+        else torch.zeros(0, cfg.seq_len, dtype=torch.long)
+    )
     cal = list(ids[:n_cal].reshape(-1)[: cfg.tokens].split(cfg.seq_len)) if n_cal else []
     hold = list(ids[n_cal:])
 

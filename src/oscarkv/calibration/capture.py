@@ -14,14 +14,22 @@ from typing import Any
 
 import torch
 
-__all__ = ["CAPTURE_IMPL", "UnsupportedModelError", "attention_geometry", "capture_attention"]
+__all__ = [
+    "CAPTURE_IMPL",
+    "UnsupportedModelError",
+    "attention_geometry",
+    "capture_attention",
+    "check_supported",
+    "supports_attention_interface",
+]
 
 CAPTURE_IMPL = "oscarkv_capture"
 
 #: callback(layer_idx, query, key, value, output); output is ``[B, T, H_q, d]``
 Callback = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
-_active: list[Callback] = []
+#: attribute set on a model's attention modules while a capture of that model is active
+_HOOK = "_oscarkv_capture"
 
 
 class UnsupportedModelError(TypeError):
@@ -32,8 +40,9 @@ def _capture_forward(module: Any, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if _active:
-        _active[-1](int(module.layer_idx), query, key, value, out)
+    stack = getattr(module, _HOOK, None)
+    if stack:
+        stack[-1](int(module.layer_idx), query, key, value, out)
     return out, weights
 
 
@@ -58,11 +67,22 @@ def attention_geometry(model: Any) -> dict[str, Any]:
     }
 
 
+def supports_attention_interface(model: Any) -> bool:
+    """Whether transformers lets ``model`` switch attention implementations (its own test)."""
+    if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
+        return False
+    can = getattr(type(model), "_can_set_attn_implementation", None)
+    if callable(can):
+        try:
+            return bool(can())
+        except Exception:  # transformers inspects the modeling source; be conservative
+            return False
+    return bool(getattr(model, "_supports_attention_backend", False))
+
+
 def check_supported(model: Any) -> None:
     """Raise :class:`UnsupportedModelError` if ``model`` cannot be hooked through the interface."""
-    if not getattr(model, "_supports_attention_backend", False) or not hasattr(
-        model, "set_attn_implementation"
-    ):
+    if not supports_attention_interface(model):
         raise UnsupportedModelError(
             f"{type(model).__name__} does not route attention through transformers' "
             "AttentionInterface, so oscarkv cannot see its queries and keys. Supported: models "
@@ -86,10 +106,21 @@ def capture_attention(model: Any, callback: Callback) -> Iterator[set[int]]:
         seen.add(layer)
         callback(layer, q, k, v, o)
 
-    model.set_attn_implementation(CAPTURE_IMPL)
-    _active.append(wrapped)
+    # callbacks live on this model's attention modules, so captures of two models never mix
+    modules = [m for m in model.modules() if hasattr(m, "layer_idx")]
+    for m in modules:
+        m.__dict__.setdefault(_HOOK, []).append(wrapped)
     try:
+        model.set_attn_implementation(CAPTURE_IMPL)
+        if model.config._attn_implementation != CAPTURE_IMPL:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} refused the attention implementation {CAPTURE_IMPL!r}; "
+                "oscarkv cannot see its queries and keys"
+            )
         yield seen
     finally:
-        _active.pop()
+        for m in modules:
+            m.__dict__[_HOOK].pop()
+            if not m.__dict__[_HOOK]:
+                del m.__dict__[_HOOK]
         model.set_attn_implementation(previous)

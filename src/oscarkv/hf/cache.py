@@ -59,6 +59,13 @@ class OscarCacheLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.layer_idx in attn.PENDING:
+            attn.PENDING.clear()
+            raise RuntimeError(
+                "OscarCache was updated but its attention never ran: the model's attention is not "
+                f"'{attn.ATTN_IMPL}'. Build the cache with OscarCache.from_rotations(model, ...) and keep "
+                f"model.config._attn_implementation == '{attn.ATTN_IMPL}' while using it"
+            )
         attn.PENDING[self.layer_idx] = (id(key_states), self)
         return key_states, value_states
 

@@ -290,7 +290,7 @@ def load_rotations(
                     f"{ARTIFACT_NAME} or k_rotation*.pt + v_rotation*.pt",
                     ", ".join(p.name for p in sorted(path.iterdir())) or "empty",
                 )
-            rs, src = load_oscar_files(k, v, spec), str(path)
+            rs, src = load_oscar_files(k, v, spec), f"{k} + {v}"
     elif path.suffix == ".safetensors":
         rs, src = _load_ours(path), str(path)
     elif path.suffix == ".pt":

@@ -1,0 +1,88 @@
+"""The command-line front end: help, info (ours / OSCAR / errors), demo, the console script."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from oscarkv import QuantSpec
+from oscarkv.cli import add_dataclass_args, dataclass_from_args, main
+
+
+@pytest.fixture(autouse=True)
+def _wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+
+
+def test_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as ei:
+        main(["--help"])
+    assert ei.value.code == 0
+    out = capsys.readouterr().out
+    assert "info" in out and "demo" in out
+
+
+def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 0
+    assert "info" in capsys.readouterr().out
+
+
+def test_info_on_oscar_pair(oscar_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["info", str(oscar_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "oscar-rotationzoo" in out
+    assert "head dim" in out and "128" in out
+    assert "[3, 7]" in out
+    assert "bits/element" in out
+    bpe_128k = QuantSpec().bits_per_element(131072, 128)
+    assert f"{bpe_128k:.2f}" == "2.28"
+    assert "128K: 2.28" in out
+    assert "tier 2.250" in out
+
+
+def test_info_with_model_config(oscar_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    cfg = {"head_dim": 64, "hidden_size": 512, "num_attention_heads": 8, "num_hidden_layers": 8}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["info", str(oscar_dir), "--model-config", str(tmp_path / "config.json")]) == 2
+    err = capsys.readouterr().err
+    assert "head_dim" in err and str(oscar_dir) in err
+
+
+def test_info_on_bad_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "broken.safetensors"
+    bad.write_bytes(b"\x00" * 37)
+    assert main(["info", str(bad)]) == 2
+    captured = capsys.readouterr()
+    assert "error" in captured.err
+    assert str(bad) in captured.err
+    assert "broken.safetensors" not in captured.out
+
+
+def test_console_script_installed() -> None:
+    exe = Path(sys.executable).parent / "oscarkv"
+    assert exe.is_file(), exe
+    res = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "info" in res.stdout
+
+
+def test_demo(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--tokens", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "OSCAR" in out
+    assert "2.250" in out
+
+
+def test_dataclass_args_round_trip() -> None:
+    ap = argparse.ArgumentParser()
+    add_dataclass_args(ap, QuantSpec)
+    assert dataclass_from_args(QuantSpec, ap.parse_args([])) == QuantSpec()
+    args = ap.parse_args(["--key-bits", "4", "--group-size", "32", "--v-clip", "0.5", "--meta-dtype", "fp32"])
+    s = dataclass_from_args(QuantSpec, args)
+    assert s == QuantSpec(key_bits=4, group_size=32, v_clip=0.5, meta_dtype="fp32")
