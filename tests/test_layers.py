@@ -11,6 +11,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "oscarkv"
 
 LAYER = {
     "config": 0,
+    "utils": 0,
     "quant": 1,
     "rotation": 1,
     "kernels": 2,

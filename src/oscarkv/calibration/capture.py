@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from ..utils.models import supports_attention_interface
+
 __all__ = [
     "CAPTURE_IMPL",
     "UnsupportedModelError",
@@ -65,19 +67,6 @@ def attention_geometry(model: Any) -> dict[str, Any]:
         "head_dim": model_head_dim(cfg),
         "layer_ids": attention_layer_ids(cfg),
     }
-
-
-def supports_attention_interface(model: Any) -> bool:
-    """Whether transformers lets ``model`` switch attention implementations (its own test)."""
-    if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
-        return False
-    can = getattr(type(model), "_can_set_attn_implementation", None)
-    if callable(can):
-        try:
-            return bool(can())
-        except Exception:  # transformers inspects the modeling source; be conservative
-            return False
-    return bool(getattr(model, "_supports_attention_backend", False))
 
 
 def check_supported(model: Any) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import random
 import sysconfig
+import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,10 +30,26 @@ class CorpusError(ValueError):
     """The calibration corpus is missing, unreadable or too small."""
 
 
-def default_corpus() -> list[Path]:
-    """The Python standard library's ``.py`` files (sorted; shuffled later with the seed)."""
+SPLITS = ("calib", "eval")
+
+
+def default_corpus(split: str = "calib") -> list[Path]:
+    """The Python standard library's ``.py`` files (sorted; shuffled later with the seed).
+
+    ``split="calib"`` and ``split="eval"`` are disjoint (a stable hash of the relative path puts
+    one file in ten into ``eval``), so evaluation never scores text the rotations were fit on.
+    """
+    if split not in SPLITS:
+        raise CorpusError(f"split must be one of {SPLITS}; got {split!r}")
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    files = []
+    for p in sorted(root.rglob("*.py")):
+        rel = p.relative_to(root)
+        if "site-packages" in rel.parts:
+            continue
+        in_eval = zlib.crc32(rel.as_posix().encode()) % 10 == 0
+        if in_eval == (split == "eval"):
+            files.append(p)
     if not files:
         raise CorpusError(f"no Python sources under {root}; pass --data")
     return files
@@ -80,9 +97,11 @@ def _jsonl_documents(path: Path, tokenizer: Any) -> Iterator[str]:
                 raise CorpusError(f"{where}: expected an object with a 'text' string or 'messages'")
 
 
-def iter_documents(sources: Sequence[str | Path] | None, tokenizer: Any, seed: int = 0) -> Iterator[str]:
-    """Documents from ``sources`` (or the default corpus), files in a seeded random order."""
-    files = default_corpus() if not sources else _expand(sources)
+def iter_documents(
+    sources: Sequence[str | Path] | None, tokenizer: Any, seed: int = 0, split: str = "calib"
+) -> Iterator[str]:
+    """Documents from ``sources`` (or the default corpus's ``split``), files in a seeded order."""
+    files = default_corpus(split) if not sources else _expand(sources)
     random.Random(seed).shuffle(files)
     for path in files:
         if path.suffix.lower() == ".jsonl":
@@ -99,6 +118,7 @@ def token_sequences(
     num_sequences: int,
     seq_len: int,
     seed: int = 0,
+    split: str = "calib",
 ) -> torch.Tensor:
     """``num_sequences`` contiguous windows of ``seq_len`` tokens: LongTensor ``[n, seq_len]``.
 
@@ -108,7 +128,7 @@ def token_sequences(
     need = num_sequences * seq_len
     eos = getattr(tokenizer, "eos_token_id", None)
     stream: list[int] = []
-    for doc in iter_documents(sources, tokenizer, seed):
+    for doc in iter_documents(sources, tokenizer, seed, split):
         stream += tokenizer(doc, add_special_tokens=False)["input_ids"]
         if eos is not None:
             stream.append(int(eos))

@@ -11,6 +11,7 @@ and outputs rotated back with ``R_Vᵀ`` (spec §5.6).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from ..config import QuantSpec
 from ..kernels import Backend, KernelOps, resolve
 from ..quant import RowFormat
 from ..rotation import RotationSet, attention_layer_ids, rotate_heads
+from ..utils.models import supports_attention_interface
 from . import attention as attn
 from .absorb import absorb_value_rotation
 from .pools import LayerPools
@@ -169,6 +171,7 @@ class OscarCache(Cache):
         device: torch.device | str = "cpu",
         quantize: bool = True,
         values_prerotated: bool = False,
+        quantizer: str | None = None,
     ):
         self.spec = spec or rotations.spec
         self.rotations, self.quantize = rotations, quantize
@@ -181,16 +184,11 @@ class OscarCache(Cache):
                 raise ValueError(f"rotations have no layer {i}; OscarCache needs every attention layer")
             kc, vc = rotations.clips(i) if spec is None else (self.spec.k_clip, self.spec.v_clip)
             lr = rotations.layers[i]
-            layers.append(
-                OscarCacheLayer(
-                    self,
-                    i,
-                    lr.k.float(),
-                    lr.v.float(),
-                    RowFormat.from_spec(self.spec, d, "k", kc),
-                    RowFormat.from_spec(self.spec, d, "v", vc),
-                )
-            )
+            kf = RowFormat.from_spec(self.spec, d, "k", kc)
+            vf = RowFormat.from_spec(self.spec, d, "v", vc)
+            if quantizer is not None:
+                kf, vf = replace(kf, quantizer=quantizer), replace(vf, quantizer=quantizer)
+            layers.append(OscarCacheLayer(self, i, lr.k.float(), lr.v.float(), kf, vf))
         super().__init__(layers=layers)
         self.table: SlotTable | None = None
         self._plan_key: tuple[int, int] | None = None
@@ -205,12 +203,15 @@ class OscarCache(Cache):
         backend: Backend | str = Backend.AUTO,
         absorb_v: bool = False,
         quantize: bool = True,
+        quantizer: str | None = None,
     ) -> OscarCache:
         """Validate ``rotations`` against ``model``, route its attention through oscarkv, build a cache.
 
         ``absorb_v=True`` folds ``R_V`` into the value projections (modifies the model in place,
         once; spec §5.6). ``quantize=False`` keeps every token in 16 bits (a passthrough used to
-        test the plumbing). ``spec`` overrides the artifact's spec (and its per-layer clips).
+        test the plumbing). ``spec`` overrides the artifact's spec (and its per-layer clips);
+        ``quantizer`` overrides the spec's codebook (``symmetric``, ``lloyd_max_centroid``, ...; the
+        evaluation baselines use it).
         """
         cfg = model.config.get_text_config()
         rotations.validate(cfg, source="rotations passed to OscarCache")
@@ -220,7 +221,7 @@ class OscarCache(Cache):
                 f"{type(model).__name__} mixes attention with other layer types {getattr(cfg, 'layer_types', '')}; "
                 "OscarCache supports models whose every layer is full attention"
             )
-        if not getattr(model, "_supports_attention_backend", False):
+        if not supports_attention_interface(model):
             raise TypeError(
                 f"{type(model).__name__} does not route attention through transformers' "
                 "AttentionInterface; OscarCache cannot serve it"
@@ -233,7 +234,7 @@ class OscarCache(Cache):
         if model.config._attn_implementation != attn.ATTN_IMPL:
             model.set_attn_implementation(attn.ATTN_IMPL)
         device = next(model.parameters()).device
-        return cls(rotations, cfg.num_hidden_layers, spec, backend, device, quantize, absorb_v)
+        return cls(rotations, cfg.num_hidden_layers, spec, backend, device, quantize, absorb_v, quantizer)
 
     # ---- shared planning -------------------------------------------------------------------
     def plan(self, past: int, t: int, mask: torch.Tensor | None, bsz: int, device: torch.device) -> StepPlan:
