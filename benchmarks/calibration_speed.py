@@ -20,14 +20,24 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import save  # noqa: E402
+from _harness import save
 
-from oscarkv.calibration import calibrate  # noqa: E402
-from oscarkv.config import CalibrationConfig  # noqa: E402
+from oscarkv.calibration import calibrate
+from oscarkv.config import CalibrationConfig
 
-QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+QWEN3_8B = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
 
 
 def rss_mb() -> float:
@@ -74,8 +84,12 @@ def main() -> None:
         rows.append({"clip_search": clip_search, "seconds": round(dt, 1), "peak_extra_mb": round(extra)})
         print(rows[-1], flush=True)
     where = "GPU" if dev.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
-    md = [f"Calibration at {args.tokens} tokens (+4096 held-out for the clip search), {label}, {where}", "",
-          "| clip search | seconds | peak extra memory (MB) |", "|---|---|---|"]
+    md = [
+        f"Calibration at {args.tokens} tokens (+4096 held-out for the clip search), {label}, {where}",
+        "",
+        "| clip search | seconds | peak extra memory (MB) |",
+        "|---|---|---|",
+    ]
     md += [f"| {r['clip_search']} | {r['seconds']} | {r['peak_extra_mb']} |" for r in rows]
     name = args.name or ("calibration_speed_gpu" if dev.type == "cuda" else "calibration_speed_cpu")
     save(name, {"label": label, "rows": rows}, "\n".join(md))

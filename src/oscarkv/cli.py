@@ -154,6 +154,37 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    import time
+
+    from rich.console import Console
+
+    from .config import EvalConfig, SpecError
+    from .eval import run_eval, summary_markdown, write_report
+    from .rotation import load_rotations
+
+    cfg = dataclass_from_args(EvalConfig, args)
+    con = Console()
+    model, tok = load_model(args.model, args.device, args.dtype)
+    rots = load_rotations(args.rotations, model_config=model.config) if args.rotations else None
+    if rots is None and any(m == "oscar" for m in cfg.method_list):
+        raise SpecError("method 'oscar' needs --rotations DIR (from `oscarkv calibrate`)")
+    t0 = time.perf_counter()
+    rows = run_eval(
+        model, tok, rots, cfg, progress=lambda m: con.print(f"[dim]{time.perf_counter() - t0:6.0f}s[/] {m}")
+    )
+    settings = {
+        **dataclasses.asdict(cfg.effective()),
+        "model": args.model,
+        "rotations": args.rotations,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    files = write_report(args.out, rows, settings)
+    con.print(summary_markdown(rows, settings))
+    con.print("wrote " + ", ".join(str(f) for f in files))
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -162,7 +193,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
-    from .config import CalibrationConfig, QuantSpec
+    from .config import CalibrationConfig, EvalConfig, QuantSpec
 
     ap = argparse.ArgumentParser(
         prog="oscarkv",
@@ -188,6 +219,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(p, CalibrationConfig, "calibration")
     add_dataclass_args(p, QuantSpec, "storage format")
     p.set_defaults(func=_cmd_calibrate)
+
+    p = sub.add_parser("eval", help="compare OSCAR with BF16 and the baselines (tables and plots)")
+    p.add_argument("--model", required=True, help="local model directory (or a hub id)")
+    p.add_argument("--rotations", help="rotation artifact for the 'oscar' method")
+    p.add_argument("--out", required=True, help="output directory (results.json, results.md, PNGs)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, ... (default: cuda if present)")
+    p.add_argument("--dtype", default="auto", choices=sorted(DTYPES), help="model dtype")
+    add_dataclass_args(p, EvalConfig, "evaluation")
+    p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("demo", help="the main job on an embedded default (no downloads)")
     p.add_argument("--seed", type=int, default=0)

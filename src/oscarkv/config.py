@@ -198,3 +198,65 @@ class CalibrationConfig:
     @property
     def num_holdout_sequences(self) -> int:
         return -(-self.holdout_tokens // self.seq_len) if self.clip_search else 0
+
+
+ALL_EVAL_METHODS = "bf16,oscar,naive-int2,quarot-int2,clip-only,hadamard-int2,kivi2,turboquant-k3v3,int4"
+EVAL_TASKS = ("ppl", "passkey", "niah", "attn-error")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """What `oscarkv eval` runs (``quick`` shrinks every budget for CI)."""
+
+    methods: str = _help("comma-separated methods", default=ALL_EVAL_METHODS)
+    tasks: str = _help("comma-separated tasks: ppl, passkey, niah, attn-error", default=",".join(EVAL_TASKS))
+    context: int = _help(
+        "longest context in tokens (ppl sequence length, largest needle prompt)", default=3072
+    )
+    quick: bool = _help("tiny budgets (CI smoke run)", default=False)
+    ppl_sequences: int = _help("perplexity sequences", default=8)
+    ppl_continuation: int = _help("scored continuation tokens per sequence", default=512)
+    ppl_chunk: int = _help("continuation tokens per forward", default=32)
+    needle_trials: int = _help("prompts per (context length, depth) cell", default=4)
+    needle_depths: int = _help("needle depths spread over [0.05, 0.95]", default=5)
+    needle_lengths: int = _help("context lengths from context/N up to context", default=3)
+    passkey_at_context: int = _help("extra passkey prompts at the full context (accuracy n)", default=100)
+    niah_needles: int = _help("needles per prompt in the niah task", default=4)
+    attn_sequences: int = _help("sequences for the per-layer error metrics", default=4)
+    seed: int = _help("seed for data sampling and needle prompts", default=0)
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        tasks = [t for t in self.tasks.split(",") if t]
+        bad = [t for t in tasks if t not in EVAL_TASKS]
+        if bad or not tasks:
+            raise field_error(
+                name, "tasks", "a comma-separated subset of " + ",".join(EVAL_TASKS), self.tasks
+            )
+        for f in ("context", "ppl_sequences", "ppl_continuation", "ppl_chunk", "needle_trials",
+                  "needle_depths", "needle_lengths", "niah_needles", "attn_sequences"):  # fmt: skip
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise field_error(name, f, "a positive integer", v)
+        if self.context <= self.ppl_continuation + 64:
+            raise field_error(
+                name, "context", f"> ppl_continuation + 64 = {self.ppl_continuation + 64}", self.context
+            )
+
+    @property
+    def method_list(self) -> list[str]:
+        return [m for m in self.methods.split(",") if m]
+
+    @property
+    def task_list(self) -> list[str]:
+        return [t for t in self.tasks.split(",") if t]
+
+    def effective(self) -> EvalConfig:
+        """The budgets actually used (``quick`` shrinks them)."""
+        if not self.quick:
+            return self
+        return dataclasses.replace(
+            self, context=min(self.context, 1024), ppl_sequences=1, ppl_continuation=128, ppl_chunk=64,
+            needle_trials=1, needle_depths=2, needle_lengths=1, passkey_at_context=1, niah_needles=2,
+            attn_sequences=1, quick=False,
+        )  # fmt: skip

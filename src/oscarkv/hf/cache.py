@@ -130,6 +130,7 @@ class OscarCacheLayer(DynamicLayer):
                 scale,
                 self.k_fmt,
                 self.v_fmt,
+                lens_hint=plan.post_lens,
             )[:, None]
         else:
             o = self._prefill(plan, q_rot, k_rot, v_rot, scale, ops)

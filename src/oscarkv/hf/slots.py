@@ -49,6 +49,7 @@ class StepPlan:
     post: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
     valid: torch.Tensor  # bool [B, T]
     is_decode: bool
+    post_lens: tuple[int, int] = (0, 0)  # longest quantized / 16-bit list after the step (host ints)
 
 
 def ranges_to_csr(ranges: list[list[tuple[int, int]]], device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -179,6 +180,10 @@ class SlotTable:
             post=self.csr(device),
             valid=valid.to(device),
             is_decode=is_decode,
+            post_lens=(
+                max((st.n_q for st in self.seqs), default=0),
+                max((st.n_sink + st.n_recent for st in self.seqs), default=0),
+            ),
         )
 
     def _remap_pre(self, pre, old_q: int, old_h: int, device: torch.device) -> tuple[torch.Tensor, ...]:

@@ -63,6 +63,7 @@ def decode_attention(
     sm_scale: float,
     k_fmt: RowFormat,
     v_fmt: RowFormat,
+    lens_hint: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Exact decode attention over the quantized and 16-bit tiers, in the rotated basis.
 
@@ -73,6 +74,8 @@ def decode_attention(
         int2_indptr, hp_indptr: int ``[B + 1]``; int2_indices, hp_indices: int slot ids.
         sm_scale: softmax scale (``1/sqrt(d)``).
         k_fmt, v_fmt: formats of the quantized tier.
+        lens_hint: optional host-side (longest quantized list, longest 16-bit list); the Triton
+            twin uses it to size its split grid without a device sync.
     Returns:
         ``[B, Hq, d]`` rotated outputs in ``q_rot.dtype`` (multiply by ``R_Vᵀ`` to un-rotate).
     """

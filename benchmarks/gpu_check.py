@@ -1,0 +1,226 @@
+"""Check and benchmark the Triton kernels on one GPU in a single run; prints a short table.
+
+1. correctness of decode attention and quantize_pack against the torch twins (fp32 oracle);
+2. quantize_pack bandwidth on its input bytes;
+3. decode attention vs BF16 SDPA (flash / cuDNN / efficient, best taken) on Qwen3-8B shapes
+   (32 query heads, 8 KV heads, head dim 128), batch 1/8/32, lengths 4K-128K, with the bytes the
+   INT2 kernel must read turned into an effective bandwidth next to a device copy's.
+
+    python benchmarks/gpu_check.py [--quick] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import env_info, save
+
+from oscarkv.kernels import ref
+from oscarkv.kernels.triton import decode_attention as tda
+from oscarkv.kernels.triton import quantize_pack as tqp
+from oscarkv.quant import RowFormat
+
+DEV = torch.device("cuda")
+SINK_RECENT = 320
+
+
+def bench(fn, rep=100) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def copy_bandwidth(nbytes: int = 4 << 30) -> float:
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=DEV).normal_()
+    b = torch.empty_like(a)
+    ms = bench(lambda: b.copy_(a))
+    return 2 * nbytes / ms / 1e9  # read + write, TB/s
+
+
+def make_pools(b: int, lq: int, lh: int, hkv: int, d: int, fmt: RowFormat, dtype=torch.bfloat16):
+    """Contiguous per-sequence slot ranges, like the HF cache (quantized rows built directly)."""
+    nq, nh = b * lq, b * lh
+    kc = torch.randint(0, 256, (nq, hkv, d // 4), dtype=torch.uint8, device=DEV)
+    vc = torch.randint(0, 256, (nq, hkv, d // 4), dtype=torch.uint8, device=DEV)
+    km = torch.stack(
+        [torch.rand(nq, hkv, 1, device=DEV) * 0.5 + 0.1, torch.rand(nq, hkv, 1, device=DEV) * 3], -1
+    )
+    vm = torch.stack(
+        [torch.rand(nq, hkv, 1, device=DEV) * 0.5 + 0.1, torch.rand(nq, hkv, 1, device=DEV) * 3], -1
+    )
+    hk = torch.randn(nh, hkv, d, device=DEV, dtype=dtype)
+    hv = torch.randn(nh, hkv, d, device=DEV, dtype=dtype)
+    qi = torch.arange(0, b + 1, device=DEV, dtype=torch.int32) * lq
+    hi = torch.arange(0, b + 1, device=DEV, dtype=torch.int32) * lh
+    qx = torch.arange(nq, device=DEV, dtype=torch.int32)
+    hx = torch.arange(nh, device=DEV, dtype=torch.int32)
+    return kc, km.half(), vc, vm.half(), hk, hv, qi, qx, hi, hx
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def check_decode(quick: bool) -> list[dict]:
+    rows = []
+    grid = [(1, 32, 8, 128, 1, 1), (3, 32, 8, 128, 100, 7), (8, 64, 8, 128, 4097, 320), (2, 8, 8, 64, 1000, 50),
+            (64, 32, 8, 128, 513, 0), (4, 32, 8, 128, 0, 100), (1, 32, 8, 128, 131072 - 320, 320)]  # fmt: skip
+    if quick:
+        grid = grid[:4]
+    for b, hq, hkv, d, lq, lh in grid:
+        fmt = RowFormat(d, 2, d, clip=0.0)
+        pools = make_pools(b, lq, lh, hkv, d, fmt)
+        q = torch.randn(b, hq, d, device=DEV, dtype=torch.bfloat16)
+        out = tda.decode_attention(q, *pools, 1 / math.sqrt(d), fmt, fmt)
+        want = ref.decode_attention(q.float(), *pools[:4], pools[4].float(), pools[5].float(), *pools[6:],
+                                    1 / math.sqrt(d), fmt, fmt)  # fmt: skip
+        e = rel(out, want)
+        rows.append(
+            {"check": "decode", "shape": f"B{b} {hq}/{hkv} d{d} q{lq} h{lh}", "rel_err": e, "ok": e < 1e-2}
+        )
+    return rows
+
+
+def check_quantize() -> list[dict]:
+    rows = []
+    for d, clip in ((64, 0.92), (128, 0.96), (256, 0.0)):
+        fmt = RowFormat(d, 2, d, clip=clip)
+        x = (torch.randn(4096, 8, d, device=DEV) * 2 + 0.2).bfloat16()
+        c1, m1 = tqp.quantize_pack(x, None, fmt)
+        c2, m2 = ref.quantize_pack(x, None, fmt)
+        same = float((c1 == c2).float().mean())
+        rows.append(
+            {
+                "check": "quantize_pack",
+                "shape": f"d{d} clip{clip}",
+                "codes_equal": same,
+                "meta_equal": bool(torch.equal(m1, m2)),
+                "ok": same == 1.0 and torch.equal(m1, m2),
+            }
+        )
+        r = torch.linalg.qr(torch.randn(d, d, device=DEV, dtype=torch.float64))[0].float()
+        c1, m1 = tqp.quantize_pack(x, r, fmt)
+        deq1 = ref.dequantize(c1, m1, fmt)
+        rot = x.float() @ r.bfloat16().float()
+        c2, m2 = ref.quantize_pack(rot, None, fmt)
+        deq2 = ref.dequantize(c2, m2, fmt)
+        e = rel(deq1, deq2)
+        rows.append(
+            {
+                "check": "quantize_pack+R",
+                "shape": f"d{d}",
+                "codes_equal": float((c1 == c2).float().mean()),
+                "rel_err": e,
+                "ok": e < 2e-2,
+            }
+        )
+        c = tqp.dequantize(c2, m2, fmt, torch.float32)
+        rows.append(
+            {"check": "dequantize", "shape": f"d{d}", "rel_err": rel(c, deq2), "ok": rel(c, deq2) < 1e-6}
+        )
+    return rows
+
+
+def bench_quantize() -> list[dict]:
+    rows = []
+    for n_rows in (65536, 262144, 1048576):
+        for rot in (False, True):
+            fmt = RowFormat(128, 2, 128, clip=0.96)
+            x = torch.randn(n_rows // 8, 8, 128, device=DEV, dtype=torch.bfloat16)
+            r = torch.linalg.qr(torch.randn(128, 128, device=DEV))[0] if rot else None
+            ms = bench(lambda x=x, r=r, fmt=fmt: tqp.quantize_pack(x, r, fmt))
+            tbs = x.numel() * 2 / ms / 1e9
+            rows.append(
+                {"bench": "quantize_pack", "rows": n_rows, "rotate": rot, "ms": ms, "input_TBps": tbs}
+            )
+    return rows
+
+
+def sdpa_best(q, k, v) -> tuple[float, str]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    best = (float("inf"), "none")
+    for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                     ("efficient", SDPBackend.EFFICIENT_ATTENTION)):  # fmt: skip
+        try:
+            with sdpa_kernel([be]):
+                torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                torch.cuda.synchronize()
+                ms = bench(
+                    lambda be=be: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                )
+        except RuntimeError:
+            continue
+        best = min(best, (ms, name))
+    return best
+
+
+def bench_decode(quick: bool, copy_tbps: float) -> list[dict]:
+    rows = []
+    hq, hkv, d = 32, 8, 128
+    fmt = RowFormat(d, 2, d)
+    lengths = (4096, 32768, 131072) if quick else (4096, 8192, 16384, 32768, 65536, 131072)
+    for b in (1, 8, 32):
+        for L in lengths:
+            q = torch.randn(b, hq, d, device=DEV, dtype=torch.bfloat16)
+            k = torch.randn(b, hkv, L, d, device=DEV, dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            ms_sdpa, be = sdpa_best(q[:, :, None], k, v)
+            del k, v
+            lq = L - SINK_RECENT
+            pools = make_pools(b, lq, SINK_RECENT, hkv, d, fmt)
+            hint = (lq, SINK_RECENT)
+            ms = bench(lambda q=q, pools=pools, hint=hint: tda.decode_attention(
+                q, *pools, 1 / math.sqrt(d), fmt, fmt, lens_hint=hint))  # fmt: skip
+            nbytes = b * hkv * (lq * 2 * (d // 4 + 4) + SINK_RECENT * 2 * d * 2)
+            tbs = nbytes / ms / 1e9
+            rows.append({"bench": "decode", "batch": b, "len": L, "sdpa_ms": ms_sdpa, "sdpa_backend": be,
+                         "int2_ms": ms, "speedup": ms_sdpa / ms, "int2_TBps": tbs,
+                         "copy_fraction": tbs / copy_tbps})  # fmt: skip
+            del pools
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    copy_tbps = copy_bandwidth()
+    checks = check_decode(args.quick) + check_quantize()
+    qb = bench_quantize()
+    dec = bench_decode(args.quick, copy_tbps)
+    lines = [
+        f"device copy: {copy_tbps:.2f} TB/s (read+write)",
+        "",
+        "| check | shape | error | ok |",
+        "|---|---|---|---|",
+    ]
+    for r in checks:
+        err = r.get("rel_err", 1 - r.get("codes_equal", 1))
+        lines.append(f"| {r['check']} | {r['shape']} | {err:.2e} | {r['ok']} |")
+    lines += ["", "| quantize_pack rows | rotate | ms | input TB/s |", "|---|---|---|---|"]
+    lines += [f"| {r['rows']} | {r['rotate']} | {r['ms']:.3f} | {r['input_TBps']:.2f} |" for r in qb]
+    lines += ["", "| batch | length | BF16 SDPA ms (backend) | INT2 ms | speedup | INT2 TB/s | of copy |",
+              "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [f"| {r['batch']} | {r['len']} | {r['sdpa_ms']:.3f} ({r['sdpa_backend']}) | {r['int2_ms']:.3f} | "
+              f"{r['speedup']:.2f}x | {r['int2_TBps']:.2f} | {r['copy_fraction']:.0%} |" for r in dec]  # fmt: skip
+    md = "\n".join(lines)
+    print(md)
+    payload = {"copy_TBps": copy_tbps, "checks": checks, "quantize": qb, "decode": dec}
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        Path(args.out, "gpu_check.json").write_text(json.dumps({"env": env_info(), **payload}, indent=1))
+    save("gpu_check" + ("_quick" if args.quick else ""), payload, md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""KV-cache methods compared by ``oscarkv eval``, behind one protocol and a name registry.
+
+Every INT2/INT3/INT4 method except KIVI is an :class:`~oscarkv.hf.OscarCache` configuration —
+so the baselines run through the same packed storage and kernels as OSCAR and differ only in
+rotation, quantizer, clipping and windows:
+
+| method | rotation | quantizer | bits | clip | windows (sink/recent) |
+|---|---|---|---|---|---|
+| oscar | calibrated | asymmetric | 2 | per-layer (artifact) | 64/256 |
+| clip-only | identity | asymmetric | 2 | 0.96/0.92 | 64/256 |
+| hadamard-int2 | Hadamard | asymmetric | 2 | 0.96/0.92 | 64/256 |
+| quarot-int2 | Hadamard | asymmetric | 2 | off | none |
+| naive-int2 | identity | symmetric | 2 | off | none |
+| int4 | Hadamard | asymmetric | 4 | off | none |
+| turboquant-k3v3 | random orthogonal | Lloyd-Max centroids | 3 | off | none |
+
+"none" means ``sink = recent = 0`` and ``demote_block = 1``: a token is quantized from the step
+after it is written. ``kivi2`` (:mod:`.kivi`) and ``bf16`` are separate caches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from ..calibration.error import fake_quant_middle
+from ..calibration.fit import fixed_layer
+from ..config import QuantSpec
+from ..quant import RowFormat
+from ..rotation import LayerRotation, Provenance, RotationSet, rotate_heads
+from .kivi import KiviCache, kivi_bits_per_element, kivi_fake_kv
+
+__all__ = ["METHODS", "KVMethod", "get_method", "method_names"]
+
+
+class KVMethod(Protocol):
+    name: str
+
+    def bits_per_element(self, context_len: int, head_dim: int) -> float: ...
+
+    def make_cache(self, model: Any) -> Any:
+        """A fresh transformers cache for one generate/forward sequence of calls."""
+        ...
+
+    def fake_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V ``[B, H, T, d]`` as the method would store them, read back in the original basis."""
+        ...
+
+
+@dataclass(frozen=True)
+class Recipe:
+    rotation: str  # calibrated | identity | hadamard | random
+    quantizer: str = "asymmetric"
+    bits: int = 2
+    clip: bool = True
+    windows: bool = True
+
+
+RECIPES = {
+    "oscar": Recipe("calibrated"),
+    "clip-only": Recipe("identity"),
+    "hadamard-int2": Recipe("hadamard"),
+    "quarot-int2": Recipe("hadamard", clip=False, windows=False),
+    "naive-int2": Recipe("identity", quantizer="symmetric", clip=False, windows=False),
+    "int4": Recipe("hadamard", bits=4, clip=False, windows=False),
+    "turboquant-k3v3": Recipe("random", quantizer="lloyd_max_centroid", bits=3, clip=False, windows=False),
+}
+
+
+def _random_rotations(layers: list[int], d: int, seed: int = 0) -> dict[int, LayerRotation]:
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in layers:
+        rk = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))[0].float()
+        rv = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))[0].float()
+        out[i] = LayerRotation(rk, rv, torch.ones(d), torch.ones(d))
+    return out
+
+
+class CacheMethod:
+    """An OscarCache configuration (see the module table)."""
+
+    def __init__(self, name: str, recipe: Recipe, rotations: RotationSet | None, model_config: Any):
+        from ..rotation import attention_layer_ids, model_head_dim
+
+        self.name, self.recipe = name, recipe
+        cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+        d, layers = model_head_dim(cfg), attention_layer_ids(cfg)
+        base = rotations.spec if rotations is not None else QuantSpec()
+        w = recipe.windows
+        self.spec = QuantSpec(
+            key_bits=recipe.bits, value_bits=recipe.bits,
+            sink_tokens=base.sink_tokens if w else 0, recent_tokens=base.recent_tokens if w else 0,
+            demote_block=base.demote_block if w else 1,
+            k_clip=base.k_clip if recipe.clip else 0.0, v_clip=base.v_clip if recipe.clip else 0.0,
+            meta_dtype=base.meta_dtype,
+        )  # fmt: skip
+        if recipe.rotation == "calibrated":
+            if rotations is None:
+                raise ValueError(f"method {name!r} needs calibrated rotations (--rotations DIR)")
+            self.rotations = rotations
+            self.override_spec: QuantSpec | None = None  # keep the artifact's spec and per-layer clips
+            self.spec = rotations.spec
+        else:
+            kv = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+            rots = (
+                _random_rotations(layers, d)
+                if recipe.rotation == "random"
+                else {i: fixed_layer(recipe.rotation, d, kv, "layer") for i in layers}
+            )
+            self.rotations = RotationSet(rots, self.spec, "layer", Provenance(source=f"eval:{name}"))
+            self.override_spec = self.spec
+        self.quantizer = None if recipe.quantizer == "asymmetric" else recipe.quantizer
+
+    def bits_per_element(self, context_len: int, head_dim: int) -> float:
+        return self.spec.bits_per_element(context_len, head_dim)
+
+    def make_cache(self, model: Any) -> Any:
+        from ..hf import OscarCache
+
+        # the Triton kernels cover 2-bit asymmetric rows; other baselines use the torch kernels
+        fast = self.recipe.bits == 2 and self.recipe.quantizer == "asymmetric"
+        return OscarCache.from_rotations(
+            model,
+            self.rotations,
+            spec=self.override_spec,
+            quantizer=self.quantizer,
+            backend="auto" if fast else "torch",
+        )
+
+    def _formats(self, layer: int, d: int) -> tuple[RowFormat, RowFormat]:
+        kc, vc = (
+            self.rotations.clips(layer)
+            if self.override_spec is None
+            else (self.spec.k_clip, self.spec.v_clip)
+        )
+        kf, vf = RowFormat.from_spec(self.spec, d, "k", kc), RowFormat.from_spec(self.spec, d, "v", vc)
+        if self.quantizer:
+            from dataclasses import replace
+
+            kf, vf = replace(kf, quantizer=self.quantizer), replace(vf, quantizer=self.quantizer)
+        return kf, vf
+
+    def fake_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lr = self.rotations.layers[layer]
+        kf, vf = self._formats(layer, k.shape[-1])
+        sink, recent = self.spec.sink_tokens, self.spec.recent_tokens
+        out = []
+        for x, r, f in ((k, lr.k, kf), (v, lr.v, vf)):
+            x_rot = rotate_heads(x.float(), r.float())
+            out.append(rotate_heads(fake_quant_middle(x_rot, f, sink, recent), r.float(), inverse=True))
+        return out[0], out[1]
+
+
+class Bf16Method:
+    name = "bf16"
+
+    def bits_per_element(self, context_len: int, head_dim: int) -> float:
+        return 16.0
+
+    def make_cache(self, model: Any) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache()
+
+    def fake_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return k.float(), v.float()
+
+
+class Kivi2Method:
+    """KIVI-2: per-channel keys in groups of 32 tokens, per-token values, 128-token residual."""
+
+    name = "kivi2"
+
+    def bits_per_element(self, context_len: int, head_dim: int) -> float:
+        return kivi_bits_per_element(context_len, head_dim)
+
+    def make_cache(self, model: Any) -> Any:
+        return KiviCache()
+
+    def fake_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return kivi_fake_kv(k, v)
+
+
+METHODS = ("bf16", "oscar", *[n for n in RECIPES if n != "oscar"], "kivi2")
+
+
+def method_names() -> tuple[str, ...]:
+    return METHODS
+
+
+def get_method(name: str, rotations: RotationSet | None, model_config: Any) -> KVMethod:
+    """Build method ``name``; raises ``ValueError`` listing the known names."""
+    if name == "bf16":
+        return Bf16Method()
+    if name == "kivi2":
+        return Kivi2Method()
+    if name in RECIPES:
+        return CacheMethod(name, RECIPES[name], rotations, model_config)
+    raise ValueError(f"unknown method {name!r}; known: {', '.join(METHODS)}")

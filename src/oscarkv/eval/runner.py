@@ -1,0 +1,129 @@
+"""`run_eval`: every (method, task) pair on one model and one data draw, as result rows."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from ..calibration.data import token_sequences
+from ..config import EvalConfig
+from ..rotation import RotationSet, model_head_dim
+from .methods import get_method
+from .tasks.attn_error import attention_metrics, hidden_state_errors
+from .tasks.needle import build_cases, run_case
+from .tasks.ppl import continuation_nll, perplexity
+
+__all__ = ["run_eval"]
+
+
+def _depths(n: int) -> list[float]:
+    return [0.5] if n == 1 else [round(0.05 + 0.9 * i / (n - 1), 3) for i in range(n)]
+
+
+def _lengths(cfg: EvalConfig) -> list[int]:
+    n = cfg.needle_lengths
+    return sorted({max(256, cfg.context * (i + 1) // n) for i in range(n)})
+
+
+def run_eval(
+    model: Any, tokenizer: Any, rotations: RotationSet | None, config: EvalConfig, progress: Any = None
+) -> list[dict[str, Any]]:
+    """Run ``config``'s tasks for its methods; returns rows with at least ``method``, ``task``,
+    ``metric``, ``value`` and ``bits_per_element``. ``progress(msg)`` is called between steps."""
+    cfg = config.effective()
+    say = progress or (lambda msg: None)
+    mcfg = model.config.get_text_config()
+    d = model_head_dim(mcfg)
+    methods = {m: get_method(m, rotations, mcfg) for m in cfg.method_list}
+    rows: list[dict[str, Any]] = []
+
+    def row(method: str, task: str, metric: str, value: float, **extra: Any) -> None:
+        ctx = int(extra.get("context_len", cfg.context))
+        bpe = methods[method].bits_per_element(ctx, d)
+        rows.append(
+            {
+                "method": method,
+                "task": task,
+                "metric": metric,
+                "value": float(value),
+                "bits_per_element": round(bpe, 4),
+                **extra,
+            }
+        )
+
+    tasks = cfg.task_list
+    if "ppl" in tasks:
+        seqs = token_sequences(tokenizer, None, cfg.ppl_sequences, cfg.context, cfg.seed, split="eval")
+        ctx = cfg.context - cfg.ppl_continuation
+        for name, m in methods.items():
+            say(f"ppl: {name}")
+            nll = n = 0
+            for s in seqs:
+                a, b = continuation_nll(model, m, s, ctx, cfg.ppl_chunk)
+                nll, n = nll + a, n + b
+            row(
+                name, "ppl", "ppl", perplexity(nll, n), context_len=cfg.context, tokens=n, chunk=cfg.ppl_chunk
+            )
+    for task, needles in (("passkey", 1), ("niah", cfg.niah_needles)):
+        if task not in tasks:
+            continue
+        grid = build_cases(
+            tokenizer,
+            _lengths(cfg),
+            _depths(cfg.needle_depths),
+            cfg.needle_trials,
+            needles,
+            seed=cfg.seed + needles,
+        )
+        extra = _at_context(tokenizer, cfg) if task == "passkey" else []
+        for name, m in methods.items():
+            say(f"{task}: {name} ({len(grid) + len(extra)} prompts)")
+            cells: dict[tuple[int, float], list[bool]] = {}
+            for c in grid:
+                cells.setdefault((c.context_len, c.depth), []).append(run_case(model, tokenizer, m, c))
+            for (n_tok, depth), ok in sorted(cells.items()):
+                row(
+                    name,
+                    task,
+                    "accuracy",
+                    sum(ok) / len(ok),
+                    context_len=n_tok,
+                    depth=depth,
+                    n=len(ok),
+                    needles=needles,
+                )
+            if extra:
+                ok = [run_case(model, tokenizer, m, c) for c in extra]
+                row(
+                    name,
+                    task,
+                    "accuracy_at_context",
+                    sum(ok) / len(ok),
+                    context_len=cfg.context,
+                    n=len(ok),
+                    needles=needles,
+                )
+    if "attn-error" in tasks:
+        say("attn-error")
+        seqs = token_sequences(
+            tokenizer, None, cfg.attn_sequences, min(cfg.context, 2048), cfg.seed + 1, split="eval"
+        )
+        am = attention_metrics(model, methods, seqs)
+        hs = hidden_state_errors(model, {k: v for k, v in methods.items() if k != "bf16"}, seqs)
+        for name in methods:
+            for layer, vals in am[name].items():
+                for metric, v in vals.items():
+                    row(name, "attn-error", metric, v, layer=layer, context_len=seqs.shape[1])
+            for layer, v in hs.get(name, {}).items():
+                row(name, "attn-error", "hidden_err", v, layer=layer, context_len=seqs.shape[1])
+    return rows
+
+
+def _at_context(tokenizer: Any, cfg: EvalConfig) -> list[Any]:
+    """``passkey_at_context`` single-needle prompts at the full context, uniformly random depths."""
+    rng = random.Random(cfg.seed + 7)
+    cases = []
+    for _ in range(cfg.passkey_at_context):
+        depth = round(rng.uniform(0.02, 0.98), 3)
+        cases += build_cases(tokenizer, [cfg.context], [depth], 1, 1, seed=rng.randrange(1 << 30))
+    return cases

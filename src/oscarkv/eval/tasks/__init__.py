@@ -1,0 +1,1 @@
+"""Evaluation tasks: quantization-aware perplexity, needle retrieval, per-layer errors."""

@@ -1,0 +1,39 @@
+"""Quantization-aware perplexity: prefill a context, then score a continuation in chunks.
+
+Every chunk is a forward through the method's cache, so the continuation is predicted from the
+*stored* (quantized) history, as in decoding; the chunk's own tokens see each other exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+__all__ = ["continuation_nll"]
+
+
+@torch.inference_mode()
+def continuation_nll(
+    model: Any, method: Any, seq: torch.Tensor, context: int, chunk: int
+) -> tuple[float, int]:
+    """Summed negative log-likelihood of ``seq[context:]`` and the number of scored tokens.
+
+    ``seq``: LongTensor ``[L]``; the first ``context`` tokens are prefilled in one forward.
+    """
+    device = next(model.parameters()).device
+    seq = seq.to(device)
+    cache = method.make_cache(model)
+    logits = [model(input_ids=seq[None, :context], past_key_values=cache, use_cache=True).logits[0, -1:]]
+    for s in range(context, len(seq) - 1, chunk):
+        ids = seq[None, s : min(s + chunk, len(seq) - 1)]
+        logits.append(model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0])
+    lp = torch.cat(logits).float().log_softmax(-1)
+    target = seq[context:]
+    nll = -lp[torch.arange(len(target), device=device), target].sum()
+    return float(nll), len(target)
+
+
+def perplexity(nll: float, n: int) -> float:
+    return math.exp(nll / max(n, 1))

@@ -1,0 +1,144 @@
+"""Triton rotate-clip-quantize-pack (2-bit, one (scale, zero) per row) and its inverse.
+
+``_quantize_pack``: program = ``BLOCK_R`` rows of ``D`` elements. Optional rotation by ``tl.dot``
+with ``R`` (operands in the rows' dtype, fp32 accumulation; ``D`` chunks of 64 so ``R`` need not fit in
+registers), the exact clip threshold of the reference (the ``⌊ratio·D⌋``-th smallest ``|x|`` by
+an in-register ``tl.sort``, not OSCAR's bisection), min/max, scale/zero rounded to the metadata
+dtype first, codes by correctly rounded division (``div_rn``, as ``torch`` divides), then the
+quartered packing as a weighted sum over a ``[R, 4, D/4]`` view.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ...quant import RowFormat
+from ...quant.quantizer import META_TORCH_DTYPES, clip_index
+
+__all__ = ["dequantize", "quantize_pack"]
+
+
+@triton.jit
+def _quantize_pack(X, R, C, M, n_rows, clip_idx, tiny, s_xr, s_rh, s_cr, s_mr,
+                   D: tl.constexpr, D4: tl.constexpr, BLOCK_R: tl.constexpr, ROTATE: tl.constexpr,
+                   PER_HEAD: tl.constexpr, HEADS: tl.constexpr, CLIP: tl.constexpr, KC: tl.constexpr):  # fmt: skip
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < n_rows
+    offs = tl.arange(0, D)
+    if ROTATE:
+        # rows are (token, head) pairs, head fastest; per-head R picks R[row % HEADS]
+        x = tl.zeros([BLOCK_R, D], tl.float32)
+        offs_k = tl.arange(0, KC)
+        for k0 in range(0, D, KC):
+            xk = tl.load(X + rows[:, None] * s_xr + (k0 + offs_k)[None, :], mask=rmask[:, None], other=0.0)
+            if PER_HEAD:
+                h = pid % HEADS  # BLOCK_R == 1 rows per program in the per-head case
+                rk = tl.load(R + h * s_rh + (k0 + offs_k)[:, None] * D + offs[None, :])
+            else:
+                rk = tl.load(R + (k0 + offs_k)[:, None] * D + offs[None, :])
+            x += tl.dot(xk.to(rk.dtype), rk)
+    else:
+        x = tl.load(X + rows[:, None] * s_xr + offs[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    if CLIP:
+        srt = tl.sort(tl.abs(x), 1)
+        tau = tl.sum(tl.where(offs[None, :] == clip_idx, srt, 0.0), 1)
+        x = tl.minimum(tl.maximum(x, -tau[:, None]), tau[:, None])
+    lo = tl.min(x, 1)
+    hi = tl.max(x, 1)
+    s = tl.math.div_rn(tl.maximum(hi - lo, 1e-8), 3.0)
+    s = tl.maximum(s, tl.math.div_rn(tl.maximum(tl.abs(lo), tl.abs(hi)), 16384.0))
+    s = tl.maximum(s, tiny)
+    z = tl.math.div_rn(-lo, s)
+    s_m = s.to(M.dtype.element_ty)
+    z_m = z.to(M.dtype.element_ty)
+    sf = s_m.to(tl.float32)
+    zf = z_m.to(tl.float32)
+    q = tl.floor(tl.math.div_rn(x, sf[:, None]) + zf[:, None] + 0.5)
+    q = tl.minimum(tl.maximum(q, 0.0), 3.0).to(tl.int32)
+    w = tl.where(
+        tl.arange(0, 4) == 0, 1, tl.where(tl.arange(0, 4) == 1, 4, tl.where(tl.arange(0, 4) == 2, 16, 64))
+    )
+    packed = tl.sum(tl.reshape(q, (BLOCK_R, 4, D4)) * w[None, :, None], 1)
+    tl.store(C + rows[:, None] * s_cr + tl.arange(0, D4)[None, :], packed.to(tl.uint8), mask=rmask[:, None])
+    tl.store(M + rows * s_mr, s_m, mask=rmask)
+    tl.store(M + rows * s_mr + 1, z_m, mask=rmask)
+
+
+@triton.jit
+def _dequantize(C, M, OUT, n_rows, s_cr, s_mr, s_or, D4: tl.constexpr, BLOCK_R: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < n_rows
+    offs = tl.arange(0, D4)
+    c = tl.load(C + rows[:, None] * s_cr + offs[None, :], mask=rmask[:, None], other=0)
+    s = tl.load(M + rows * s_mr, mask=rmask, other=0.0).to(tl.float32)[:, None]
+    z = tl.load(M + rows * s_mr + 1, mask=rmask, other=0.0).to(tl.float32)[:, None]
+    base = OUT + rows[:, None] * s_or + offs[None, :]
+    ty = OUT.dtype.element_ty
+    tl.store(base, (((c & 3).to(tl.float32) - z) * s).to(ty), mask=rmask[:, None])
+    tl.store(base + D4, ((((c >> 2) & 3).to(tl.float32) - z) * s).to(ty), mask=rmask[:, None])
+    tl.store(base + 2 * D4, ((((c >> 4) & 3).to(tl.float32) - z) * s).to(ty), mask=rmask[:, None])
+    tl.store(base + 3 * D4, ((((c >> 6) & 3).to(tl.float32) - z) * s).to(ty), mask=rmask[:, None])
+
+
+def _check(fmt: RowFormat) -> None:
+    if (
+        fmt.bits != 2
+        or fmt.groups != 1
+        or fmt.quantizer != "asymmetric"
+        or fmt.head_dim not in (64, 128, 256)
+    ):
+        raise ValueError(
+            "the Triton quantize_pack kernel writes 2-bit asymmetric rows with one (scale, zero) per row "
+            f"and head_dim 64/128/256; got {fmt.bits}-bit, {fmt.groups} groups, {fmt.quantizer}, "
+            f"d={fmt.head_dim} (use backend='torch')"
+        )
+
+
+def quantize_pack(rows: torch.Tensor, rotation: torch.Tensor | None, fmt: RowFormat):
+    """Same contract as ``kernels.ref.quantize_pack`` (rows ``[N, H, d]`` on CUDA)."""
+    _check(fmt)
+    n, h, d = rows.shape
+    x = rows.reshape(n * h, d)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    codes = torch.empty(n, h, d // 4, dtype=torch.uint8, device=rows.device)
+    meta = torch.empty(n, h, 1, 2, dtype=META_TORCH_DTYPES[fmt.meta_dtype], device=rows.device)
+    if n * h == 0:
+        return codes, meta
+    per_head = rotation is not None and rotation.dim() == 3
+    block_r = 1 if per_head else (16 if d >= 256 else 32)
+    # the rotation GEMM runs in the rows' dtype (bf16 tensor cores for bf16 models), fp32 accumulation
+    r = rotation.to(device=rows.device, dtype=rows.dtype).contiguous() if rotation is not None else x
+    tiny = torch.finfo(meta.dtype).tiny
+    _quantize_pack[(triton.cdiv(n * h, block_r),)](
+        x, r, codes, meta, n * h, clip_index(fmt.clip, d) if fmt.clip > 0 else 0, tiny, x.stride(0),
+        r.stride(0) if per_head else 0, d // 4, 2,
+        D=d, D4=d // 4, BLOCK_R=block_r, ROTATE=rotation is not None, PER_HEAD=per_head, HEADS=h,
+        CLIP=fmt.clip > 0, KC=min(64, d), num_warps=4 if d <= 128 else 8,
+    )  # fmt: skip
+    return codes, meta
+
+
+def dequantize(
+    codes: torch.Tensor, meta: torch.Tensor, fmt: RowFormat, out_dtype: torch.dtype = torch.float32
+):
+    """Same contract as ``kernels.ref.dequantize``."""
+    if fmt.bits != 2 or fmt.groups != 1 or fmt.quantizer == "lloyd_max_centroid":
+        raise ValueError(
+            "the Triton dequantize kernel reads 2-bit affine rows with one group (use backend='torch')"
+        )
+    n, h, p = codes.shape
+    out = torch.empty(n, h, p * 4, dtype=out_dtype, device=codes.device)
+    if n * h == 0:
+        return out
+    c, m = codes.reshape(n * h, p), meta.reshape(n * h, 2)
+    block_r = 64
+    _dequantize[(math.ceil(n * h / block_r),)](
+        c, m, out, n * h, c.stride(0), m.stride(0), p * 4, D4=p, BLOCK_R=block_r
+    )
+    return out
