@@ -161,6 +161,62 @@ def sdpa_best(q, k, v) -> tuple[float, str]:
     return best
 
 
+def sweep_decode() -> list[dict]:
+    """Time the decode kernel's tuning space on two shapes; keep the best (geometric mean)."""
+    hq, hkv, d = 32, 8, 128
+    fmt = RowFormat(d, 2, d)
+    cases = []
+    for b, L in ((8, 32768), (1, 131072)):
+        pools = make_pools(b, L - SINK_RECENT, SINK_RECENT, hkv, d, fmt)
+        cases.append(
+            (torch.randn(b, hq, d, device=DEV, dtype=torch.bfloat16), pools, (L - SINK_RECENT, SINK_RECENT))
+        )
+    rows = []
+    for bn in (64, 128, 256):
+        for warps in (4, 8):
+            for stages in (2, 3, 4):
+                for progs in (1024, 2048):
+                    tda.CONFIG.update(block_n=bn, num_warps=warps, num_stages=stages, programs=progs)
+                    try:
+                        ts = [bench(lambda q=q, p=p, h=h: tda.decode_attention(q, *p, 0.088, fmt, fmt, lens_hint=h), 30)
+                              for q, p, h in cases]  # fmt: skip
+                    except Exception as e:  # a config that does not compile (e.g. out of shared memory)
+                        rows.append({"config": dict(tda.CONFIG), "error": str(e)[:80]})
+                        continue
+                    rows.append(
+                        {"config": dict(tda.CONFIG), "ms": ts, "score": math.prod(ts) ** (1 / len(ts))}
+                    )
+    best = min((r for r in rows if "score" in r), key=lambda r: r["score"])
+    tda.CONFIG.update(best["config"])
+    return rows
+
+
+def sweep_quantize() -> list[dict]:
+    fmt = RowFormat(128, 2, 128, clip=0.96)
+    x = torch.randn(131072, 8, 128, device=DEV, dtype=torch.bfloat16)
+    r = torch.linalg.qr(torch.randn(128, 128, device=DEV))[0]
+    rows, best = [], {}
+    for rot in (False, True):
+        for br in (16, 32, 64) if not rot else (32, 64, 128):
+            for warps in (2, 4, 8):
+                tqp.NUM_WARPS = warps
+                if rot:
+                    tqp.BLOCK_R_ROT = br
+                else:
+                    tqp.BLOCK_R = br
+                try:
+                    ms = bench(lambda rot=rot: tqp.quantize_pack(x, r if rot else None, fmt), 30)
+                except Exception as e:
+                    rows.append({"rotate": rot, "block_r": br, "warps": warps, "error": str(e)[:80]})
+                    continue
+                rows.append({"rotate": rot, "block_r": br, "warps": warps, "ms": ms})
+                if ms < best.get(rot, (float("inf"),))[0]:
+                    best[rot] = (ms, br, warps)
+    tqp.BLOCK_R, tqp.BLOCK_R_ROT = best[False][1], best[True][1]
+    tqp.NUM_WARPS = best[False][2]
+    return rows
+
+
 def bench_decode(quick: bool, copy_tbps: float) -> list[dict]:
     rows = []
     hq, hkv, d = 32, 8, 128
@@ -192,9 +248,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-sweep", action="store_true", help="skip the tuning sweep (use the module defaults)")
     args = ap.parse_args()
     torch.manual_seed(0)
     copy_tbps = copy_bandwidth()
+    swept = {"decode": sweep_decode(), "quantize": sweep_quantize()} if not args.no_sweep else {}
     checks = check_decode(args.quick) + check_quantize()
     qb = bench_quantize()
     dec = bench_decode(args.quick, copy_tbps)
@@ -215,7 +273,14 @@ def main() -> None:
               f"{r['speedup']:.2f}x | {r['int2_TBps']:.2f} | {r['copy_fraction']:.0%} |" for r in dec]  # fmt: skip
     md = "\n".join(lines)
     print(md)
-    payload = {"copy_TBps": copy_tbps, "checks": checks, "quantize": qb, "decode": dec}
+    payload = {
+        "copy_TBps": copy_tbps,
+        "config": {"decode": dict(tda.CONFIG), "quantize": [tqp.BLOCK_R, tqp.BLOCK_R_ROT, tqp.NUM_WARPS]},
+        "sweep": swept,
+        "checks": checks,
+        "quantize": qb,
+        "decode": dec,
+    }
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, "gpu_check.json").write_text(json.dumps({"env": env_info(), **payload}, indent=1))

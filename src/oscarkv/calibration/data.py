@@ -129,7 +129,7 @@ def token_sequences(
     eos = getattr(tokenizer, "eos_token_id", None)
     stream: list[int] = []
     for doc in iter_documents(sources, tokenizer, seed, split):
-        stream += tokenizer(doc, add_special_tokens=False, verbose=False)["input_ids"]
+        stream += tokenizer(doc, add_special_tokens=False)["input_ids"]
         if eos is not None:
             stream.append(int(eos))
         if len(stream) >= need:

@@ -158,12 +158,17 @@ def _merge(O, LSE, OUT, n_splits, s_ob, s_oh, s_os, s_lb, s_lh, s_outb, s_outh,
     tl.store(OUT + b * s_outb + hq * s_outh + offs_d, res.to(OUT.dtype.element_ty))
 
 
-def num_splits(batch: int, kv_heads: int, max_len: int, block_n: int, sms: int = 132) -> int:
-    """Splits per sequence: enough programs to fill the GPU about twice, tiles of >= 4 blocks."""
+# Tuning (set by benchmarks/gpu_check.py's sweep; see its saved results)
+CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 3, "programs": 1024, "min_split": 512}
+
+
+def num_splits(batch: int, kv_heads: int, max_len: int) -> int:
+    """Splits per sequence: about ``CONFIG['programs']`` programs in flight (latency hiding for
+    the gathered loads), each split at least ``CONFIG['min_split']`` tokens."""
     if max_len <= 0:
         return 1
-    want = max(1, (2 * sms) // max(1, batch * kv_heads))
-    return max(1, min(want, math.ceil(max_len / (4 * block_n))))
+    want = max(1, CONFIG["programs"] // max(1, batch * kv_heads))
+    return max(1, min(want, math.ceil(max_len / CONFIG["min_split"])))
 
 
 def _check(fmt: RowFormat) -> None:
@@ -190,9 +195,9 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
         )
         lens_hint = tuple(int(x) for x in lens.tolist()) if bsz else (0, 0)
     max_q, max_h = max(int(lens_hint[0]), 1), max(int(lens_hint[1]), 1)
-    bn_q, bn_h = 64, 32
-    sq = num_splits(bsz, hkv, max_q, bn_q)
-    split_q = math.ceil(max_q / sq / bn_q) * bn_q
+    bn_q, bn_h = CONFIG["block_n"], 32
+    sq = num_splits(bsz, hkv, max_q)
+    split_q = math.ceil(max_q / sq / 256) * 256  # a multiple of every BLOCK_N the sweep tries
     sq = math.ceil(max_q / split_q)
     split_h = HP_SPLIT
     sh = math.ceil(max_h / split_h)
@@ -207,7 +212,8 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
         q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1), k_meta.stride(0), k_meta.stride(1),
         v_codes.stride(0), v_codes.stride(1), v_meta.stride(0), v_meta.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
-        G=g, G_PAD=g_pad, D4=d // 4, BLOCK_N=bn_q, num_warps=4, num_stages=3,
+        G=g, G_PAD=g_pad, D4=d // 4, BLOCK_N=bn_q, num_warps=CONFIG["num_warps"],
+        num_stages=CONFIG["num_stages"],
     )  # fmt: skip
     _hp_stage1[(hkv, sh, bsz)](
         q, hp_k, hp_v, hp_indptr, hp_indices, o_part, lse, scale, split_h, sq,

@@ -21,11 +21,17 @@ from ...quant.quantizer import META_TORCH_DTYPES, clip_index
 
 __all__ = ["dequantize", "quantize_pack"]
 
+# Tuning (set by benchmarks/gpu_check.py's sweep; see its saved results)
+BLOCK_R = 32
+BLOCK_R_ROT = 64
+NUM_WARPS = 4
+
 
 @triton.jit
 def _quantize_pack(X, R, C, M, n_rows, clip_idx, tiny, s_xr, s_rh, s_cr, s_mr,
                    D: tl.constexpr, D4: tl.constexpr, BLOCK_R: tl.constexpr, ROTATE: tl.constexpr,
-                   PER_HEAD: tl.constexpr, HEADS: tl.constexpr, CLIP: tl.constexpr, KC: tl.constexpr):  # fmt: skip
+                   PER_HEAD: tl.constexpr, HEADS: tl.constexpr, CLIP: tl.constexpr, KC: tl.constexpr,
+                   N_DROP: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < n_rows
@@ -45,8 +51,16 @@ def _quantize_pack(X, R, C, M, n_rows, clip_idx, tiny, s_xr, s_rh, s_cr, s_mr,
     else:
         x = tl.load(X + rows[:, None] * s_xr + offs[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
     if CLIP:
-        srt = tl.sort(tl.abs(x), 1)
-        tau = tl.sum(tl.where(offs[None, :] == clip_idx, srt, 0.0), 1)
+        a = tl.abs(x)
+        if N_DROP <= 16:
+            # tau = the (N_DROP+1)-th largest |x|: drop one maximum at a time (ties counted)
+            for _ in tl.static_range(N_DROP):
+                i = tl.argmax(a, 1)
+                a = tl.where(offs[None, :] == i[:, None], -1.0, a)
+            tau = tl.max(a, 1)
+        else:
+            srt = tl.sort(a, 1)
+            tau = tl.sum(tl.where(offs[None, :] == clip_idx, srt, 0.0), 1)
         x = tl.minimum(tl.maximum(x, -tau[:, None]), tau[:, None])
     lo = tl.min(x, 1)
     hi = tl.max(x, 1)
@@ -111,15 +125,15 @@ def quantize_pack(rows: torch.Tensor, rotation: torch.Tensor | None, fmt: RowFor
     if n * h == 0:
         return codes, meta
     per_head = rotation is not None and rotation.dim() == 3
-    block_r = 1 if per_head else (16 if d >= 256 else 32)
+    block_r = 1 if per_head else BLOCK_R_ROT if rotation is not None else BLOCK_R
+    c = clip_index(fmt.clip, d) if fmt.clip > 0 else 0
     # the rotation GEMM runs in the rows' dtype (bf16 tensor cores for bf16 models), fp32 accumulation
     r = rotation.to(device=rows.device, dtype=rows.dtype).contiguous() if rotation is not None else x
     tiny = torch.finfo(meta.dtype).tiny
     _quantize_pack[(triton.cdiv(n * h, block_r),)](
-        x, r, codes, meta, n * h, clip_index(fmt.clip, d) if fmt.clip > 0 else 0, tiny, x.stride(0),
-        r.stride(0) if per_head else 0, d // 4, 2,
+        x, r, codes, meta, n * h, c, tiny, x.stride(0), r.stride(0) if per_head else 0, d // 4, 2,
         D=d, D4=d // 4, BLOCK_R=block_r, ROTATE=rotation is not None, PER_HEAD=per_head, HEADS=h,
-        CLIP=fmt.clip > 0, KC=min(64, d), num_warps=4 if d <= 128 else 8,
+        CLIP=fmt.clip > 0, KC=min(64, d), N_DROP=d - 1 - c, num_warps=NUM_WARPS if d <= 128 else 8,
     )  # fmt: skip
     return codes, meta
 

@@ -1,0 +1,110 @@
+"""End-to-end decode speed and KV memory: OscarCache vs BF16 DynamicCache in ``model.generate``.
+
+A random-weight model with Qwen3-8B's configuration (speed needs no trained weights), batch 16,
+32K-token prompts. Both caches are prefilled in 4K-token chunks (to bound activation memory),
+then ``model.generate`` decodes ``--new`` tokens; decode tokens/s = batch × new / time. KV memory
+is the ``torch.cuda.max_memory_allocated`` growth over the prefill (and, for OscarCache,
+``memory_report()``). Run on the GPU machine:
+
+    python benchmarks/e2e_decode.py [--batch 16] [--context 32768] [--new 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import save
+from calibration_speed import QWEN3_8B
+
+from oscarkv.calibration.fit import fixed_layer
+from oscarkv.hf import OscarCache
+from oscarkv.rotation import RotationSet
+
+
+def prefill(model, ids: torch.Tensor, cache, chunk: int) -> None:
+    with torch.inference_mode():
+        for s in range(0, ids.shape[1] - 1, chunk):
+            model(
+                input_ids=ids[:, s : min(s + chunk, ids.shape[1] - 1)], past_key_values=cache, use_cache=True
+            )
+
+
+def decode(model, ids: torch.Tensor, cache, new: int) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            past_key_values=cache,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--chunk", type=int, default=4096)
+    args = ap.parse_args()
+    from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(**QWEN3_8B)
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
+    model.config._attn_implementation = "sdpa"
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.context), device="cuda")
+    res = {}
+    # the same RotationSet shape OSCAR uses (per-layer Hadamard here: speed does not depend on U)
+    rots = RotationSet({i: fixed_layer("hadamard", 128, 8, "layer") for i in range(cfg.num_hidden_layers)})
+    for name in ("bf16", "oscar"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        cache = DynamicCache() if name == "bf16" else OscarCache.from_rotations(model, rots)
+        t0 = time.perf_counter()
+        prefill(model, ids, cache, args.chunk)
+        torch.cuda.synchronize()
+        t_pre = time.perf_counter() - t0
+        kv_alloc = torch.cuda.memory_allocated() - base
+        dt = decode(model, ids, cache, args.new)
+        peak = torch.cuda.max_memory_allocated() - base
+        r = {"prefill_s": round(t_pre, 1), "decode_s": round(dt, 3), "tok_per_s": args.batch * args.new / dt,
+             "kv_bytes_allocated": kv_alloc, "peak_extra_bytes": peak}  # fmt: skip
+        if name == "oscar":
+            rep = cache.memory_report()
+            r.update({k: rep[k] for k in ("total_bytes", "allocated_bytes", "bits_per_element")})
+        res[name] = r
+        print(name, r, flush=True)
+        del cache
+    ratio = res["oscar"]["tok_per_s"] / res["bf16"]["tok_per_s"]
+    mem = res["oscar"]["kv_bytes_allocated"] / res["bf16"]["kv_bytes_allocated"]
+    md = [f"End-to-end decode, random-weight Qwen3-8B config (bf16), batch {args.batch}, context {args.context}, "
+          f"{args.new} new tokens, model.generate", "",
+          "| cache | decode tok/s | KV memory (GB, allocated) | peak extra (GB) |", "|---|---|---|---|"]  # fmt: skip
+    for n, r in res.items():
+        md.append(
+            f"| {n} | {r['tok_per_s']:.0f} | {r['kv_bytes_allocated'] / 1e9:.2f} | {r['peak_extra_bytes'] / 1e9:.2f} |"
+        )
+    md += ["", f"speedup {ratio:.2f}x; KV memory ratio {mem:.3f} (1/{1 / mem:.1f}); "
+           f"OscarCache memory_report: {res['oscar']['total_bytes'] / 1e9:.2f} GB, "
+           f"{res['oscar']['bits_per_element']:.2f} bits/element"]  # fmt: skip
+    print("\n".join(md))
+    save("e2e_decode", {"args": vars(args), "results": res}, "\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
