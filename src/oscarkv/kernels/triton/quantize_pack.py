@@ -53,11 +53,19 @@ def _quantize_pack(X, R, C, M, n_rows, clip_idx, tiny, s_xr, s_rh, s_cr, s_mr,
     if CLIP:
         a = tl.abs(x)
         if N_DROP <= 16:
-            # tau = the (N_DROP+1)-th largest |x|: drop one maximum at a time (ties counted)
-            for _ in tl.static_range(N_DROP):
-                i = tl.argmax(a, 1)
-                a = tl.where(offs[None, :] == i[:, None], -1.0, a)
-            tau = tl.max(a, 1)
+            # tau = the (N_DROP+1)-th largest |x| counting ties: peel off maxima with their counts
+            rem = tl.full([BLOCK_R], N_DROP, tl.int32)
+            tau = tl.zeros([BLOCK_R], tl.float32)
+            done = rem < 0
+            for _ in tl.static_range(N_DROP + 1):
+                m = tl.max(a, 1)
+                hit = a == m[:, None]
+                cnt = tl.sum(hit.to(tl.int32), 1)
+                take = (cnt > rem) & (~done)
+                tau = tl.where(take, m, tau)
+                done = done | take
+                rem = rem - cnt
+                a = tl.where(hit, -1.0, a)
         else:
             srt = tl.sort(a, 1)
             tau = tl.sum(tl.where(offs[None, :] == clip_idx, srt, 0.0), 1)
