@@ -181,7 +181,8 @@ def sweep_decode() -> list[dict]:
                         ts = [bench(lambda q=q, p=p, h=h: tda.decode_attention(q, *p, 0.088, fmt, fmt, lens_hint=h), 30)
                               for q, p, h in cases]  # fmt: skip
                     except Exception as e:  # a config that does not compile (e.g. out of shared memory)
-                        rows.append({"config": dict(tda.CONFIG), "error": str(e)[:80]})
+                        rows.append({"config": dict(tda.CONFIG), "error": str(e)[-300:]})
+                        print("config failed:", tda.CONFIG, str(e)[-600:], flush=True)
                         continue
                     rows.append(
                         {"config": dict(tda.CONFIG), "ms": ts, "score": math.prod(ts) ** (1 / len(ts))}

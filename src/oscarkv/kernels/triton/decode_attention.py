@@ -6,9 +6,8 @@ together (padded to 16 rows for ``tl.dot``), an online softmax (base-2), and wri
 normalised partial output and log-sum-exp. The INT2 tile is never dequantized to a K matrix:
 with codes ``c`` and per-row ``(s, z)``, ``q·k = s·(q·c) − s·z·Σq``, so ``q·c`` is four
 ``tl.dot``s of query quarters with the unpacked 2-bit planes, built as bf16 ``128 + c`` (fp16
-``1024 + c`` for V) by OR-ing the code into the exponent bits — no int-to-float conversion, whose
-low throughput bounded the first version at ~0.6 TB/s — with the constant offsets removed after the
-dot, and
+``1024 + c`` for V) by OR-ing the code into the mantissa bits and subtracting the offset in 16-bit
+arithmetic (exact) — no int-to-float conversions — and
 ``p·V = (p∘s)·c − Σ p∘s∘z`` likewise; the quartered byte layout makes each plane a contiguous
 quarter of the head dimension. Stage 2 merges every split of both tiers by log-sum-exp.
 
@@ -35,10 +34,13 @@ HP_SPLIT = 128
 
 @triton.jit
 def _plane(c16, shift: tl.constexpr, BF16: tl.constexpr):
-    """2-bit plane ``c`` of int16 codes as bf16 ``128 + c`` (or fp16 ``1024 + c``), from the bits."""
-    if BF16:
-        return (((c16 >> shift) & 3) | 0x4300).to(tl.bfloat16, bitcast=True)
-    return (((c16 >> shift) & 3) | 0x6400).to(tl.float16, bitcast=True)
+    """2-bit plane ``c`` of int16 codes as exact bf16/fp16 values, built from the bits."""
+    bits = ((c16 >> shift) & 3) | (0x4300 if BF16 else 0x6400)
+    # subtracting the offset in 16-bit arithmetic is exact and keeps the dot free of a large
+    # constant term (tensor-core accumulation lost too many bits with it)
+    return bits.to(tl.int16).to(tl.bfloat16 if BF16 else tl.float16, bitcast=True) - (
+        128.0 if BF16 else 1024.0
+    )
 
 
 @triton.jit
@@ -76,8 +78,7 @@ def _int2_stage1(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, s
         kc = tl.load(KC + slot[:, None] * s_kcn + h * s_kch + offs_d[None, :], mask=nmask[:, None], other=0)
         ks = tl.load(KM + slot * s_kmn + h * s_kmh, mask=nmask, other=0.0).to(tl.float32)
         kz = tl.load(KM + slot * s_kmn + h * s_kmh + 1, mask=nmask, other=0.0).to(tl.float32)
-        # planes as bf16 128 + c straight from the bits (no int->float conversions); the 128·Σq
-        # they add is removed below together with the zero point
+        # planes straight from the bits (no int->float conversions)
         k16 = kc.to(tl.int16)
         qc = tl.dot(q0, tl.trans(_plane(k16, 0, KBF16)))
         qc += tl.dot(q1, tl.trans(_plane(k16, 2, KBF16)))
@@ -96,8 +97,7 @@ def _int2_stage1(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, s
         vz = tl.load(VM + slot * s_vmn + h * s_vmh + 1, mask=nmask, other=0.0).to(tl.float32)
         ps = p * vs[None, :]
         pw = ps.to(tl.float16)
-        # planes as fp16 1024 + c from the bits; subtract 1024·Σpw (of the rounded weights) and Σ ps·z
-        pz = tl.sum(pw.to(tl.float32) * (vz + 1024.0)[None, :], 1)
+        pz = tl.sum(ps * vz[None, :], 1)
         v16 = vc.to(tl.int16)
         a0 = a0 * alpha[:, None] + tl.dot(pw, _plane(v16, 0, False)) - pz[:, None]
         a1 = a1 * alpha[:, None] + tl.dot(pw, _plane(v16, 2, False)) - pz[:, None]
@@ -178,7 +178,7 @@ def _merge(O, LSE, OUT, n_splits, s_ob, s_oh, s_os, s_lb, s_lh, s_outb, s_outh,
 
 
 # Tuning (set by benchmarks/gpu_check.py's sweep; see its saved results)
-CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 3, "programs": 1024, "min_split": 512}
+CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 4, "programs": 1024, "min_split": 512}
 
 
 def num_splits(batch: int, kv_heads: int, max_len: int) -> int:
