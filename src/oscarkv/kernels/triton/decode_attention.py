@@ -38,9 +38,8 @@ def _plane(c16, shift: tl.constexpr, BF16: tl.constexpr):
     bits = ((c16 >> shift) & 3) | (0x4300 if BF16 else 0x6400)
     # subtracting the offset in 16-bit arithmetic is exact and keeps the dot free of a large
     # constant term (tensor-core accumulation lost too many bits with it)
-    return bits.to(tl.int16).to(tl.bfloat16 if BF16 else tl.float16, bitcast=True) - (
-        128.0 if BF16 else 1024.0
-    )
+    dt = tl.bfloat16 if BF16 else tl.float16
+    return (bits.to(tl.int16).to(dt, bitcast=True) - (128.0 if BF16 else 1024.0)).to(dt)
 
 
 @triton.jit
@@ -75,18 +74,17 @@ def _int2_stage1(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, s
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < hi
         slot = tl.load(IDX + offs_n, mask=nmask, other=0).to(tl.int64)
-        kc = tl.load(KC + slot[:, None] * s_kcn + h * s_kch + offs_d[None, :], mask=nmask[:, None], other=0)
+        # K codes loaded transposed, [D4, BLOCK_N], so the planes are dot operands as they are
+        kc = tl.load(KC + slot[None, :] * s_kcn + h * s_kch + offs_d[:, None], mask=nmask[None, :], other=0)
         ks = tl.load(KM + slot * s_kmn + h * s_kmh, mask=nmask, other=0.0).to(tl.float32)
         kz = tl.load(KM + slot * s_kmn + h * s_kmh + 1, mask=nmask, other=0.0).to(tl.float32)
         # planes straight from the bits (no int->float conversions)
         k16 = kc.to(tl.int16)
-        qc = tl.dot(q0, tl.trans(_plane(k16, 0, KBF16)))
-        qc += tl.dot(q1, tl.trans(_plane(k16, 2, KBF16)))
-        qc += tl.dot(q2, tl.trans(_plane(k16, 4, KBF16)))
-        qc += tl.dot(q3, tl.trans(_plane(k16, 6, KBF16)))
-        s = (
-            qc * ks[None, :] - qsum[:, None] * (ks * (kz + (128.0 if KBF16 else 1024.0)))[None, :]
-        ) * qk_scale
+        qc = tl.dot(q0, _plane(k16, 0, KBF16))
+        qc += tl.dot(q1, _plane(k16, 2, KBF16))
+        qc += tl.dot(q2, _plane(k16, 4, KBF16))
+        qc += tl.dot(q3, _plane(k16, 6, KBF16))
+        s = (qc * ks[None, :] - qsum[:, None] * (ks * kz)[None, :]) * qk_scale
         s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
