@@ -79,10 +79,10 @@ def train_model(out: Path, minutes: float, seq: int, batch: int, lr: float) -> N
         frac = elapsed / budget
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-        off = torch.randint(0, len(data) - seq - 1, (batch,), device=dev)
-        x = data[off[:, None] + torch.arange(seq + 1, device=dev)]
+        off = torch.randint(0, len(data) - seq, (batch,), device=dev)
+        x = data[off[:, None] + torch.arange(seq, device=dev)]
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=x[:, :-1], labels=x[:, 1:]).loss
+            loss = model(input_ids=x, labels=x).loss  # transformers shifts the labels itself
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
