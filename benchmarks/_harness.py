@@ -29,7 +29,9 @@ def git_commit() -> str:
         ).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        # the GPU machine gets a copy of the tree without .git: the run command writes the hash here
+        stamp = Path(__file__).parent / "results" / ".commit"
+        return stamp.read_text().strip() if stamp.exists() else "unknown"
 
 
 def env_info() -> dict[str, Any]:

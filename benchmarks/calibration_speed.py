@@ -91,6 +91,12 @@ def main() -> None:
         "|---|---|---|",
     ]
     md += [f"| {r['clip_search']} | {r['seconds']} | {r['peak_extra_mb']} |" for r in rows]
+    if dev.type != "cuda":
+        md += [
+            "",
+            "CPU memory is the process RSS high-water mark above the loaded model; rows run in order, "
+            "so a later row shows only what it added beyond the earlier peak.",
+        ]
     name = args.name or ("calibration_speed_gpu" if dev.type == "cuda" else "calibration_speed_cpu")
     save(name, {"label": label, "rows": rows}, "\n".join(md))
     print("\n".join(md))

@@ -54,13 +54,13 @@ def train_tokenizer(out: Path) -> None:
     print(f"tokenizer with {tok.get_vocab_size()} tokens -> {out}")
 
 
-def train_model(out: Path, minutes: float, seq: int, batch: int, lr: float) -> None:
+def train_model(out: Path, minutes: float, seq: int, batch: int, lr: float, device: str = "cuda") -> None:
     import numpy as np
     import torch
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     tok = AutoTokenizer.from_pretrained(out)
     t0 = time.time()
     enc = tok(_texts("calib"), add_special_tokens=False, verbose=False)["input_ids"]
@@ -71,7 +71,9 @@ def train_model(out: Path, minutes: float, seq: int, batch: int, lr: float) -> N
     model = Qwen3ForCausalLM(cfg).to(dev)
     model.config._attn_implementation = "sdpa"
     print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters", flush=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=dev.type == "cuda"
+    )
     budget, warmup = minutes * 60, 100
     step, start, losses = 0, time.time(), []
     model.train()
@@ -81,14 +83,14 @@ def train_model(out: Path, minutes: float, seq: int, batch: int, lr: float) -> N
             g["lr"] = lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         off = torch.randint(0, len(data) - seq, (batch,), device=dev)
         x = data[off[:, None] + torch.arange(seq, device=dev)]
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             loss = model(input_ids=x, labels=x).loss  # transformers shifts the labels itself
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item()) if step % 50 == 0 else None
-        if step % 500 == 0:
+        if step % (500 if dev.type == "cuda" else 50) == 0:
             print(f"step {step} loss {loss.item():.3f} ({elapsed:.0f}s)", flush=True)
         step += 1
     model.eval()
@@ -109,11 +111,12 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     if args.what == "tokenizer":
         train_tokenizer(args.out)
     else:
-        train_model(args.out, args.minutes, args.seq, args.batch, args.lr)
+        train_model(args.out, args.minutes, args.seq, args.batch, args.lr, args.device)
 
 
 if __name__ == "__main__":

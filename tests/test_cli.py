@@ -72,11 +72,20 @@ def test_console_script_installed() -> None:
     assert "info" in res.stdout
 
 
-def test_demo(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--tokens", "1024"]) == 0
+def test_demo(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """README command 1's job on the bundled demo model, at smoke-test budgets."""
+    import json
+
+    assert main(["demo", "--quick", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "OSCAR" in out
-    assert "2.250" in out
+    assert "oscar" in out and "naive-int2" in out
+    data = json.loads((tmp_path / "results.json").read_text())
+    summ = {s["method"]: s for s in data["summary"]}
+    assert set(summ) == {"bf16", "oscar", "hadamard-int2", "naive-int2"}
+    assert summ["naive-int2"]["ppl_ratio"] > summ["oscar"]["ppl_ratio"]  # the cache is really read
+    assert (tmp_path / "layer_errors.png").exists() and (
+        tmp_path / "rotations" / "rotations.safetensors"
+    ).exists()
 
 
 def test_dataclass_args_round_trip() -> None:

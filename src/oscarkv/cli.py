@@ -188,7 +188,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(seed=args.seed, tokens=args.tokens)
+    return run_demo(out=args.out, device=args.device, quick=args.quick)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -229,9 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(p, EvalConfig, "evaluation")
     p.set_defaults(func=_cmd_eval)
 
-    p = sub.add_parser("demo", help="the main job on an embedded default (no downloads)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tokens", type=int, default=4096, help="synthetic tokens per layer")
+    p = sub.add_parser(
+        "demo", help="calibrate + evaluate the bundled demo model (offline, a few CPU minutes)"
+    )
+    p.add_argument("--out", default="oscarkv-demo", help="output directory (rotations, results, plots)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--quick", action="store_true", help="smaller budgets (a smoke run)")
     p.set_defaults(func=_cmd_demo)
     return ap
 

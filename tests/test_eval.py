@@ -1,0 +1,218 @@
+"""The evaluation harness: every method on a tiny model, tasks, report files, CLI on the reference model."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from oscarkv.calibration.fit import fixed_layer
+from oscarkv.config import EvalConfig, QuantSpec, SpecError
+from oscarkv.eval import METHODS, get_method, run_eval, write_report
+from oscarkv.eval.kivi import RESIDUAL, kivi_bits_per_element, kivi_fake_kv
+from oscarkv.eval.tasks.needle import build_cases
+from oscarkv.eval.tasks.ppl import continuation_nll
+from oscarkv.rotation import LayerRotation, RotationSet
+
+SPEC = QuantSpec(sink_tokens=4, recent_tokens=16)
+
+
+class CharTok:
+    eos_token_id = 0
+    pad_token_id = 0
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=False, **_):
+        return {"input_ids": [1 + ord(c) % 250 for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(int(i) - 1) if 1 <= int(i) < 251 else "" for i in ids)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+    )
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def rotations(model):
+    gen = torch.Generator().manual_seed(1)
+    layers = {}
+    for i in range(2):
+        rk = torch.linalg.qr(torch.randn(32, 32, generator=gen, dtype=torch.float64))[0].float()
+        layers[i] = LayerRotation(
+            rk, fixed_layer("hadamard", 32, 2, "layer").v, torch.ones(32), torch.ones(32)
+        )
+    return RotationSet(layers, SPEC)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_every_method_runs_through_its_cache(model, rotations, name):
+    m = get_method(name, rotations, model.config)
+    seq = torch.randint(1, 256, (160,), generator=torch.Generator().manual_seed(2))
+    nll, n = continuation_nll(model, m, seq, context=100, chunk=16)
+    assert n == 60 and math.isfinite(nll) and nll > 0
+    k, v = torch.randn(1, 2, 150, 32), torch.randn(1, 2, 150, 32)
+    kq, vq = m.fake_kv(0, k, v)
+    assert kq.shape == k.shape and vq.shape == v.shape and torch.isfinite(kq).all()
+    bpe = m.bits_per_element(4096, 128)
+    assert 2.0 < bpe <= 16.0
+
+
+def test_bits_per_element_of_the_baselines(model, rotations):
+    bpe = {n: get_method(n, rotations, model.config).bits_per_element(131072, 128) for n in METHODS}
+    assert bpe["bf16"] == 16.0
+    assert bpe["naive-int2"] == bpe["quarot-int2"] == 2.25
+    assert bpe["int4"] == 4.25 and bpe["turboquant-k3v3"] == 3.25
+    assert bpe["oscar"] == pytest.approx(SPEC.bits_per_element(131072, 128))
+    assert bpe["kivi2"] == pytest.approx(kivi_bits_per_element(131072, 128))
+
+
+def test_quantization_noise_orders_as_bits(model, rotations):
+    """On the same keys, fewer bits and no rotation must give more reconstruction error."""
+    k = torch.randn(1, 2, 400, 32) * torch.linspace(0.1, 3, 32)
+    k[..., 3] += 8.0  # an outlier channel
+    err = {}
+    for n in ("int4", "quarot-int2", "naive-int2"):
+        kq, _ = get_method(n, rotations, model.config).fake_kv(0, k, k)
+        err[n] = float((kq - k).square().mean())
+    assert err["int4"] < err["quarot-int2"] < err["naive-int2"]
+
+
+def test_no_window_methods_quantize_everything_and_windowed_ones_keep_the_tiers(model, rotations):
+    k = torch.randn(1, 2, 100, 32)
+    kq, _ = get_method("clip-only", rotations, model.config).fake_kv(0, k, k)
+    assert torch.allclose(kq[:, :, :4], k[:, :, :4], atol=1e-5)  # sink exact
+    assert torch.allclose(kq[:, :, -16:], k[:, :, -16:], atol=1e-5)  # recent exact
+    assert not torch.allclose(kq[:, :, 4:-16], k[:, :, 4:-16], atol=1e-3)
+    kq, _ = get_method("quarot-int2", rotations, model.config).fake_kv(0, k, k)
+    assert not torch.allclose(kq[:, :, :4], k[:, :, :4], atol=1e-3)
+
+
+def test_kivi_keeps_the_residual_exact():
+    k, v = torch.randn(1, 2, RESIDUAL * 2 + 37, 32), torch.randn(1, 2, RESIDUAL * 2 + 37, 32)
+    kq, vq = kivi_fake_kv(k, v)
+    assert torch.equal(kq[:, :, -37:], k[:, :, -37:]) and torch.equal(vq[:, :, -37:], v[:, :, -37:])
+    assert not torch.allclose(kq[:, :, :-37], k[:, :, :-37], atol=1e-3)
+    assert kivi_bits_per_element(256, 128) == pytest.approx((3 + 2.25) / 2)
+
+
+def test_oscar_needs_rotations(model):
+    with pytest.raises(ValueError, match="rotations"):
+        get_method("oscar", None, model.config)
+    with pytest.raises(ValueError, match="unknown method"):
+        get_method("int3", None, model.config)
+
+
+def test_needle_prompts():
+    tok = CharTok()
+    cases = build_cases(tok, [600], [0.1, 0.9], trials=2, needles=3, seed=0)
+    assert len(cases) == 4
+    for c in cases:
+        text = tok.decode(c.ids)
+        assert abs(len(c.ids) - 600) < 120
+        assert text.count(f"= {c.answer}\n") >= 1
+        name = text.rsplit("\n", 1)[-1].removesuffix(" =")
+        assert f"\n{name} = {c.answer}\n" in text  # the queried needle holds the answer
+    early, late = cases[0], cases[2]
+    pos = lambda c: tok.decode(c.ids).index(c.answer) / len(c.ids)  # noqa: E731
+    assert pos(early) < pos(late)
+
+
+def test_eval_config_validation():
+    with pytest.raises(SpecError, match="tasks"):
+        EvalConfig(tasks="ppl,foo")
+    with pytest.raises(SpecError, match="context"):
+        EvalConfig(context=256, ppl_continuation=512)
+    q = EvalConfig(quick=True).effective()
+    assert q.context == 1024 and q.ppl_sequences == 1 and not q.quick
+
+
+def test_run_eval_rows_and_report(model, rotations, tmp_path, monkeypatch):
+    import oscarkv.eval.runner as runner
+
+    seqs = torch.randint(1, 256, (2, 400), generator=torch.Generator().manual_seed(3))
+    monkeypatch.setattr(runner, "token_sequences", lambda *a, **k: seqs[: a[2]] if len(a) > 2 else seqs)
+    cfg = EvalConfig(
+        methods="bf16,oscar,naive-int2,kivi2",
+        tasks="ppl,passkey,attn-error",
+        context=400,
+        ppl_sequences=2,
+        ppl_continuation=64,
+        ppl_chunk=32,
+        needle_trials=1,
+        needle_depths=2,
+        needle_lengths=1,
+        passkey_at_context=2,
+        attn_sequences=2,
+    )
+    rows = run_eval(model, CharTok(), rotations, cfg)
+    for r in rows:
+        assert {"method", "task", "metric", "value", "bits_per_element"} <= set(r)
+    got = {(r["method"], r["task"]) for r in rows}
+    assert ("oscar", "ppl") in got and ("kivi2", "passkey") in got and ("naive-int2", "attn-error") in got
+    bf16_err = [r["value"] for r in rows if r["method"] == "bf16" and r["metric"] == "attn_out_err"]
+    assert bf16_err and max(bf16_err) == 0.0
+    naive = [r["value"] for r in rows if r["method"] == "naive-int2" and r["metric"] == "attn_out_err"]
+    assert min(naive) > 0
+    files = write_report(tmp_path, rows, {"context": 400})
+    names = {f.name for f in files}
+    assert {"results.json", "results.md", "passkey_heatmap.png", "layer_errors.png"} <= names
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["rows"] and data["summary"][0]["method"] == "bf16"
+
+
+@pytest.mark.shared
+@pytest.mark.slow
+def test_cli_eval_quick_on_the_reference_model(shared_dir: Path, tmp_path: Path):
+    from oscarkv.calibration import calibrate
+    from oscarkv.cli import load_model, main
+    from oscarkv.config import CalibrationConfig
+    from oscarkv.rotation import save_rotations
+
+    ref = shared_dir / "models" / "oscar-ref-qwen3-30m"
+    if not ref.exists():
+        pytest.skip("reference model not present")
+    model, tok = load_model(str(ref), "cpu", "fp32")
+    rots = calibrate(model, tok, CalibrationConfig(tokens=2048, seq_len=1024, holdout_tokens=1024))
+    save_rotations(rots, tmp_path / "rot")
+    out = tmp_path / "eval"
+    assert (
+        main(
+            [
+                "eval",
+                "--model",
+                str(ref),
+                "--rotations",
+                str(tmp_path / "rot"),
+                "--out",
+                str(out),
+                "--quick",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
+    data = json.loads((out / "results.json").read_text())
+    methods = {r["method"] for r in data["rows"]}
+    assert methods == set(METHODS)
+    ppl = {s["method"]: s["ppl"] for s in data["summary"]}
+    assert all(math.isfinite(v) for v in ppl.values())
+    # the harness must exercise the quantized history: naive INT2 is clearly worse than BF16
+    assert ppl["naive-int2"] > 1.05 * ppl["bf16"]
