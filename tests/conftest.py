@@ -96,3 +96,12 @@ def oscar_dir(tmp_path: Path) -> Path:
 def make_orthogonal() -> Callable[..., torch.Tensor]:
     """Factory: ``make_orthogonal(d) -> float32 [d, d]`` random orthogonal matrix."""
     return random_orthogonal
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: intra-op threads only add overhead (and stall badly on a loaded CI box)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

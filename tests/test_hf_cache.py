@@ -28,13 +28,7 @@ SPEC = QuantSpec(sink_tokens=4, recent_tokens=16, demote_block=8)
 VOCAB, LAYERS, HQ, HKV, D = 256, 2, 4, 2, 32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny tensors: intra-op threads only add overhead (and stall badly on a loaded CI box).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---- builders -----------------------------------------------------------------------------------

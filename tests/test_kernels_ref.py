@@ -24,14 +24,7 @@ from oscarkv.kernels.ref import (
 )
 from oscarkv.quant import RowFormat, clip_rows, dequantize_rows, quantize_rows
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Small tensors: intra-op threads only add overhead (and stall badly on a loaded CI box).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---- helpers ----------------------------------------------------------------------------------

@@ -43,18 +43,30 @@ def _plane(c16, shift: tl.constexpr, BF16: tl.constexpr):
 
 
 @triton.jit
+def _split(INDPTR, split_size):
+    """Program ``(kv_head, split, sequence)`` -> its slot-list range ``[lo, hi)``."""
+    h = tl.program_id(0)
+    sp = tl.program_id(1)
+    b = tl.program_id(2)
+    lo = tl.load(INDPTR + b) + sp * split_size
+    hi = tl.minimum(lo + split_size, tl.load(INDPTR + b + 1))
+    return h, sp, b, lo, hi
+
+
+@triton.jit
+def _store_lse(ptr, m_i, l_i, mask):
+    """Log-sum-exp (base 2) of a split; ``-inf`` for a split that saw no token."""
+    has = l_i > 0
+    tl.store(ptr, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf")), mask=mask)
+
+
+@triton.jit
 def _int2_stage1(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, split_base,
                  s_qb, s_qh, s_kcn, s_kch, s_kmn, s_kmh, s_vcn, s_vch, s_vmn, s_vmh, s_ob, s_oh, s_os,
                  s_lb, s_lh,
                  G: tl.constexpr, G_PAD: tl.constexpr, D4: tl.constexpr, BLOCK_N: tl.constexpr,
                  KBF16: tl.constexpr):  # fmt: skip
-    h = tl.program_id(0)
-    sp = tl.program_id(1)
-    b = tl.program_id(2)
-    start = tl.load(INDPTR + b)
-    end = tl.load(INDPTR + b + 1)
-    lo = start + sp * split_size
-    hi = tl.minimum(lo + split_size, end)
+    h, sp, b, lo, hi = _split(INDPTR, split_size)
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D4)
     gmask = offs_g < G
@@ -109,21 +121,14 @@ def _int2_stage1(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, s
     tl.store(op + D4, a1 * inv[:, None], mask=gmask[:, None])
     tl.store(op + 2 * D4, a2 * inv[:, None], mask=gmask[:, None])
     tl.store(op + 3 * D4, a3 * inv[:, None], mask=gmask[:, None])
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    tl.store(LSE + b * s_lb + (h * G + offs_g) * s_lh + split_base + sp, lse, mask=gmask)
+    _store_lse(LSE + b * s_lb + (h * G + offs_g) * s_lh + split_base + sp, m_i, l_i, gmask)
 
 
 @triton.jit
 def _hp_stage1(Q, K, V, INDPTR, IDX, O, LSE, qk_scale, split_size, split_base,
                s_qb, s_qh, s_kn, s_kh, s_vn, s_vh, s_ob, s_oh, s_os, s_lb, s_lh,
                G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    h = tl.program_id(0)
-    sp = tl.program_id(1)
-    b = tl.program_id(2)
-    start = tl.load(INDPTR + b)
-    end = tl.load(INDPTR + b + 1)
-    lo = start + sp * split_size
-    hi = tl.minimum(lo + split_size, end)
+    h, sp, b, lo, hi = _split(INDPTR, split_size)
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D)
     gmask = offs_g < G
@@ -151,8 +156,7 @@ def _hp_stage1(Q, K, V, INDPTR, IDX, O, LSE, qk_scale, split_size, split_base,
     inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     op = O + b * s_ob + (h * G + offs_g)[:, None] * s_oh + (split_base + sp) * s_os + offs_d[None, :]
     tl.store(op, acc * inv[:, None], mask=gmask[:, None])
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    tl.store(LSE + b * s_lb + (h * G + offs_g) * s_lh + split_base + sp, lse, mask=gmask)
+    _store_lse(LSE + b * s_lb + (h * G + offs_g) * s_lh + split_base + sp, m_i, l_i, gmask)
 
 
 @triton.jit
