@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from oscarkv import QuantSpec
-from oscarkv.cli import add_dataclass_args, dataclass_from_args, main
+from oscarkv.cli import add_dataclass_args, dataclass_from_args, load_model, main
 
 
 @pytest.fixture(autouse=True)
@@ -95,3 +95,37 @@ def test_dataclass_args_round_trip() -> None:
     args = ap.parse_args(["--key-bits", "4", "--group-size", "32", "--v-clip", "0.5", "--meta-dtype", "fp32"])
     s = dataclass_from_args(QuantSpec, args)
     assert s == QuantSpec(key_bits=4, group_size=32, v_clip=0.5, meta_dtype="fp32")
+
+
+def test_generate_streams_and_reports_memory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from oscarkv import calibrate, save_rotations
+    from oscarkv.config import CalibrationConfig
+    from oscarkv.demo import demo_model_path
+
+    model_dir = str(demo_model_path())
+    model, tok = load_model(model_dir, "cpu", "fp32")
+    save_rotations(
+        calibrate(model, tok, CalibrationConfig(tokens=512, seq_len=256, clip_search=False)), tmp_path
+    )
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("def add(a, b):\n    return a + b\n\n" * 40)  # long enough to quantize history
+    rc = main(
+        [
+            "generate",
+            "--model",
+            model_dir,
+            "--rotations",
+            str(tmp_path),
+            "--prompt",
+            f"@{prompt}",
+            "--max-new-tokens",
+            "8",
+            "--device",
+            "cpu",
+        ]
+    )
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "KV cache:" in err and "quantized" in err
+    quantized = int(err.split("KV cache:")[1].split(" for ")[1].split(" quantized")[0])
+    assert quantized > 0

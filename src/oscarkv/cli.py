@@ -185,6 +185,43 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+    from transformers import TextStreamer
+
+    from .hf import OscarCache
+    from .rotation import load_rotations
+
+    model, tok = load_model(args.model, args.device, args.dtype)
+    rots = load_rotations(args.rotations, model_config=model.config)
+    cache = OscarCache.from_rotations(model, rots, backend=args.backend)
+    prompt = Path(args.prompt[1:]).read_text() if args.prompt.startswith("@") else args.prompt
+    ids = tok(prompt, return_tensors="pt").input_ids.to(next(model.parameters()).device)
+    sample = (
+        {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
+        if args.sample
+        else {"do_sample": False}
+    )
+    with torch.inference_mode():
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            past_key_values=cache,
+            max_new_tokens=args.max_new_tokens,
+            streamer=TextStreamer(tok, skip_prompt=True),
+            pad_token_id=getattr(tok, "pad_token_id", None) or 0,
+            **sample,
+        )
+    rep = cache.memory_report()
+    Console(stderr=True).print(
+        f"\n[dim]KV cache: {rep['total_bytes'] / 2**20:.1f} MiB for {rep['tokens_quantized']} quantized + "
+        f"{rep['tokens_hp']} 16-bit tokens ({rep['bits_per_element']:.2f} bits/element; "
+        f"{rep['bf16_bytes'] / 2**20:.1f} MiB in BF16)[/]"
+    )
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -228,6 +265,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=sorted(DTYPES), help="model dtype")
     add_dataclass_args(p, EvalConfig, "evaluation")
     p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser("generate", help="generate with an OscarCache, streaming to the terminal")
+    p.add_argument("--model", required=True, help="local model directory (or a hub id)")
+    p.add_argument("--rotations", required=True, help="rotation artifact (ours or OSCAR RotationZoo files)")
+    p.add_argument("--prompt", required=True, help="the prompt, or @FILE to read it from a file")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="kernel backend")
+    p.add_argument("--device", default="auto", help="cpu, cuda, ... (default: cuda if present)")
+    p.add_argument("--dtype", default="auto", choices=sorted(DTYPES), help="model dtype")
+    p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser(
         "demo", help="calibrate + evaluate the bundled demo model (offline, a few CPU minutes)"
