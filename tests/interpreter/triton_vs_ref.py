@@ -1,0 +1,104 @@
+"""Triton kernels against their torch twins, on the CPU through Triton's interpreter (tiny shapes).
+
+Run by ``tests/test_kernels_triton.py`` in a fresh interpreter with ``TRITON_INTERPRET=1`` (the
+switch must be set before Triton creates any kernel, which other tests' imports could do first).
+The same comparisons run at real shapes on the GPU in ``benchmarks/gpu_check.py``.
+Tolerances: codes and metadata bit-exact; dequantized rows exact; attention outputs within a
+relative 5e-3 of the fp32 oracle (the kernel rounds the softmax weights to fp16 for the V dot).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip(
+        "run through tests/test_kernels_triton.py (needs TRITON_INTERPRET=1)", allow_module_level=True
+    )
+triton = pytest.importorskip("triton")
+
+from oscarkv.kernels import ref  # noqa: E402
+from oscarkv.quant import RowFormat  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tk():
+    from oscarkv.kernels.triton import decode_attention, quantize_pack
+
+    return quantize_pack, decode_attention
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize(("d", "clip"), [(64, 0.92), (64, 0.0), (128, 0.96)])
+def test_quantize_pack_is_bit_exact(tk, d, clip):
+    qp, _ = tk
+    fmt = RowFormat(d, 2, d, clip=clip)
+    x = torch.randn(37, 2, d) * 3 + 0.5
+    x[0, 0, :5] = 7.0  # ties at the clip threshold
+    c1, m1 = qp.quantize_pack(x, None, fmt)
+    c2, m2 = ref.quantize_pack(x, None, fmt)
+    assert torch.equal(c1, c2) and torch.equal(m1, m2)
+    assert torch.equal(qp.dequantize(c1, m1, fmt), ref.dequantize(c1, m1, fmt))
+
+
+def test_quantize_pack_with_rotation(tk):
+    qp, _ = tk
+    fmt = RowFormat(64, 2, 64, clip=0.9)
+    x = torch.randn(20, 2, 64)
+    r = torch.linalg.qr(torch.randn(64, 64, dtype=torch.float64))[0].float()
+    c1, m1 = qp.quantize_pack(x, r, fmt)
+    c2, m2 = ref.quantize_pack(x, r, fmt)
+    assert (c1 == c2).float().mean() > 0.99
+    assert _rel(ref.dequantize(c1, m1, fmt), ref.dequantize(c2, m2, fmt)) < 1e-2
+
+
+def test_triton_refuses_formats_it_does_not_implement(tk):
+    qp, _ = tk
+    with pytest.raises(ValueError, match="backend='torch'"):
+        qp.quantize_pack(torch.randn(4, 1, 64), None, RowFormat(64, 4, 64))
+    with pytest.raises(ValueError, match="backend='torch'"):
+        qp.quantize_pack(torch.randn(4, 1, 64), None, RowFormat(64, 2, 16))
+
+
+def _pools(nq: int, nh: int, hkv: int, d: int, fmt: RowFormat):
+    kc, km = ref.quantize_pack(torch.randn(max(nq, 1), hkv, d), None, fmt)
+    vc, vm = ref.quantize_pack(torch.randn(max(nq, 1), hkv, d), None, fmt)
+    return kc, km, vc, vm, torch.randn(max(nh, 1), hkv, d), torch.randn(max(nh, 1), hkv, d)
+
+
+@pytest.mark.parametrize(
+    ("lens_q", "lens_h", "hq", "hkv", "d"),
+    [
+        ([1], [1], 4, 4, 64),  # a single token per tier, MHA
+        ([70, 0, 129], [5, 9, 0], 8, 2, 64),  # empty tiers, lengths not multiples of the block
+        ([300], [20], 8, 2, 128),  # several splits
+        ([0, 0], [0, 3], 4, 2, 64),  # a sequence with no tokens at all
+    ],
+)
+def test_decode_attention_matches_reference(tk, lens_q, lens_h, hq, hkv, d):
+    _, da = tk
+    fmt = RowFormat(d, 2, d)
+    nq, nh = sum(lens_q), sum(lens_h)
+    kc, km, vc, vm, hk, hv = _pools(nq, nh, hkv, d, fmt)
+    qi = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+    hi = torch.tensor([0, *torch.tensor(lens_h).cumsum(0).tolist()], dtype=torch.int32)
+    qx = torch.randperm(max(nq, 1))[:nq].to(torch.int32)
+    hx = torch.randperm(max(nh, 1))[:nh].to(torch.int32)
+    q = torch.randn(len(lens_q), hq, d)
+    scale = 1 / math.sqrt(d)
+    want = ref.decode_attention(q, kc, km, vc, vm, hk, hv, qi, qx, hi, hx, scale, fmt, fmt)
+    got = da.decode_attention(q, kc, km, vc, vm, hk, hv, qi, qx, hi, hx, scale, fmt, fmt)
+    for b in range(len(lens_q)):
+        if lens_q[b] + lens_h[b] == 0:
+            assert torch.equal(got[b], torch.zeros_like(got[b]))
+        else:
+            assert _rel(got[b], want[b]) < 5e-3
