@@ -129,3 +129,12 @@ def test_generate_streams_and_reports_memory(tmp_path: Path, capsys: pytest.Capt
     assert "KV cache:" in err and "quantized" in err
     quantized = int(err.split("KV cache:")[1].split(" for ")[1].split(" quantized")[0])
     assert quantized > 0
+
+
+def test_missing_model_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(
+        ["calibrate", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o"), "--device", "cpu"]
+    )
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "cannot load model" in err and "nope" in err

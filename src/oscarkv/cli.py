@@ -97,12 +97,21 @@ def load_model(path: str, device: str, dtype: str) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .config import SpecError
+
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == "auto":
         dtype = "bf16" if device.startswith("cuda") else "fp32"
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, DTYPES[dtype]))
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, DTYPES[dtype]))
+    except OSError as e:
+        where = "a local directory" if Path(path).exists() else "not a local directory"
+        raise SpecError(
+            f"cannot load model {path!r} ({where}): {str(e).splitlines()[0]} — pass a directory with "
+            "config.json, weights and tokenizer files"
+        ) from e
     return model.to(device).eval(), tok
 
 
