@@ -62,8 +62,8 @@ def run_demo(out: str | Path = "oscarkv-demo", device: str = "cpu", quick: bool 
     rows = run_eval(
         model, tok, rots, cfg, progress=lambda m: con.print(f"[dim]{time.perf_counter() - t0:5.0f}s[/] {m}")
     )
-    settings = {**dataclasses.asdict(cfg.effective()), "model": "oscarkv demo model", "seconds": 0.0}
-    settings["seconds"] = round(time.perf_counter() - t0, 1)
+    seconds = round(time.perf_counter() - t0, 1)
+    settings = {**dataclasses.asdict(cfg.effective()), "model": "oscarkv demo model", "seconds": seconds}
     files = write_report(out, rows, settings)
     con.print(summary_markdown(rows, settings))
     con.print(f"done in {settings['seconds']:.0f}s; wrote " + ", ".join(str(f) for f in files))

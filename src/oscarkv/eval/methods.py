@@ -136,12 +136,10 @@ class CacheMethod:
             if self.override_spec is None
             else (self.spec.k_clip, self.spec.v_clip)
         )
-        kf, vf = RowFormat.from_spec(self.spec, d, "k", kc), RowFormat.from_spec(self.spec, d, "v", vc)
-        if self.quantizer:
-            from dataclasses import replace
-
-            kf, vf = replace(kf, quantizer=self.quantizer), replace(vf, quantizer=self.quantizer)
-        return kf, vf
+        return (
+            RowFormat.from_spec(self.spec, d, "k", kc, self.quantizer),
+            RowFormat.from_spec(self.spec, d, "v", vc, self.quantizer),
+        )
 
     def fake_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         lr = self.rotations.layers[layer]

@@ -11,7 +11,6 @@ and outputs rotated back with ``R_Vᵀ`` (spec §5.6).
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -185,10 +184,8 @@ class OscarCache(Cache):
                 raise ValueError(f"rotations have no layer {i}; OscarCache needs every attention layer")
             kc, vc = rotations.clips(i) if spec is None else (self.spec.k_clip, self.spec.v_clip)
             lr = rotations.layers[i]
-            kf = RowFormat.from_spec(self.spec, d, "k", kc)
-            vf = RowFormat.from_spec(self.spec, d, "v", vc)
-            if quantizer is not None:
-                kf, vf = replace(kf, quantizer=quantizer), replace(vf, quantizer=quantizer)
+            kf = RowFormat.from_spec(self.spec, d, "k", kc, quantizer)
+            vf = RowFormat.from_spec(self.spec, d, "v", vc, quantizer)
             layers.append(OscarCacheLayer(self, i, lr.k.float(), lr.v.float(), kf, vf))
         super().__init__(layers=layers)
         self.table: SlotTable | None = None

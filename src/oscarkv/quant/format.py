@@ -59,13 +59,22 @@ class RowFormat:
         return packed_dim(self.head_dim, self.bits)
 
     @classmethod
-    def from_spec(cls, spec: QuantSpec, head_dim: int, kind: str, clip: float | None = None):
-        """``kind`` is ``"k"`` or ``"v"``; ``clip`` overrides the spec's (per-layer clips)."""
+    def from_spec(
+        cls,
+        spec: QuantSpec,
+        head_dim: int,
+        kind: str,
+        clip: float | None = None,
+        quantizer: str | None = None,
+    ):
+        """``kind`` is ``"k"`` or ``"v"``; ``clip`` overrides the spec's (per-layer clips),
+        ``quantizer`` the spec's codebook (the evaluation baselines use it)."""
         if kind not in ("k", "v"):
             raise ValueError(f"kind must be 'k' or 'v'; got {kind!r}")
         bits = spec.key_bits if kind == "k" else spec.value_bits
         default_clip = spec.k_clip if kind == "k" else spec.v_clip
-        quantizer = "lloyd_max" if spec.codebook == "lloyd_max" else "asymmetric"
+        if quantizer is None:
+            quantizer = "lloyd_max" if spec.codebook == "lloyd_max" else "asymmetric"
         return cls(
             head_dim=head_dim,
             bits=bits,
