@@ -1,18 +1,23 @@
 """Triton split-K decode attention over packed INT2 history and 16-bit windows.
 
-Stage 1 (one launch per tier): program ``(kv_head, split, sequence)`` walks ``split_size`` slots
-of the sequence's CSR list in ``BLOCK_N`` tiles, with all ``g`` query heads of the KV head
-together (padded to 16 rows for ``tl.dot``), an online softmax (base-2), and writes its
-normalised partial output and log-sum-exp. The INT2 tile is never dequantized to a K matrix:
-with codes ``c`` and per-row ``(s, z)``, ``q·k = s·(q·c) − s·z·Σq``, so ``q·c`` is four
-``tl.dot``s of query quarters with the unpacked 2-bit planes, built as bf16 ``128 + c`` (fp16
-``1024 + c`` for V) by OR-ing the code into the mantissa bits and subtracting the offset in 16-bit
-arithmetic (exact) — no int-to-float conversions — and
-``p·V = (p∘s)·c − Σ p∘s∘z`` likewise; the quartered byte layout makes each plane a contiguous
-quarter of the head dimension. Stage 2 merges every split of both tiers by log-sum-exp.
+One stage-1 launch covers both tiers: program ``(kv_head, split, sequence)`` takes a split of the
+sequence's quantized slot list (``split < n_q_splits``) or of its 16-bit list (the rest), walks it
+in ``BLOCK_N`` tiles with all ``g`` query heads of the KV head together (padded to 16 rows for
+``tl.dot``) and an online softmax (base 2), and writes a normalised partial output and its
+log-sum-exp. Stage 2 merges every split of both tiers by log-sum-exp.
 
-Grid axis 0 is the KV head so that programs reading the same tokens' interleaved metadata run
-together and share L2 sectors.
+The INT2 tile is never dequantized. With codes ``c`` and per-row ``(s, z)``:
+``q·k = s·(q·c) − s·z·Σq`` and ``p·V = (p∘s)·c − Σ p∘s∘z``, so ``q·c`` and ``(p∘s)·c`` are four
+``tl.dot``s of fp16 operands with the 2-bit *planes* of the codes (the quartered byte layout makes
+plane ``i`` the contiguous quarter ``i`` of the head dimension). A plane is built by masking the
+code bits in place into the low mantissa bits of an fp16 word: its value is the exact subnormal
+``c·4^i·2⁻²⁴``, so building it needs no shift, no int-to-float conversion and no offset
+subtraction; query quarter ``i`` is pre-scaled by ``4^-i`` (exact) and the ``2²⁴`` and ``4^-i`` of
+the value planes are folded into the final scaling. On CUDA one PTX block builds the four planes
+of four bytes at once (two byte permutes, then one mask per plane and pair of codes); the CPU
+interpreter, which cannot run PTX, builds the same bit patterns with Triton integer ops.
+
+Strides are derived from the (validated) contiguous layouts, which keeps the launch short.
 """
 
 from __future__ import annotations
@@ -28,56 +33,86 @@ from ...quant import RowFormat
 __all__ = ["decode_attention", "num_splits"]
 
 LOG2E = 1.4426950408889634
-#: tokens per program in the 16-bit tier (it holds at most sink + recent + 7 = 327 by default)
-HP_SPLIT = 128
+#: 2**24: an fp16 word holding the bits ``c`` is worth ``c * 2**-24``
+SUBNORMAL = tl.constexpr(16777216.0)
+
+# four code bytes in one register -> the four 2-bit planes as pairs of fp16 subnormals: two byte
+# permutes spread the bytes over 16-bit lanes, then one mask per plane and pair of codes (plane
+# ``i`` keeps its bits in place, so it holds ``c·4^i``; the caller scales by ``4^-i``)
+_PLANES_PTX = tl.constexpr("""{
+.reg .b32 lo, hi;
+prmt.b32 lo, $8, 0, 0x4140;
+prmt.b32 hi, $8, 0, 0x4342;
+and.b32 $0, lo, 0x00030003;
+and.b32 $1, hi, 0x00030003;
+and.b32 $2, lo, 0x000c000c;
+and.b32 $3, hi, 0x000c000c;
+and.b32 $4, lo, 0x00300030;
+and.b32 $5, hi, 0x00300030;
+and.b32 $6, lo, 0x00c000c0;
+and.b32 $7, hi, 0x00c000c0;
+}""")
 
 
 @triton.jit
-def _plane(c16, shift: tl.constexpr, BF16: tl.constexpr):
-    """2-bit plane ``c`` of int16 codes as exact bf16/fp16 values, built from the bits."""
-    bits = ((c16 >> shift) & 3) | (0x4300 if BF16 else 0x6400)
-    # subtracting the offset in 16-bit arithmetic is exact and keeps the dot free of a large
-    # constant term (tensor-core accumulation lost too many bits with it)
-    dt = tl.bfloat16 if BF16 else tl.float16
-    return (bits.to(tl.int16).to(dt, bitcast=True) - (128.0 if BF16 else 1024.0)).to(dt)
+def _planes(c, ASM: tl.constexpr):
+    """uint8 codes -> four fp16 tensors, plane ``i`` holding the exact subnormal ``c_i·4^i·2⁻²⁴``."""
+    if ASM:
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(
+            _PLANES_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [c],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4,
+        )  # fmt: skip
+    else:
+        c16 = c.to(tl.int16)
+        p0 = (c16 & 3).to(tl.float16, bitcast=True)
+        p1 = (c16 & 12).to(tl.float16, bitcast=True)
+        p2 = (c16 & 48).to(tl.float16, bitcast=True)
+        p3 = (c16 & 192).to(tl.float16, bitcast=True)
+    return p0, p1, p2, p3
 
 
 @triton.jit
-def _split(INDPTR, split_size):
-    """Program ``(kv_head, split, sequence)`` -> its slot-list range ``[lo, hi)``."""
-    h = tl.program_id(0)
-    sp = tl.program_id(1)
-    b = tl.program_id(2)
-    lo = tl.load(INDPTR + b) + sp * split_size
-    hi = tl.minimum(lo + split_size, tl.load(INDPTR + b + 1))
-    return h, sp, b, lo, hi
+def _rows(b, h, sp, total, G: tl.constexpr, G_PAD: tl.constexpr, HQ: tl.constexpr):
+    """Rows ``(b, h·g + i, sp)`` of the ``[B, Hq, total]`` partial-state arrays, and their mask."""
+    offs_g = tl.arange(0, G_PAD)
+    return (b * HQ + h * G + offs_g).to(tl.int64) * total + sp, offs_g < G
 
 
 @triton.jit
-def _store_lse(ptr, m_i, l_i, mask):
+def _store_lse(LSE, row, gmask, m_i, l_i):
     """Log-sum-exp (base 2) of a split; ``-inf`` for a split that saw no token."""
     has = l_i > 0
-    tl.store(ptr, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf")), mask=mask)
+    tl.store(LSE + row, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf")), mask=gmask)
 
 
 @triton.jit
-def _int2_stage1(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, split_base,
-                 s_qb, s_qh, s_kcn, s_kch, s_kmn, s_kmh, s_vcn, s_vch, s_vmn, s_vmh, s_ob, s_oh, s_os,
-                 s_lb, s_lh,
-                 G: tl.constexpr, G_PAD: tl.constexpr, D4: tl.constexpr, BLOCK_N: tl.constexpr,
-                 KBF16: tl.constexpr):  # fmt: skip
-    h, sp, b, lo, hi = _split(INDPTR, split_size)
-    offs_g = tl.arange(0, G_PAD)
+def _inv(l_i):
+    has = l_i > 0
+    return tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+
+
+@triton.jit
+def _int2_split(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, total, h, sp, b,
+                HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                BLOCK_N: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    D4: tl.constexpr = D // 4
+    lo = tl.load(INDPTR + b) + sp * split_size
+    hi = tl.minimum(lo + split_size, tl.load(INDPTR + b + 1))
+    row, gmask = _rows(b, h, sp, total, G, G_PAD, HKV * G)
     offs_d = tl.arange(0, D4)
-    gmask = offs_g < G
-    qp = Q + b * s_qb + (h * G + offs_g)[:, None] * s_qh + offs_d[None, :]
-    q0 = tl.load(qp, mask=gmask[:, None], other=0.0)
-    q1 = tl.load(qp + D4, mask=gmask[:, None], other=0.0)
-    q2 = tl.load(qp + 2 * D4, mask=gmask[:, None], other=0.0)
-    q3 = tl.load(qp + 3 * D4, mask=gmask[:, None], other=0.0)
-    qsum = tl.sum(q0.to(tl.float32) + q1.to(tl.float32) + q2.to(tl.float32) + q3.to(tl.float32), 1)
+    qp = Q + (b * HKV * G + h * G + tl.arange(0, G_PAD))[:, None] * D + offs_d[None, :]
+    q0 = tl.load(qp, mask=gmask[:, None], other=0.0).to(tl.float16)
+    q1 = tl.load(qp + D4, mask=gmask[:, None], other=0.0).to(tl.float32)
+    q2 = tl.load(qp + 2 * D4, mask=gmask[:, None], other=0.0).to(tl.float32)
+    q3 = tl.load(qp + 3 * D4, mask=gmask[:, None], other=0.0).to(tl.float32)
+    qsum = tl.sum(q0.to(tl.float32) + q1 + q2 + q3, 1)
+    # plane i holds c·4^i: scale query quarter i by 4^-i (exact, powers of two)
+    q1 = (q1 * 0.25).to(tl.float16)
+    q2 = (q2 * 0.0625).to(tl.float16)
+    q3 = (q3 * 0.015625).to(tl.float16)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
+    zacc = tl.zeros([G_PAD], tl.float32)
     a0 = tl.zeros([G_PAD, D4], tl.float32)
     a1 = tl.zeros([G_PAD, D4], tl.float32)
     a2 = tl.zeros([G_PAD, D4], tl.float32)
@@ -85,102 +120,113 @@ def _int2_stage1(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, s
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < hi
-        slot = tl.load(IDX + offs_n, mask=nmask, other=0).to(tl.int64)
+        sh = tl.load(IDX + offs_n, mask=nmask, other=0).to(tl.int64) * HKV + h  # (slot, head) row
         # K codes loaded transposed, [D4, BLOCK_N], so the planes are dot operands as they are
-        kc = tl.load(KC + slot[None, :] * s_kcn + h * s_kch + offs_d[:, None], mask=nmask[None, :], other=0)
-        ks = tl.load(KM + slot * s_kmn + h * s_kmh, mask=nmask, other=0.0).to(tl.float32)
-        kz = tl.load(KM + slot * s_kmn + h * s_kmh + 1, mask=nmask, other=0.0).to(tl.float32)
-        # planes straight from the bits (no int->float conversions)
-        k16 = kc.to(tl.int16)
-        qc = tl.dot(q0, _plane(k16, 0, KBF16))
-        qc += tl.dot(q1, _plane(k16, 2, KBF16))
-        qc += tl.dot(q2, _plane(k16, 4, KBF16))
-        qc += tl.dot(q3, _plane(k16, 6, KBF16))
-        s = (qc * ks[None, :] - qsum[:, None] * (ks * kz)[None, :]) * qk_scale
+        kc = tl.load(KC + sh[None, :] * D4 + offs_d[:, None], mask=nmask[None, :], other=0)
+        ks = tl.load(KM + sh * 2, mask=nmask, other=0.0).to(tl.float32)
+        kz = tl.load(KM + sh * 2 + 1, mask=nmask, other=0.0).to(tl.float32)
+        k0, k1, k2, k3 = _planes(kc, ASM)
+        qc = tl.dot(q0, k0)
+        qc = tl.dot(q1, k1, qc)
+        qc = tl.dot(q2, k2, qc)
+        qc = tl.dot(q3, k3, qc)
+        s = qc * (ks * (qk_scale * SUBNORMAL))[None, :] - qsum[:, None] * (ks * kz * qk_scale)[None, :]
         s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        vc = tl.load(VC + slot[:, None] * s_vcn + h * s_vch + offs_d[None, :], mask=nmask[:, None], other=0)
-        vs = tl.load(VM + slot * s_vmn + h * s_vmh, mask=nmask, other=0.0).to(tl.float32)
-        vz = tl.load(VM + slot * s_vmn + h * s_vmh + 1, mask=nmask, other=0.0).to(tl.float32)
+        vc = tl.load(VC + sh[:, None] * D4 + offs_d[None, :], mask=nmask[:, None], other=0)
+        vs = tl.load(VM + sh * 2, mask=nmask, other=0.0).to(tl.float32)
+        vz = tl.load(VM + sh * 2 + 1, mask=nmask, other=0.0).to(tl.float32)
         ps = p * vs[None, :]
+        zacc = zacc * alpha + tl.sum(ps * vz[None, :], 1)
         pw = ps.to(tl.float16)
-        pz = tl.sum(ps * vz[None, :], 1)
-        v16 = vc.to(tl.int16)
-        a0 = a0 * alpha[:, None] + tl.dot(pw, _plane(v16, 0, False)) - pz[:, None]
-        a1 = a1 * alpha[:, None] + tl.dot(pw, _plane(v16, 2, False)) - pz[:, None]
-        a2 = a2 * alpha[:, None] + tl.dot(pw, _plane(v16, 4, False)) - pz[:, None]
-        a3 = a3 * alpha[:, None] + tl.dot(pw, _plane(v16, 6, False)) - pz[:, None]
+        v0, v1, v2, v3 = _planes(vc, ASM)
+        a0 = tl.dot(pw, v0, a0 * alpha[:, None])
+        a1 = tl.dot(pw, v1, a1 * alpha[:, None])
+        a2 = tl.dot(pw, v2, a2 * alpha[:, None])
+        a3 = tl.dot(pw, v3, a3 * alpha[:, None])
         m_i = m_new
-    has = l_i > 0
-    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
-    op = O + b * s_ob + (h * G + offs_g)[:, None] * s_oh + (split_base + sp) * s_os + offs_d[None, :]
-    tl.store(op, a0 * inv[:, None], mask=gmask[:, None])
-    tl.store(op + D4, a1 * inv[:, None], mask=gmask[:, None])
-    tl.store(op + 2 * D4, a2 * inv[:, None], mask=gmask[:, None])
-    tl.store(op + 3 * D4, a3 * inv[:, None], mask=gmask[:, None])
-    _store_lse(LSE + b * s_lb + (h * G + offs_g) * s_lh + split_base + sp, m_i, l_i, gmask)
+    inv = _inv(l_i)
+    z = zacc * inv
+    op = O + row[:, None] * D + offs_d[None, :]
+    tl.store(op, a0 * (inv * SUBNORMAL)[:, None] - z[:, None], mask=gmask[:, None])
+    tl.store(op + D4, a1 * (inv * (SUBNORMAL * 0.25))[:, None] - z[:, None], mask=gmask[:, None])
+    tl.store(op + 2 * D4, a2 * (inv * (SUBNORMAL * 0.0625))[:, None] - z[:, None], mask=gmask[:, None])
+    tl.store(op + 3 * D4, a3 * (inv * (SUBNORMAL * 0.015625))[:, None] - z[:, None], mask=gmask[:, None])
+    _store_lse(LSE, row, gmask, m_i, l_i)
 
 
 @triton.jit
-def _hp_stage1(Q, K, V, INDPTR, IDX, O, LSE, qk_scale, split_size, split_base,
-               s_qb, s_qh, s_kn, s_kh, s_vn, s_vh, s_ob, s_oh, s_os, s_lb, s_lh,
-               G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    h, sp, b, lo, hi = _split(INDPTR, split_size)
-    offs_g = tl.arange(0, G_PAD)
+def _hp_split(Q, K, V, INDPTR, IDX, O, LSE, qk_scale, split_size, total, h, sp, b, first,
+              HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+              BLOCK_N: tl.constexpr):  # fmt: skip
+    lo = (
+        tl.load(INDPTR + b) + (sp - first) * split_size
+    )  # split ``sp`` of ``total``; this tier from ``first``
+    hi = tl.minimum(lo + split_size, tl.load(INDPTR + b + 1))
+    row, gmask = _rows(b, h, sp, total, G, G_PAD, HKV * G)
     offs_d = tl.arange(0, D)
-    gmask = offs_g < G
-    q = tl.load(
-        Q + b * s_qb + (h * G + offs_g)[:, None] * s_qh + offs_d[None, :], mask=gmask[:, None], other=0.0
-    )
+    q = tl.load(Q + (b * HKV * G + h * G + tl.arange(0, G_PAD))[:, None] * D + offs_d[None, :],
+                mask=gmask[:, None], other=0.0)  # fmt: skip
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < hi
-        slot = tl.load(IDX + offs_n, mask=nmask, other=0).to(tl.int64)
-        k = tl.load(K + slot[:, None] * s_kn + h * s_kh + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        sh = tl.load(IDX + offs_n, mask=nmask, other=0).to(tl.int64) * HKV + h
+        k = tl.load(K + sh[:, None] * D + offs_d[None, :], mask=nmask[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
         s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + slot[:, None] * s_vn + h * s_vh + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        v = tl.load(V + sh[:, None] * D + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
-    has = l_i > 0
-    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
-    op = O + b * s_ob + (h * G + offs_g)[:, None] * s_oh + (split_base + sp) * s_os + offs_d[None, :]
-    tl.store(op, acc * inv[:, None], mask=gmask[:, None])
-    _store_lse(LSE + b * s_lb + (h * G + offs_g) * s_lh + split_base + sp, m_i, l_i, gmask)
+    tl.store(O + row[:, None] * D + offs_d[None, :], acc * _inv(l_i)[:, None], mask=gmask[:, None])
+    _store_lse(LSE, row, gmask, m_i, l_i)
 
 
-@triton.jit
-def _merge(O, LSE, OUT, n_splits, s_ob, s_oh, s_os, s_lb, s_lh, s_outb, s_outh,
-           S_PAD: tl.constexpr, D: tl.constexpr):  # fmt: skip
-    hq = tl.program_id(0)
-    b = tl.program_id(1)
+@triton.jit(do_not_specialize=["split_q", "split_h", "n_q_splits", "total"])
+def _stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale, split_q, split_h,
+            n_q_splits, total, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    # axis 0 is the KV head so that programs reading the same tokens' interleaved rows run together
+    h = tl.program_id(0)
+    sp = tl.program_id(1)
+    b = tl.program_id(2)
+    if sp < n_q_splits:
+        _int2_split(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, h, sp, b,
+                    HKV, G, G_PAD, D, BLOCK_N, ASM)  # fmt: skip
+    else:
+        _hp_split(Q, HK, HV, HPTR, HIDX, O, LSE, qk_scale, split_h, total, h, sp, b, n_q_splits,
+                  HKV, G, G_PAD, D, BLOCK_H)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["total"])
+def _merge(O, LSE, OUT, total, S_PAD: tl.constexpr, D: tl.constexpr):
+    row = tl.program_id(0)  # b * Hq + hq
     offs_s = tl.arange(0, S_PAD)
     offs_d = tl.arange(0, D)
-    smask = offs_s < n_splits
-    lse = tl.load(LSE + b * s_lb + hq * s_lh + offs_s, mask=smask, other=float("-inf"))
+    smask = offs_s < total
+    lse = tl.load(LSE + row * total + offs_s, mask=smask, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)
-    o = tl.load(
-        O + b * s_ob + hq * s_oh + offs_s[:, None] * s_os + offs_d[None, :], mask=smask[:, None], other=0.0
-    )
+    o = tl.load(O + (row * total + offs_s)[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
     den = tl.sum(w, 0)
     res = tl.sum(o * w[:, None], 0) / tl.where(den > 0, den, 1.0)
-    tl.store(OUT + b * s_outb + hq * s_outh + offs_d, res.to(OUT.dtype.element_ty))
+    tl.store(OUT + row * D + offs_d, res.to(OUT.dtype.element_ty))
 
 
 # Tuning (set by benchmarks/gpu_check.py's sweep; see its saved results)
-CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 4, "programs": 1024, "min_split": 512}
+CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 3, "programs": 1024, "min_split": 256}
+#: 16-bit tier: tokens per split and per tile (it holds at most sink + recent + 7 = 327 by default)
+HP_SPLIT, HP_BLOCK = 128, 32
 
 
 def num_splits(batch: int, kv_heads: int, max_len: int) -> int:
@@ -200,6 +246,15 @@ def _check(fmt: RowFormat) -> None:
         )
 
 
+def _check_layout(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if not t.is_contiguous():
+            raise ValueError(
+                f"decode_attention: {name} must be contiguous (shape {tuple(t.shape)}, stride "
+                f"{t.stride()}); the kernel derives its strides from the pool layout"
+            )
+
+
 def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_indptr, int2_indices,
                      hp_indptr, hp_indices, sm_scale, k_fmt, v_fmt, lens_hint=None):  # fmt: skip
     """Same contract as ``kernels.ref.decode_attention``. ``lens_hint``: optional host-side
@@ -210,42 +265,28 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     g = hq // hkv
     if d % 64 or d > 256 or hq % hkv:
         raise ValueError(f"head_dim must be 64, 128 or 256 and Hq a multiple of Hkv; got d={d}, {hq}/{hkv}")
+    _check_layout(k_codes=k_codes, k_meta=k_meta, v_codes=v_codes, v_meta=v_meta, hp_k=hp_k, hp_v=hp_v)
     if lens_hint is None:
         lens = torch.stack(
             [(int2_indptr[1:] - int2_indptr[:-1]).max(), (hp_indptr[1:] - hp_indptr[:-1]).max()]
         )
         lens_hint = tuple(int(x) for x in lens.tolist()) if bsz else (0, 0)
     max_q, max_h = max(int(lens_hint[0]), 1), max(int(lens_hint[1]), 1)
-    bn_q, bn_h = CONFIG["block_n"], 32
     sq = num_splits(bsz, hkv, max_q)
     split_q = math.ceil(max_q / sq / 256) * 256  # a multiple of every BLOCK_N the sweep tries
     sq = math.ceil(max_q / split_q)
-    split_h = HP_SPLIT
-    sh = math.ceil(max_h / split_h)
+    sh = math.ceil(max_h / HP_SPLIT)
     total = sq + sh
     o_part = torch.empty(bsz, hq, total, d, device=q_rot.device, dtype=torch.float32)
     lse = torch.empty(bsz, hq, total, device=q_rot.device, dtype=torch.float32)
-    g_pad = max(16, triton.next_power_of_2(g))
-    scale = sm_scale * LOG2E
-    # bf16 queries dot bf16 planes; anything else runs in fp16 (also what the CPU interpreter emulates)
+    # 16-bit queries: the model's bf16/fp16 as they are; anything else (fp32 on the CPU) as fp16
     q = q_rot.contiguous() if q_rot.dtype in (torch.bfloat16, torch.float16) else q_rot.half().contiguous()
-    _int2_stage1[(hkv, sq, bsz)](
-        q, k_codes, k_meta, v_codes, v_meta, int2_indptr, int2_indices, o_part, lse, scale, split_q, 0,
-        q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1), k_meta.stride(0), k_meta.stride(1),
-        v_codes.stride(0), v_codes.stride(1), v_meta.stride(0), v_meta.stride(1),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
-        G=g, G_PAD=g_pad, D4=d // 4, BLOCK_N=bn_q, KBF16=q.dtype == torch.bfloat16, num_warps=CONFIG["num_warps"],
-        num_stages=CONFIG["num_stages"],
-    )  # fmt: skip
-    _hp_stage1[(hkv, sh, bsz)](
-        q, hp_k, hp_v, hp_indptr, hp_indices, o_part, lse, scale, split_h, sq,
-        q.stride(0), q.stride(1), hp_k.stride(0), hp_k.stride(1), hp_v.stride(0), hp_v.stride(1),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
-        G=g, G_PAD=g_pad, D=d, BLOCK_N=bn_h, num_warps=4, num_stages=2,
+    _stage1[(hkv, total, bsz)](
+        q, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_indptr, int2_indices, hp_indptr, hp_indices,
+        o_part, lse, sm_scale * LOG2E, split_q, HP_SPLIT, sq, total,
+        HKV=hkv, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, BLOCK_N=CONFIG["block_n"],
+        BLOCK_H=HP_BLOCK, ASM=q.is_cuda, num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
     )  # fmt: skip
     out = torch.empty_like(q_rot)
-    _merge[(hq, bsz)](
-        o_part, lse, out, total, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0),
-        lse.stride(1), out.stride(0), out.stride(1), S_PAD=max(2, triton.next_power_of_2(total)), D=d,
-    )  # fmt: skip
+    _merge[(bsz * hq,)](o_part, lse, out, total, S_PAD=max(2, triton.next_power_of_2(total)), D=d)
     return out

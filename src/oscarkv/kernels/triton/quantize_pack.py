@@ -1,11 +1,12 @@
 """Triton rotate-clip-quantize-pack (2-bit, one (scale, zero) per row) and its inverse.
 
-``_quantize_pack``: program = ``BLOCK_R`` rows of ``D`` elements. Optional rotation by ``tl.dot``
-with ``R`` (operands in the rows' dtype, fp32 accumulation; ``D`` chunks of 64 so ``R`` need not fit in
-registers), the exact clip threshold of the reference (the ``⌊ratio·D⌋``-th smallest ``|x|`` by
-an in-register ``tl.sort``, not OSCAR's bisection), min/max, scale/zero rounded to the metadata
-dtype first, codes by correctly rounded division (``div_rn``, as ``torch`` divides), then the
-quartered packing as a weighted sum over a ``[R, 4, D/4]`` view.
+``_quantize_pack``: program = ``BLOCK_R`` rows of ``D`` elements, each held as its four quarters.
+Optional rotation by ``tl.dot`` with ``R`` (operands in the rows' dtype, fp32 accumulation, one
+quarter of ``R``'s columns and 64 of its rows at a time), the exact clip threshold of the
+reference (the ``⌊ratio·D⌋``-th smallest ``|x|``: peeling maxima with tie counts, or an in-register
+``tl.sort`` for large drop counts; not OSCAR's bisection), min/max, scale/zero rounded to the
+metadata dtype first, codes by correctly rounded division (``div_rn``, as ``torch`` divides), then
+the quartered packing as shifts and ORs of the four quarters' codes.
 """
 
 from __future__ import annotations
@@ -28,50 +29,88 @@ NUM_WARPS = 4
 
 
 @triton.jit
+def _rotated_quarter(X, R, rows, rmask, s_xr, rbase, Q: tl.constexpr, D: tl.constexpr, D4: tl.constexpr,
+                     BLOCK_R: tl.constexpr, KC: tl.constexpr):  # fmt: skip
+    """Columns ``[Q·D4, (Q+1)·D4)`` of ``rows @ R`` (fp32 accumulation), ``KC`` input columns at a time."""
+    acc = tl.zeros([BLOCK_R, D4], tl.float32)
+    offs_k = tl.arange(0, KC)
+    for k0 in range(0, D, KC):
+        xk = tl.load(X + rows[:, None] * s_xr + (k0 + offs_k)[None, :], mask=rmask[:, None], other=0.0)
+        rk = tl.load(rbase + (k0 + offs_k)[:, None] * D + Q * D4 + tl.arange(0, D4)[None, :])
+        acc += tl.dot(xk.to(rk.dtype), rk)
+    return acc
+
+
+@triton.jit
+def _max4(a0, a1, a2, a3):
+    return tl.maximum(tl.maximum(tl.max(a0, 1), tl.max(a1, 1)), tl.maximum(tl.max(a2, 1), tl.max(a3, 1)))
+
+
+@triton.jit
+def _min4(a0, a1, a2, a3):
+    return tl.minimum(tl.minimum(tl.min(a0, 1), tl.min(a1, 1)), tl.minimum(tl.min(a2, 1), tl.min(a3, 1)))
+
+
+@triton.jit
+def _code(x, sf, zf):
+    """Correctly rounded ``x / s`` (as torch divides), ``+ z``, round half up, clamp to [0, 3]."""
+    q = tl.floor(tl.math.div_rn(x, sf[:, None]) + zf[:, None] + 0.5)
+    return tl.minimum(tl.maximum(q, 0.0), 3.0).to(tl.int32)
+
+
+@triton.jit
 def _quantize_pack(X, R, C, M, n_rows, clip_idx, tiny, s_xr, s_rh, s_cr, s_mr,
                    D: tl.constexpr, D4: tl.constexpr, BLOCK_R: tl.constexpr, ROTATE: tl.constexpr,
                    PER_HEAD: tl.constexpr, HEADS: tl.constexpr, CLIP: tl.constexpr, KC: tl.constexpr,
                    N_DROP: tl.constexpr):  # fmt: skip
+    # a row is handled as its four quarters (the quartered byte layout: byte j packs elements j,
+    # j+D/4, j+D/2, j+3D/4), so packing is elementwise and row reductions stay within few lanes
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < n_rows
-    offs = tl.arange(0, D)
+    offs = tl.arange(0, D4)
     if ROTATE:
         # rows are (token, head) pairs, head fastest; per-head R picks R[row % HEADS]
-        x = tl.zeros([BLOCK_R, D], tl.float32)
-        offs_k = tl.arange(0, KC)
-        for k0 in range(0, D, KC):
-            xk = tl.load(X + rows[:, None] * s_xr + (k0 + offs_k)[None, :], mask=rmask[:, None], other=0.0)
-            if PER_HEAD:
-                h = pid % HEADS  # BLOCK_R == 1 rows per program in the per-head case
-                rk = tl.load(R + h * s_rh + (k0 + offs_k)[:, None] * D + offs[None, :])
-            else:
-                rk = tl.load(R + (k0 + offs_k)[:, None] * D + offs[None, :])
-            x += tl.dot(xk.to(rk.dtype), rk)
+        rbase = R + (pid % HEADS) * s_rh if PER_HEAD else R  # BLOCK_R == 1 in the per-head case
+        x0 = _rotated_quarter(X, R, rows, rmask, s_xr, rbase, 0, D, D4, BLOCK_R, KC)
+        x1 = _rotated_quarter(X, R, rows, rmask, s_xr, rbase, 1, D, D4, BLOCK_R, KC)
+        x2 = _rotated_quarter(X, R, rows, rmask, s_xr, rbase, 2, D, D4, BLOCK_R, KC)
+        x3 = _rotated_quarter(X, R, rows, rmask, s_xr, rbase, 3, D, D4, BLOCK_R, KC)
     else:
-        x = tl.load(X + rows[:, None] * s_xr + offs[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+        xp = X + rows[:, None] * s_xr + offs[None, :]
+        x0 = tl.load(xp, mask=rmask[:, None], other=0.0).to(tl.float32)
+        x1 = tl.load(xp + D4, mask=rmask[:, None], other=0.0).to(tl.float32)
+        x2 = tl.load(xp + 2 * D4, mask=rmask[:, None], other=0.0).to(tl.float32)
+        x3 = tl.load(xp + 3 * D4, mask=rmask[:, None], other=0.0).to(tl.float32)
     if CLIP:
-        a = tl.abs(x)
+        a0, a1, a2, a3 = tl.abs(x0), tl.abs(x1), tl.abs(x2), tl.abs(x3)
         if N_DROP <= 16:
             # tau = the (N_DROP+1)-th largest |x| counting ties: peel off maxima with their counts
             rem = tl.full([BLOCK_R], N_DROP, tl.int32)
             tau = tl.zeros([BLOCK_R], tl.float32)
             done = rem < 0
             for _ in tl.static_range(N_DROP + 1):
-                m = tl.max(a, 1)
-                hit = a == m[:, None]
-                cnt = tl.sum(hit.to(tl.int32), 1)
+                m = _max4(a0, a1, a2, a3)[:, None]
+                h0, h1, h2, h3 = a0 == m, a1 == m, a2 == m, a3 == m
+                cnt = tl.sum(h0.to(tl.int32) + h1.to(tl.int32) + h2.to(tl.int32) + h3.to(tl.int32), 1)
                 take = (cnt > rem) & (~done)
-                tau = tl.where(take, m, tau)
+                tau = tl.where(take, tl.reshape(m, [BLOCK_R]), tau)
                 done = done | take
                 rem = rem - cnt
-                a = tl.where(hit, -1.0, a)
+                a0, a1 = tl.where(h0, -1.0, a0), tl.where(h1, -1.0, a1)
+                a2, a3 = tl.where(h2, -1.0, a2), tl.where(h3, -1.0, a3)
         else:
+            # the threshold does not depend on the order of a row's elements
+            a = tl.reshape(tl.join(tl.join(a0, a1), tl.join(a2, a3)), [BLOCK_R, D])
             srt = tl.sort(a, 1)
-            tau = tl.sum(tl.where(offs[None, :] == clip_idx, srt, 0.0), 1)
-        x = tl.minimum(tl.maximum(x, -tau[:, None]), tau[:, None])
-    lo = tl.min(x, 1)
-    hi = tl.max(x, 1)
+            tau = tl.sum(tl.where(tl.arange(0, D)[None, :] == clip_idx, srt, 0.0), 1)
+        t = tau[:, None]
+        x0 = tl.minimum(tl.maximum(x0, -t), t)
+        x1 = tl.minimum(tl.maximum(x1, -t), t)
+        x2 = tl.minimum(tl.maximum(x2, -t), t)
+        x3 = tl.minimum(tl.maximum(x3, -t), t)
+    lo = _min4(x0, x1, x2, x3)
+    hi = _max4(x0, x1, x2, x3)
     s = tl.math.div_rn(tl.maximum(hi - lo, 1e-8), 3.0)
     s = tl.maximum(s, tl.math.div_rn(tl.maximum(tl.abs(lo), tl.abs(hi)), 16384.0))
     s = tl.maximum(s, tiny)
@@ -80,13 +119,10 @@ def _quantize_pack(X, R, C, M, n_rows, clip_idx, tiny, s_xr, s_rh, s_cr, s_mr,
     z_m = z.to(M.dtype.element_ty)
     sf = s_m.to(tl.float32)
     zf = z_m.to(tl.float32)
-    q = tl.floor(tl.math.div_rn(x, sf[:, None]) + zf[:, None] + 0.5)
-    q = tl.minimum(tl.maximum(q, 0.0), 3.0).to(tl.int32)
-    w = tl.where(
-        tl.arange(0, 4) == 0, 1, tl.where(tl.arange(0, 4) == 1, 4, tl.where(tl.arange(0, 4) == 2, 16, 64))
+    packed = (
+        _code(x0, sf, zf) | (_code(x1, sf, zf) << 2) | (_code(x2, sf, zf) << 4) | (_code(x3, sf, zf) << 6)
     )
-    packed = tl.sum(tl.reshape(q, (BLOCK_R, 4, D4)) * w[None, :, None], 1)
-    tl.store(C + rows[:, None] * s_cr + tl.arange(0, D4)[None, :], packed.to(tl.uint8), mask=rmask[:, None])
+    tl.store(C + rows[:, None] * s_cr + offs[None, :], packed.to(tl.uint8), mask=rmask[:, None])
     tl.store(M + rows * s_mr, s_m, mask=rmask)
     tl.store(M + rows * s_mr + 1, z_m, mask=rmask)
 
