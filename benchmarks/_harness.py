@@ -13,6 +13,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def git_commit() -> str:
+    # a run on the GPU machine works on a copy of the tree whose .git (if any) may be stale: the
+    # run command carries the hash in results/.commit (ignored by git), which then wins
+    stamp = Path(__file__).parent / "results" / ".commit"
+    if stamp.exists():
+        return stamp.read_text().strip()
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
@@ -29,9 +34,7 @@ def git_commit() -> str:
         ).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        # the GPU machine gets a copy of the tree without .git: the run command writes the hash here
-        stamp = Path(__file__).parent / "results" / ".commit"
-        return stamp.read_text().strip() if stamp.exists() else "unknown"
+        return "unknown"
 
 
 def env_info() -> dict[str, Any]:

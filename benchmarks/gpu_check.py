@@ -183,7 +183,8 @@ def sweep_decode() -> list[dict]:
     rows = []
     for bn in (32, 64, 128):
         for warps in (1, 2, 4):
-            for stages in (2, 3):
+            # 2 stages faulted (illegal address) at some first launches on a new shape: left out
+            for stages in (3, 4):
                 for min_split in (256, 512):
                     tda.CONFIG.update(block_n=bn, num_warps=warps, num_stages=stages, min_split=min_split)
                     try:
