@@ -76,17 +76,19 @@ def _pools(nq: int, nh: int, hkv: int, d: int, fmt: RowFormat):
 
 
 @pytest.mark.parametrize(
-    ("lens_q", "lens_h", "hq", "hkv", "d"),
+    ("lens_q", "lens_h", "hq", "hkv", "d", "meta"),
     [
-        ([1], [1], 4, 4, 64),  # a single token per tier, MHA
-        ([70, 0, 129], [5, 9, 0], 8, 2, 64),  # empty tiers, lengths not multiples of the block
-        ([300], [20], 8, 2, 128),  # several splits
-        ([0, 0], [0, 3], 4, 2, 64),  # a sequence with no tokens at all
+        ([1], [1], 4, 4, 64, "fp16"),  # a single token per tier, MHA
+        ([70, 0, 129], [5, 9, 0], 8, 2, 64, "fp16"),  # empty tiers, lengths not multiples of the block
+        ([300], [20], 8, 2, 128, "fp16"),  # several splits
+        ([0, 0], [0, 3], 4, 2, 64, "fp16"),  # a sequence with no tokens at all
+        ([90, 40], [7, 2], 8, 2, 64, "bf16"),  # metadata read as int32 words, bf16 halves
+        ([90, 40], [7, 2], 8, 2, 64, "fp32"),  # metadata read as int64 words
     ],
 )
-def test_decode_attention_matches_reference(tk, lens_q, lens_h, hq, hkv, d):
+def test_decode_attention_matches_reference(tk, lens_q, lens_h, hq, hkv, d, meta):
     _, da = tk
-    fmt = RowFormat(d, 2, d)
+    fmt = RowFormat(d, 2, d, meta_dtype=meta)
     nq, nh = sum(lens_q), sum(lens_h)
     kc, km, vc, vm, hk, hv = _pools(nq, nh, hkv, d, fmt)
     qi = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
@@ -102,3 +104,17 @@ def test_decode_attention_matches_reference(tk, lens_q, lens_h, hq, hkv, d):
             assert torch.equal(got[b], torch.zeros_like(got[b]))
         else:
             assert _rel(got[b], want[b]) < 5e-3
+
+
+def test_decode_attention_refuses_non_contiguous_pools(tk):
+    _, da = tk
+    fmt = RowFormat(64, 2, 64)
+    kc, km, vc, vm, hk, hv = _pools(8, 2, 2, 64, fmt)
+    ip = torch.tensor([0, 8], dtype=torch.int32)
+    hp = torch.tensor([0, 2], dtype=torch.int32)
+    idx, hidx = torch.arange(8, dtype=torch.int32), torch.arange(2, dtype=torch.int32)
+    strided = torch.cat([kc, kc], 2)[:, :, ::2]
+    with pytest.raises(ValueError, match="k_codes must be contiguous"):
+        da.decode_attention(
+            torch.randn(1, 4, 64), strided, km, vc, vm, hk, hv, ip, idx, hp, hidx, 0.1, fmt, fmt
+        )

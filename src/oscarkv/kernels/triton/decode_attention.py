@@ -72,6 +72,21 @@ def _planes(c, ASM: tl.constexpr):
 
 
 @triton.jit
+def _meta(words, META: tl.constexpr):
+    """``(scale, zero)`` as fp32 from one word per row: int32 for 16-bit metadata (``META`` 0 =
+    fp16, 1 = bf16), int64 for fp32 (2). One 4/8-byte load per row instead of two 2/4-byte ones
+    lets Triton pipeline it with ``cp.async`` like the code tiles."""
+    if META == 2:
+        s = (words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+        z = (words >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    else:
+        dt: tl.constexpr = tl.float16 if META == 0 else tl.bfloat16
+        s = (words & 0xFFFF).to(tl.int16).to(dt, bitcast=True).to(tl.float32)
+        z = (words >> 16).to(tl.int16).to(dt, bitcast=True).to(tl.float32)
+    return s, z
+
+
+@triton.jit
 def _rows(b, h, sp, total, G: tl.constexpr, G_PAD: tl.constexpr, HQ: tl.constexpr):
     """Rows ``(b, h·g + i, sp)`` of the ``[B, Hq, total]`` partial-state arrays, and their mask."""
     offs_g = tl.arange(0, G_PAD)
@@ -94,7 +109,7 @@ def _inv(l_i):
 @triton.jit
 def _int2_split(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, total, h, sp, b,
                 HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                BLOCK_N: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+                BLOCK_N: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr):  # fmt: skip
     D4: tl.constexpr = D // 4
     lo = tl.load(INDPTR + b) + sp * split_size
     hi = tl.minimum(lo + split_size, tl.load(INDPTR + b + 1))
@@ -123,8 +138,7 @@ def _int2_split(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, to
         sh = tl.load(IDX + offs_n, mask=nmask, other=0).to(tl.int64) * HKV + h  # (slot, head) row
         # K codes loaded transposed, [D4, BLOCK_N], so the planes are dot operands as they are
         kc = tl.load(KC + sh[None, :] * D4 + offs_d[:, None], mask=nmask[None, :], other=0)
-        ks = tl.load(KM + sh * 2, mask=nmask, other=0.0).to(tl.float32)
-        kz = tl.load(KM + sh * 2 + 1, mask=nmask, other=0.0).to(tl.float32)
+        ks, kz = _meta(tl.load(KM + sh, mask=nmask, other=0), META)
         k0, k1, k2, k3 = _planes(kc, ASM)
         qc = tl.dot(q0, k0)
         qc = tl.dot(q1, k1, qc)
@@ -137,8 +151,7 @@ def _int2_split(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, to
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         vc = tl.load(VC + sh[:, None] * D4 + offs_d[None, :], mask=nmask[:, None], other=0)
-        vs = tl.load(VM + sh * 2, mask=nmask, other=0.0).to(tl.float32)
-        vz = tl.load(VM + sh * 2 + 1, mask=nmask, other=0.0).to(tl.float32)
+        vs, vz = _meta(tl.load(VM + sh, mask=nmask, other=0), META)
         ps = p * vs[None, :]
         zacc = zacc * alpha + tl.sum(ps * vz[None, :], 1)
         pw = ps.to(tl.float16)
@@ -194,14 +207,14 @@ def _hp_split(Q, K, V, INDPTR, IDX, O, LSE, qk_scale, split_size, total, h, sp, 
 @triton.jit(do_not_specialize=["split_q", "split_h", "n_q_splits", "total"])
 def _stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale, split_q, split_h,
             n_q_splits, total, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+            BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr):  # fmt: skip
     # axis 0 is the KV head so that programs reading the same tokens' interleaved rows run together
     h = tl.program_id(0)
     sp = tl.program_id(1)
     b = tl.program_id(2)
     if sp < n_q_splits:
         _int2_split(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, h, sp, b,
-                    HKV, G, G_PAD, D, BLOCK_N, ASM)  # fmt: skip
+                    HKV, G, G_PAD, D, BLOCK_N, ASM, META)  # fmt: skip
     else:
         _hp_split(Q, HK, HV, HPTR, HIDX, O, LSE, qk_scale, split_h, total, h, sp, b, n_q_splits,
                   HKV, G, G_PAD, D, BLOCK_H)  # fmt: skip
@@ -246,6 +259,14 @@ def _check(fmt: RowFormat) -> None:
         )
 
 
+# metadata dtype -> (the word one (scale, zero) pair is read as, the kernel's META id)
+_META_WORDS = {
+    torch.float16: (torch.int32, 0),
+    torch.bfloat16: (torch.int32, 1),
+    torch.float32: (torch.int64, 2),
+}
+
+
 def _check_layout(**tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
         if not t.is_contiguous():
@@ -281,11 +302,16 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     lse = torch.empty(bsz, hq, total, device=q_rot.device, dtype=torch.float32)
     # 16-bit queries: the model's bf16/fp16 as they are; anything else (fp32 on the CPU) as fp16
     q = q_rot.contiguous() if q_rot.dtype in (torch.bfloat16, torch.float16) else q_rot.half().contiguous()
+    if k_meta.dtype != v_meta.dtype or k_meta.dtype not in _META_WORDS or k_meta.shape[-2:] != (1, 2):
+        raise ValueError(
+            f"metadata must be [N, Hkv, 1, 2] fp16/bf16/fp32; got {k_meta.dtype} {tuple(k_meta.shape)}"
+        )
+    word, meta_id = _META_WORDS[k_meta.dtype]
     _stage1[(hkv, total, bsz)](
-        q, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_indptr, int2_indices, hp_indptr, hp_indices,
+        q, k_codes, k_meta.view(word), v_codes, v_meta.view(word), hp_k, hp_v, int2_indptr, int2_indices, hp_indptr, hp_indices,
         o_part, lse, sm_scale * LOG2E, split_q, HP_SPLIT, sq, total,
         HKV=hkv, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, BLOCK_N=CONFIG["block_n"],
-        BLOCK_H=HP_BLOCK, ASM=q.is_cuda, num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
+        BLOCK_H=HP_BLOCK, ASM=q.is_cuda, META=meta_id, num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
     )  # fmt: skip
     out = torch.empty_like(q_rot)
     _merge[(bsz * hq,)](o_part, lse, out, total, S_PAD=max(2, triton.next_power_of_2(total)), D=d)
