@@ -237,7 +237,7 @@ def _merge(O, LSE, OUT, total, S_PAD: tl.constexpr, D: tl.constexpr):
 
 
 # Tuning (set by benchmarks/gpu_check.py's sweep; see its saved results)
-CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 3, "programs": 1024, "min_split": 256}
+CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 2, "programs": 1024, "min_split": 256}
 #: 16-bit tier: tokens per split and per tile (it holds at most sink + recent + 7 = 327 by default)
 HP_SPLIT, HP_BLOCK = 128, 32
 

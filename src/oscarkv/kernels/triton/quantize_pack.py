@@ -23,7 +23,7 @@ from ...quant.quantizer import META_TORCH_DTYPES, clip_index
 __all__ = ["dequantize", "quantize_pack"]
 
 # Tuning (set by benchmarks/gpu_check.py's sweep; see its saved results)
-BLOCK_R = 32
+BLOCK_R = 64
 BLOCK_R_ROT = 64
 NUM_WARPS = 4
 
