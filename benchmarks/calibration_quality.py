@@ -26,10 +26,10 @@ from oscarkv.cli import load_model
 from oscarkv.config import CalibrationConfig
 
 RECIPES = {
-    "oscar+clip-search": dict(method="oscar"),
+    "oscar+clip-search": dict(method="oscar", clip_search=True),
     "oscar (global clips)": dict(method="oscar", clip_search=False),
-    "oscar softmax-V": dict(method="oscar", v_target="softmax"),
-    "oscar kv_head": dict(method="oscar", granularity="kv_head"),
+    "oscar softmax-V": dict(method="oscar", v_target="softmax", clip_search=True),
+    "oscar kv_head": dict(method="oscar", granularity="kv_head", clip_search=True),
     "ktk_vtv (global clips)": dict(method="ktk_vtv", clip_search=False),
     "hadamard (global clips)": dict(method="hadamard", clip_search=False),
     "identity (global clips)": dict(method="identity", clip_search=False),

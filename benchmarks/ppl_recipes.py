@@ -1,7 +1,8 @@
 """Continuation-perplexity ratio to BF16 for several calibration recipes and baselines (CPU, fp32).
 
 Calibrates the model four ways (clip search, global clips, per-KV-head, softmax V target), then
-scores 8 held-out sequences of 3072 tokens (last 512 in chunks of 32) through each method's cache.
+scores the 8 evaluation windows of 3072 tokens (``eval_sequences``: one module each; the last 512
+tokens in chunks of 32) through each method's cache.
 
     python benchmarks/ppl_recipes.py --model ../shared/models/oscar-ref-qwen3-30m
 """
@@ -19,13 +20,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import save
 
 import oscarkv
-from oscarkv.calibration.data import token_sequences
+from oscarkv.calibration.data import eval_sequences
 from oscarkv.cli import load_model
 from oscarkv.config import CalibrationConfig
 from oscarkv.eval.methods import get_method
 from oscarkv.eval.tasks.ppl import continuation_nll
 
-RECIPES = {"search": {}, "global": {"clip_search": False}, "kvhead": {"granularity": "kv_head"},
+RECIPES = {"search": {"clip_search": True}, "global": {}, "kvhead": {"granularity": "kv_head"},
            "softmax": {"v_target": "softmax"}}  # fmt: skip
 
 
@@ -35,7 +36,7 @@ def main() -> None:
     args = ap.parse_args()
     model, tok = load_model(args.model, "cpu", "fp32")
     sets = {n: oscarkv.calibrate(model, tok, CalibrationConfig(**kw)) for n, kw in RECIPES.items()}
-    seqs = token_sequences(tok, None, 8, 3072, 0, split="eval")
+    seqs = eval_sequences(tok, 8, 3072, seed=0)
 
     def ppl(method) -> float:
         res = [continuation_nll(model, method, s, 3072 - 512, 32) for s in seqs]
@@ -44,7 +45,7 @@ def main() -> None:
     base = ppl(get_method("bf16", None, model.config))
     rows = {"bf16": 1.0}
     for n in ("hadamard-int2", "clip-only", "quarot-int2", "int4"):
-        rows[n] = ppl(get_method(n, sets["search"], model.config)) / base
+        rows[n] = ppl(get_method(n, sets["global"], model.config)) / base
     for n, rs in sets.items():
         rows[f"oscar ({n})"] = ppl(get_method("oscar", rs, model.config)) / base
     md = [

@@ -358,7 +358,7 @@ def test_calibrate_with_progress_bar(models, tok, corpus):
 @pytest.fixture(scope="module")
 def oscar_run(models, tok, corpus):
     """calibrate() on Qwen3 with the clip search on; tokens not a multiple of seq_len."""
-    cfg = CalibrationConfig(tokens=320, seq_len=128, holdout_tokens=128, seed=0)
+    cfg = CalibrationConfig(tokens=320, seq_len=128, holdout_tokens=128, clip_search=True, seed=0)
     rs = calibrate(models["qwen3"], tok, cfg, SPEC, data=corpus, progress=False)
     return cfg, rs
 
@@ -552,7 +552,9 @@ def test_softmax_v_target_through_calibrate(models, tok, corpus):
 # ---- 5. kv_head granularity ----------------------------------------------------------------------
 def test_kv_head_granularity(models, tok, corpus, tmp_path):
     model = models["llama"]
-    cfg = CalibrationConfig(tokens=256, seq_len=128, holdout_tokens=128, granularity="kv_head")
+    cfg = CalibrationConfig(
+        tokens=256, seq_len=128, holdout_tokens=128, granularity="kv_head", clip_search=True
+    )
     rs = calibrate(model, tok, cfg, SPEC, data=corpus)
     assert rs.granularity == "kv_head" and rs.num_kv_heads == H_KV
     cap = capture_all(model, calibration_chunks(tok, corpus, cfg)[0])
@@ -874,9 +876,9 @@ def test_calibration_config_errors_name_the_field(field, value):
 
 def test_clip_search_needs_holdout():
     with pytest.raises(SpecError, match="holdout_tokens"):
-        CalibrationConfig(holdout_tokens=0)
-    assert CalibrationConfig(holdout_tokens=0, clip_search=False).num_holdout_sequences == 0
-    cfg = CalibrationConfig(tokens=300, seq_len=128, holdout_tokens=129)
+        CalibrationConfig(holdout_tokens=0, clip_search=True)
+    assert CalibrationConfig(holdout_tokens=0).num_holdout_sequences == 0  # the search is off by default
+    cfg = CalibrationConfig(tokens=300, seq_len=128, holdout_tokens=129, clip_search=True)
     assert (cfg.num_sequences, cfg.num_holdout_sequences) == (3, 2)
 
 
@@ -953,8 +955,8 @@ def test_cli_calibrate_end_to_end(saved_model, tmp_path, capsys):
 
     rc = main([
         "calibrate", "--model", str(model_dir), "--out", str(out), "--tokens", "256", "--seq-len", "128",
-        "--holdout-tokens", "128", "--sink-tokens", "4", "--recent-tokens", "16", "--data", str(data),
-        "--device", "cpu", "--quiet", "--export-oscar",
+        "--holdout-tokens", "128", "--clip-search", "--sink-tokens", "4", "--recent-tokens", "16",
+        "--data", str(data), "--device", "cpu", "--quiet", "--export-oscar",
     ])  # fmt: skip
     assert rc == 0
     printed = capsys.readouterr().out

@@ -119,19 +119,86 @@ def test_oscar_needs_rotations(model):
         get_method("int3", None, model.config)
 
 
+FILLER = tuple(f"    x_{chr(97 + i % 26)} = compute(a, b)  # line {chr(65 + i % 26)}" for i in range(300))
+
+
 def test_needle_prompts():
     tok = CharTok()
-    cases = build_cases(tok, [600], [0.1, 0.9], trials=2, needles=3, seed=0)
+    cases = build_cases(tok, [2000], [0.1, 0.9], trials=2, needles=3, seed=0, filler=FILLER)
     assert len(cases) == 4
     for c in cases:
         text = tok.decode(c.ids)
-        assert abs(len(c.ids) - 600) < 120
-        assert text.count(f"= {c.answer}\n") >= 1
-        name = text.rsplit("\n", 1)[-1].removesuffix(" =")
-        assert f"\n{name} = {c.answer}\n" in text  # the queried needle holds the answer
+        assert abs(len(c.ids) - 2000) < 150  # within a filler block
+        name = text.rsplit("\n", 1)[-1].removesuffix(": int =")
+        assert text.endswith(f"\n{name}: int =")
+        # the queried needle is a line of its own at needle_pos, holding the answer, once
+        assert tok.decode(c.ids[c.needle_pos :]).startswith(f"{name}: int = {c.answer}\n")
+        assert text[c.needle_pos - 1] == "\n" and text.count(f"{name}: int = ") == 1
+        assert len(c.answer) == 4 and c.answer.isdigit()
+        assert abs(c.needle_pos / len(c.ids) - c.depth) < 0.12  # the other needles shift it a little
     early, late = cases[0], cases[2]
-    pos = lambda c: tok.decode(c.ids).index(c.answer) / len(c.ids)  # noqa: E731
-    assert pos(early) < pos(late)
+    assert early.needle_pos < late.needle_pos
+    # the same arguments give the same prompts (every method is scored on the same prompts)
+    again = build_cases(tok, [2000], [0.1, 0.9], trials=2, needles=3, seed=0, filler=FILLER)
+    assert [c.ids for c in again] == [c.ids for c in cases]
+
+
+def test_needles_sit_in_the_quantized_middle():
+    """At the default windows (sink 64, recent 256) and ~3K tokens, needles at depths 0.05-0.9
+    are stored in INT2, not in a 16-bit window."""
+    tok = CharTok()
+    spec = QuantSpec()
+    depths = [0.05, 0.3, 0.6, 0.9]
+    # one-line filler blocks: CharTok's blocks are far longer than a real tokenizer's
+    for c in build_cases(tok, [3072], depths, trials=2, needles=1, seed=1, filler=FILLER, block_lines=1):
+        text = tok.decode(c.ids)  # one character per token
+        end = text.index("\n", c.needle_pos) + 1
+        assert abs(c.needle_pos / len(c.ids) - c.depth) < 0.05  # within half a filler block
+        assert spec.sink_tokens <= c.needle_pos and end <= len(c.ids) - spec.recent_tokens
+
+
+def test_needle_filler_is_stdlib_code():
+    from oscarkv.eval.tasks.needle import NAMES, filler_lines
+
+    lines = filler_lines()
+    assert len(lines) > 1000 and any(ln.startswith(("def ", "class ", "import ")) for ln in lines)
+    assert not any(n in ln for ln in lines[:2000] for n in NAMES)
+    assert filler_lines() is lines  # cached
+
+
+def _fake_stdlib(root: Path, n: int) -> list[str]:
+    """``n`` eval-split modules (crc32 of the relative path % 10 == 0) plus calib-split ones."""
+    import zlib
+
+    names, i = [], 0
+    while len(names) < n:
+        name = f"mod_{i}.py"
+        body = "".join(f"def f{i}x{j}(y):\n    return y + {j}\n" for j in range(20))
+        (root / name).write_text(body)
+        if zlib.crc32(name.encode()) % 10 == 0:
+            names.append(name)
+        i += 1
+    return names
+
+
+def test_eval_sequences_are_deterministic_and_stable(tmp_path):
+    from oscarkv.calibration.data import CorpusError, eval_sequences, ranked_eval_files
+
+    tok = CharTok()
+    _fake_stdlib(tmp_path, 6)
+    a = eval_sequences(tok, 4, 100, seed=0, root=tmp_path)
+    assert a.shape == (4, 100) and torch.equal(a, eval_sequences(tok, 4, 100, seed=0, root=tmp_path))
+    # one window per module: the 4 windows come from 4 different files
+    srcs = {tok.decode(row.tolist()).split("def f")[1].split("x")[0] for row in a}
+    assert len(srcs) == 4
+    assert not torch.equal(a, eval_sequences(tok, 4, 100, seed=1, root=tmp_path))
+    # ranks depend on a file's own path only: adding files never reorders the existing ones
+    before = [p.name for p in ranked_eval_files(0, tmp_path)[1]]
+    _fake_stdlib(tmp_path, 12)
+    after = [p.name for p in ranked_eval_files(0, tmp_path)[1]]
+    assert [n for n in after if n in before] == before
+    with pytest.raises(CorpusError, match="fewer than"):
+        eval_sequences(tok, 50, 100, root=tmp_path)
 
 
 def test_eval_config_validation():
@@ -147,7 +214,7 @@ def test_run_eval_rows_and_report(model, rotations, tmp_path, monkeypatch):
     import oscarkv.eval.runner as runner
 
     seqs = torch.randint(1, 256, (2, 400), generator=torch.Generator().manual_seed(3))
-    monkeypatch.setattr(runner, "token_sequences", lambda *a, **k: seqs[: a[2]] if len(a) > 2 else seqs)
+    monkeypatch.setattr(runner, "eval_sequences", lambda tok, n, seq_len, seed=0: seqs[:n, :seq_len])
     cfg = EvalConfig(
         methods="bf16,oscar,naive-int2,kivi2",
         tasks="ppl,passkey,attn-error",

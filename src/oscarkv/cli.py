@@ -164,6 +164,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    import platform
     import time
 
     from rich.console import Console
@@ -186,6 +187,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         **dataclasses.asdict(cfg.effective()),
         "model": args.model,
         "rotations": args.rotations,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        # the evaluation text and needle filler are this Python's standard library
+        "python": platform.python_version(),
         "seconds": round(time.perf_counter() - t0, 1),
     }
     files = write_report(args.out, rows, settings)

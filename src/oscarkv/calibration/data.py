@@ -18,7 +18,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["CorpusError", "default_corpus", "iter_documents", "token_sequences"]
+__all__ = [
+    "CorpusError",
+    "default_corpus",
+    "eval_sequences",
+    "iter_documents",
+    "ranked_eval_files",
+    "token_sequences",
+]
 
 TEXT_SUFFIXES = {
     ".txt", ".md", ".rst", ".py", ".c", ".h", ".cc", ".cpp", ".hpp", ".js", ".ts", ".java",
@@ -42,6 +49,13 @@ def default_corpus(split: str = "calib") -> list[Path]:
     if split not in SPLITS:
         raise CorpusError(f"split must be one of {SPLITS}; got {split!r}")
     root = Path(sysconfig.get_paths()["stdlib"])
+    files = _split_files(root, split)
+    if not files:
+        raise CorpusError(f"no Python sources under {root}; pass --data")
+    return files
+
+
+def _split_files(root: Path, split: str) -> list[Path]:
     files = []
     for p in sorted(root.rglob("*.py")):
         rel = p.relative_to(root)
@@ -50,9 +64,53 @@ def default_corpus(split: str = "calib") -> list[Path]:
         in_eval = zlib.crc32(rel.as_posix().encode()) % 10 == 0
         if in_eval == (split == "eval"):
             files.append(p)
-    if not files:
-        raise CorpusError(f"no Python sources under {root}; pass --data")
     return files
+
+
+def _stable_key(seed: int, name: str) -> int:
+    return zlib.crc32(f"{seed}:{name}".encode())
+
+
+def ranked_eval_files(seed: int = 0, root: str | Path | None = None) -> tuple[Path, list[Path]]:
+    """The standard library root and its ``eval``-split files ranked by a stable hash of
+    ``seed`` and the relative path (a file's rank does not depend on which other files exist)."""
+    base = Path(root) if root is not None else Path(sysconfig.get_paths()["stdlib"])
+    files = _split_files(base, "eval")
+    if not files:
+        raise CorpusError(f"no Python sources under {base}")
+    return base, sorted(files, key=lambda p: (_stable_key(seed, p.relative_to(base).as_posix()), str(p)))
+
+
+def eval_sequences(
+    tokenizer: Any, num_sequences: int, seq_len: int, seed: int = 0, root: str | Path | None = None
+) -> torch.Tensor:
+    """Evaluation windows from the default corpus's ``eval`` split, one document per window.
+
+    Files are ranked by a stable hash of ``seed`` and their path relative to the standard library
+    (not by shuffling the file list), and the first ``num_sequences`` files with at least
+    ``seq_len`` tokens each give one window, at an offset from the same hash. So which modules are
+    scored does not depend on the rest of the file set (another Python version adds or drops
+    files without moving the others), the text spans ``num_sequences`` different modules instead
+    of the few that fill a concatenated stream, and nothing is downloaded. The module contents
+    still follow the installed Python version, which the evaluation results record.
+    ``root`` overrides the standard library's location (tests). Returns LongTensor ``[n, seq_len]``.
+    """
+    base, ranked = ranked_eval_files(seed, root)
+    out: list[list[int]] = []
+    for path in ranked:
+        ids = tokenizer(path.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)[
+            "input_ids"
+        ]
+        if len(ids) < seq_len:
+            continue
+        off = _stable_key(seed + 1, path.relative_to(base).as_posix()) % (len(ids) - seq_len + 1)
+        out.append(ids[off : off + seq_len])
+        if len(out) == num_sequences:
+            return torch.tensor(out, dtype=torch.long)
+    raise CorpusError(
+        f"the eval split under {base} has {len(out)} files of >= {seq_len} tokens, fewer than the "
+        f"{num_sequences} sequences asked; lower the context or the number of sequences"
+    )
 
 
 def _expand(sources: Sequence[str | Path]) -> list[Path]:

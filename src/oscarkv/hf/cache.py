@@ -53,8 +53,9 @@ class OscarCacheLayer(DynamicLayer):
         self.dtype, self.device = key_states.dtype, key_states.device
         b, h, _, d = key_states.shape
         self.pools = LayerPools(b, h, d, key_states.dtype, key_states.device, self.k_fmt, self.v_fmt)
-        self.r_k = self.r_k.to(self.device, self.dtype)
-        self.r_v = self.r_v.to(self.device, self.dtype)
+        # kept in float32: a 16-bit copy of R is not orthogonal (see ``attend``)
+        self.r_k = self.r_k.to(self.device, torch.float32)
+        self.r_v = self.r_v.to(self.device, torch.float32)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
@@ -111,9 +112,11 @@ class OscarCacheLayer(DynamicLayer):
         self.seen += t
         plan = owner.plan(past, t, mask, bsz, query.device)
         scale = scaling if scaling is not None else 1.0 / math.sqrt(d)
-        q_rot = rotate_heads(query, self.r_k).transpose(1, 2)  # [B, T, Hq, d]
-        k_rot = rotate_heads(key, self.r_k).transpose(1, 2)
-        v_rot = (value if owner.values_prerotated else rotate_heads(value, self.r_v)).transpose(1, 2)
+        # Rotations run in float32 and round once to the model dtype. With 16-bit R (and 16-bit
+        # products) R·Rᵀ ≠ I by ~2^-8, which perturbs every logit q·k, sink and window included.
+        q_rot = self._rotate(query, self.r_k).transpose(1, 2)  # [B, T, Hq, d]
+        k_rot = self._rotate(key, self.r_k).transpose(1, 2)
+        v_rot = (value if owner.values_prerotated else self._rotate(value, self.r_v)).transpose(1, 2)
         if plan.is_decode:
             self.pools.apply(plan, k_rot, v_rot, ops)
             p = self.pools
@@ -134,7 +137,12 @@ class OscarCacheLayer(DynamicLayer):
         else:
             o = self._prefill(plan, q_rot, k_rot, v_rot, scale, ops)
             self.pools.apply(plan, k_rot, v_rot, ops)
-        return rotate_heads(o.transpose(1, 2), self.r_v, inverse=True).transpose(1, 2).contiguous()
+        return self._rotate(o.transpose(1, 2), self.r_v, inverse=True).transpose(1, 2).contiguous()
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, r: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """``x`` rotated by the float32 ``r`` in float32, rounded once to ``x.dtype``."""
+        return rotate_heads(x.float(), r, inverse=inverse).to(x.dtype)
 
     def _prefill(
         self,

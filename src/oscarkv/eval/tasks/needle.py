@@ -1,22 +1,35 @@
-"""Passkey and multi-needle retrieval with generation (synthetic haystacks, no downloads).
+"""Passkey and multi-needle retrieval with generation (code haystacks, no downloads).
 
-A haystack of repeated filler lines holds one or several ``name = NUMBER`` lines; the prompt
-ends with ``name =`` for one of them and the model must generate the number. One needle is the
-classic passkey test; several needles with distinct names is multi-key needle-in-a-haystack.
+The haystack is code: a block of ``BLOCK_LINES`` consecutive lines of the standard library's
+``eval`` split (the split calibration never reads; lines without digits or quotes, drawn per
+prompt) repeated to the prompt length, the way the classic passkey test repeats a prose filler.
+One or several needle lines ``NAME: int = NUMBER`` (upper-case constant names, 4 digits, a line
+each) sit between blocks at the requested depths, and the prompt ends with ``NAME: int =`` for
+one of them: the model must generate the number. One needle is the passkey test; several needles
+with distinct names is multi-key needle-in-a-haystack. Every method is scored on the same
+prompts. Why this format: the reference model is a code model, and with an English-prose
+haystack or contiguous (non-repeated) real code it fails often in BF16 already; without the
+``: int`` annotation it tends to open a string literal instead of copying the number.
 """
 
 from __future__ import annotations
 
+import functools
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["NeedleCase", "build_cases", "run_case"]
+__all__ = ["NAMES", "NeedleCase", "build_cases", "filler_lines", "run_case"]
 
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
-NAMES = ("pass_key", "door_code", "pin_number", "lock_combo", "room_id", "ticket_no", "seat_code", "box_id")
+NAMES = ("PASS_KEY", "DOOR_CODE", "PIN_NUMBER", "LOCK_COMBO", "ROOM_ID", "TICKET_NO", "SEAT_CODE", "BOX_ID")
+#: lines of filler kept in the pool (from the first eval-split files in a stable order)
+POOL_LINES = 20000
+#: lines in the repeated filler block
+BLOCK_LINES = 6
 
 
 @dataclass(frozen=True)
@@ -27,6 +40,38 @@ class NeedleCase:
     trial: int
     ids: tuple[int, ...]
     answer: str
+    #: token offset of the queried needle line in ``ids``
+    needle_pos: int = -1
+
+
+@functools.lru_cache(maxsize=4)
+def _stdlib_lines(root: str | None) -> tuple[str, ...]:
+    from ...calibration.data import ranked_eval_files
+
+    lines: list[str] = []
+    for p in ranked_eval_files(0, root)[1]:
+        text = p.read_text(encoding="utf-8", errors="replace")
+        lines += [ln.rstrip() for ln in text.splitlines() if not any(n in ln for n in NAMES)]
+        if len(lines) >= POOL_LINES:
+            break
+    return tuple(lines[:POOL_LINES])
+
+
+def filler_lines(root: str | Path | None = None) -> tuple[str, ...]:
+    """The haystack's line pool: code lines of the standard library's ``eval`` split, files in a
+    stable hash order (as :func:`~oscarkv.calibration.data.eval_sequences`), needle names removed."""
+    return _stdlib_lines(None if root is None else str(root))
+
+
+def _clean(line: str) -> bool:
+    return bool(line.strip()) and not any(c.isdigit() or c in "\"'" for c in line)
+
+
+@functools.lru_cache(maxsize=8)
+def _block_starts(pool: tuple[str, ...], n: int) -> tuple[int, ...]:
+    """Pool indices where ``n`` consecutive non-empty lines without digits or quotes start."""
+    ok = [_clean(ln) for ln in pool]
+    return tuple(i for i in range(len(pool) - n + 1) if all(ok[i : i + n]))
 
 
 def build_cases(
@@ -37,34 +82,45 @@ def build_cases(
     needles: int,
     seed: int = 0,
     digits: int = 4,
+    filler: Sequence[str] | None = None,
+    block_lines: int = BLOCK_LINES,
 ) -> list[NeedleCase]:
-    """Prompts of about ``context_len`` tokens; the queried needle sits at ``depth`` (0 = start)."""
+    """Prompts of about ``context_len`` tokens; the queried needle starts at about ``depth`` of the
+    prompt (0 = start). ``filler``: the line pool (default :func:`filler_lines`)."""
     if needles > len(NAMES):
         raise ValueError(f"at most {len(NAMES)} needles; got {needles}")
+    pool = tuple(filler if filler is not None else filler_lines())
+    starts = _block_starts(pool, block_lines)
+    if not starts:
+        raise ValueError(f"the filler pool has no {block_lines} consecutive clean lines")
     rng = random.Random(seed)
     enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-    fill = enc(FILLER)
     cases = []
     for n_tok in lengths:
         for depth in depths:
             for trial in range(trials):
                 names = rng.sample(NAMES, needles)
                 values = [str(rng.randint(10 ** (digits - 1), 10**digits - 1)) for _ in names]
-                target = 0
-                spots = [depth] + [rng.random() for _ in range(needles - 1)]
-                query = enc(f"\n{names[target]} =")
-                body = n_tok - len(query)
-                lines = [enc(f"\n{n} = {v}\n") for n, v in zip(names, values, strict=True)]
-                n_fill = max(1, (body - sum(map(len, lines))) // len(fill))
-                slots = [round(s * n_fill) for s in spots]
+                s0 = rng.choice(starts)
+                fill = enc("".join(ln + "\n" for ln in pool[s0 : s0 + block_lines]))
+                query = enc(f"{names[0]}: int =")
+                lines = [enc(f"{n}: int = {v}\n") for n, v in zip(names, values, strict=True)]
+                body = n_tok - len(query) - sum(map(len, lines))
+                n_fill = max(1, round(body / len(fill)))
+                spots = [depth] + [rng.uniform(0.05, 0.95) for _ in range(needles - 1)]
+                slots = [round(sp * n_fill) for sp in spots]
                 ids: list[int] = []
+                pos = -1
                 for j in range(n_fill + 1):
-                    for s, line in zip(slots, lines, strict=True):
-                        if s == j:
+                    for i, (sl, line) in enumerate(zip(slots, lines, strict=True)):
+                        if sl == j:
+                            pos = len(ids) if i == 0 else pos
                             ids += line
                     if j < n_fill:
                         ids += fill
-                cases.append(NeedleCase(n_tok, depth, needles, trial, tuple(ids + query), values[target]))
+                cases.append(
+                    NeedleCase(n_tok, depth, needles, trial, tuple(ids + query), values[0], needle_pos=pos)
+                )
     return cases
 
 
