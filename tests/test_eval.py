@@ -283,3 +283,8 @@ def test_cli_eval_quick_on_the_reference_model(shared_dir: Path, tmp_path: Path)
     assert all(math.isfinite(v) for v in ppl.values())
     # the harness must exercise the quantized history: naive INT2 is clearly worse than BF16
     assert ppl["naive-int2"] > 1.05 * ppl["bf16"]
+
+
+def test_build_cases_names_an_unusable_filler():
+    with pytest.raises(ValueError, match="pass a larger filler"):
+        build_cases(CharTok(), [500], [0.5], trials=1, needles=1, filler=["x = 1", "y = 2"] * 10)

@@ -118,3 +118,16 @@ def test_decode_attention_refuses_non_contiguous_pools(tk):
         da.decode_attention(
             torch.randn(1, 4, 64), strided, km, vc, vm, hk, hv, ip, idx, hp, hidx, 0.1, fmt, fmt
         )
+
+
+def test_decode_attention_refuses_mismatched_metadata(tk):
+    _, da = tk
+    fmt = RowFormat(64, 2, 64)
+    kc, km, vc, vm, hk, hv = _pools(8, 2, 2, 64, fmt)
+    ip = torch.tensor([0, 8], dtype=torch.int32)
+    hp = torch.tensor([0, 2], dtype=torch.int32)
+    idx, hidx = torch.arange(8, dtype=torch.int32), torch.arange(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="k_meta/v_meta must both be"):
+        da.decode_attention(
+            torch.randn(1, 4, 64), kc, km, vc, vm.float(), hk, hv, ip, idx, hp, hidx, 0.1, fmt, fmt
+        )

@@ -92,7 +92,10 @@ def build_cases(
     pool = tuple(filler if filler is not None else filler_lines())
     starts = _block_starts(pool, block_lines)
     if not starts:
-        raise ValueError(f"the filler pool has no {block_lines} consecutive clean lines")
+        raise ValueError(
+            f"the filler pool has no {block_lines} consecutive non-empty lines without digits or quotes; "
+            "pass a larger filler or a smaller block_lines"
+        )
     rng = random.Random(seed)
     enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     cases = []

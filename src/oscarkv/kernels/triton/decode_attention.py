@@ -101,6 +101,25 @@ def _store_lse(LSE, row, gmask, m_i, l_i):
 
 
 @triton.jit
+def _split_range(INDPTR, b, k, split_size):
+    """Slot-list positions ``[lo, hi)`` of split ``k`` of sequence ``b`` in one tier."""
+    lo = tl.load(INDPTR + b) + k * split_size
+    return lo, tl.minimum(lo + split_size, tl.load(INDPTR + b + 1))
+
+
+@triton.jit
+def _softmax_step(s, nmask, m_i, l_i):
+    """One online-softmax step (base 2) over a ``[G_PAD, BLOCK_N]`` tile of scores: masked
+    columns dropped; returns the probabilities, the rescale factor of the old state and the
+    new ``(max, sum)``."""
+    s = tl.where(nmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _inv(l_i):
     has = l_i > 0
     return tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
@@ -111,8 +130,7 @@ def _int2_split(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, to
                 HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                 BLOCK_N: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr):  # fmt: skip
     D4: tl.constexpr = D // 4
-    lo = tl.load(INDPTR + b) + sp * split_size
-    hi = tl.minimum(lo + split_size, tl.load(INDPTR + b + 1))
+    lo, hi = _split_range(INDPTR, b, sp, split_size)
     row, gmask = _rows(b, h, sp, total, G, G_PAD, HKV * G)
     offs_d = tl.arange(0, D4)
     qp = Q + (b * HKV * G + h * G + tl.arange(0, G_PAD))[:, None] * D + offs_d[None, :]
@@ -145,11 +163,7 @@ def _int2_split(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, to
         qc = tl.dot(q2, k2, qc)
         qc = tl.dot(q3, k3, qc)
         s = qc * (ks * (qk_scale * SUBNORMAL))[None, :] - qsum[:, None] * (ks * kz * qk_scale)[None, :]
-        s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = _softmax_step(s, nmask, m_i, l_i)
         vc = tl.load(VC + sh[:, None] * D4 + offs_d[None, :], mask=nmask[:, None], other=0)
         vs, vz = _meta(tl.load(VM + sh, mask=nmask, other=0), META)
         ps = p * vs[None, :]
@@ -160,7 +174,6 @@ def _int2_split(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, to
         a1 = tl.dot(pw, v1, a1 * alpha[:, None])
         a2 = tl.dot(pw, v2, a2 * alpha[:, None])
         a3 = tl.dot(pw, v3, a3 * alpha[:, None])
-        m_i = m_new
     inv = _inv(l_i)
     z = zacc * inv
     op = O + row[:, None] * D + offs_d[None, :]
@@ -175,10 +188,7 @@ def _int2_split(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, to
 def _hp_split(Q, K, V, INDPTR, IDX, O, LSE, qk_scale, split_size, total, h, sp, b, first,
               HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
               BLOCK_N: tl.constexpr):  # fmt: skip
-    lo = (
-        tl.load(INDPTR + b) + (sp - first) * split_size
-    )  # split ``sp`` of ``total``; this tier from ``first``
-    hi = tl.minimum(lo + split_size, tl.load(INDPTR + b + 1))
+    lo, hi = _split_range(INDPTR, b, sp - first, split_size)  # this tier's splits start at ``first``
     row, gmask = _rows(b, h, sp, total, G, G_PAD, HKV * G)
     offs_d = tl.arange(0, D)
     q = tl.load(Q + (b * HKV * G + h * G + tl.arange(0, G_PAD))[:, None] * D + offs_d[None, :],
@@ -191,15 +201,9 @@ def _hp_split(Q, K, V, INDPTR, IDX, O, LSE, qk_scale, split_size, total, h, sp, 
         nmask = offs_n < hi
         sh = tl.load(IDX + offs_n, mask=nmask, other=0).to(tl.int64) * HKV + h
         k = tl.load(K + sh[:, None] * D + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
-        s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = _softmax_step(tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale, nmask, m_i, l_i)
         v = tl.load(V + sh[:, None] * D + offs_d[None, :], mask=nmask[:, None], other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
     tl.store(O + row[:, None] * D + offs_d[None, :], acc * _inv(l_i)[:, None], mask=gmask[:, None])
     _store_lse(LSE, row, gmask, m_i, l_i)
 
@@ -287,6 +291,12 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     if d % 64 or d > 256 or hq % hkv:
         raise ValueError(f"head_dim must be 64, 128 or 256 and Hq a multiple of Hkv; got d={d}, {hq}/{hkv}")
     _check_layout(k_codes=k_codes, k_meta=k_meta, v_codes=v_codes, v_meta=v_meta, hp_k=hp_k, hp_v=hp_v)
+    if k_meta.dtype != v_meta.dtype or k_meta.dtype not in _META_WORDS or k_meta.shape[-2:] != (1, 2):
+        raise ValueError(
+            f"decode_attention: k_meta/v_meta must both be [N, Hkv, 1, 2] fp16/bf16/fp32 (one scale/zero "
+            f"pair per row, as quantize_pack writes); got {k_meta.dtype} {tuple(k_meta.shape)} and "
+            f"{v_meta.dtype} {tuple(v_meta.shape)} (use backend='torch' for grouped formats)"
+        )
     if lens_hint is None:
         lens = torch.stack(
             [(int2_indptr[1:] - int2_indptr[:-1]).max(), (hp_indptr[1:] - hp_indptr[:-1]).max()]
@@ -302,10 +312,6 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     lse = torch.empty(bsz, hq, total, device=q_rot.device, dtype=torch.float32)
     # 16-bit queries: the model's bf16/fp16 as they are; anything else (fp32 on the CPU) as fp16
     q = q_rot.contiguous() if q_rot.dtype in (torch.bfloat16, torch.float16) else q_rot.half().contiguous()
-    if k_meta.dtype != v_meta.dtype or k_meta.dtype not in _META_WORDS or k_meta.shape[-2:] != (1, 2):
-        raise ValueError(
-            f"metadata must be [N, Hkv, 1, 2] fp16/bf16/fp32; got {k_meta.dtype} {tuple(k_meta.shape)}"
-        )
     word, meta_id = _META_WORDS[k_meta.dtype]
     _stage1[(hkv, total, bsz)](
         q, k_codes, k_meta.view(word), v_codes, v_meta.view(word), hp_k, hp_v, int2_indptr, int2_indices, hp_indptr, hp_indices,

@@ -29,9 +29,10 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _rotated_quarter(X, R, rows, rmask, s_xr, rbase, Q: tl.constexpr, D: tl.constexpr, D4: tl.constexpr,
+def _rotated_quarter(X, rows, rmask, s_xr, rbase, Q: tl.constexpr, D: tl.constexpr, D4: tl.constexpr,
                      BLOCK_R: tl.constexpr, KC: tl.constexpr):  # fmt: skip
-    """Columns ``[Q·D4, (Q+1)·D4)`` of ``rows @ R`` (fp32 accumulation), ``KC`` input columns at a time."""
+    """Columns ``[Q·D4, (Q+1)·D4)`` of ``rows @ R`` with ``R`` at ``rbase``: fp32 accumulation,
+    ``KC`` input columns at a time."""
     acc = tl.zeros([BLOCK_R, D4], tl.float32)
     offs_k = tl.arange(0, KC)
     for k0 in range(0, D, KC):
@@ -72,10 +73,10 @@ def _quantize_pack(X, R, C, M, n_rows, clip_idx, tiny, s_xr, s_rh, s_cr, s_mr,
     if ROTATE:
         # rows are (token, head) pairs, head fastest; per-head R picks R[row % HEADS]
         rbase = R + (pid % HEADS) * s_rh if PER_HEAD else R  # BLOCK_R == 1 in the per-head case
-        x0 = _rotated_quarter(X, R, rows, rmask, s_xr, rbase, 0, D, D4, BLOCK_R, KC)
-        x1 = _rotated_quarter(X, R, rows, rmask, s_xr, rbase, 1, D, D4, BLOCK_R, KC)
-        x2 = _rotated_quarter(X, R, rows, rmask, s_xr, rbase, 2, D, D4, BLOCK_R, KC)
-        x3 = _rotated_quarter(X, R, rows, rmask, s_xr, rbase, 3, D, D4, BLOCK_R, KC)
+        x0 = _rotated_quarter(X, rows, rmask, s_xr, rbase, 0, D, D4, BLOCK_R, KC)
+        x1 = _rotated_quarter(X, rows, rmask, s_xr, rbase, 1, D, D4, BLOCK_R, KC)
+        x2 = _rotated_quarter(X, rows, rmask, s_xr, rbase, 2, D, D4, BLOCK_R, KC)
+        x3 = _rotated_quarter(X, rows, rmask, s_xr, rbase, 3, D, D4, BLOCK_R, KC)
     else:
         xp = X + rows[:, None] * s_xr + offs[None, :]
         x0 = tl.load(xp, mask=rmask[:, None], other=0.0).to(tl.float32)
