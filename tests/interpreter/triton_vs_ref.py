@@ -84,6 +84,9 @@ def _pools(nq: int, nh: int, hkv: int, d: int, fmt: RowFormat):
         ([0, 0], [0, 3], 4, 2, 64, "fp16"),  # a sequence with no tokens at all
         ([90, 40], [7, 2], 8, 2, 64, "bf16"),  # metadata read as int32 words, bf16 halves
         ([90, 40], [7, 2], 8, 2, 64, "fp32"),  # metadata read as int64 words
+        ([200, 33], [4, 0], 32, 8, 64, "fp16"),  # Qwen3-8B's GQA: 4 KV heads per program, 16 rows
+        ([50], [3], 8, 8, 64, "fp16"),  # MHA: 8 KV heads per program, 8 rows padded to 16
+        ([40], [2], 16, 1, 64, "fp16"),  # one KV head, 16 query heads
     ],
 )
 def test_decode_attention_matches_reference(tk, lens_q, lens_h, hq, hkv, d, meta):
@@ -131,3 +134,12 @@ def test_decode_attention_refuses_mismatched_metadata(tk):
         da.decode_attention(
             torch.randn(1, 4, 64), kc, km, vc, vm.float(), hk, hv, ip, idx, hp, hidx, 0.1, fmt, fmt
         )
+
+
+@pytest.mark.parametrize(
+    ("g", "hkv", "want"), [(4, 8, 4), (1, 8, 8), (8, 8, 2), (16, 1, 1), (3, 6, 3), (32, 2, 1), (4, 2, 2)]
+)
+def test_heads_per_program_fills_sixteen_rows_with_a_divisor_of_the_kv_heads(g, hkv, want):
+    from oscarkv.kernels.triton.decode_attention import heads_per_program
+
+    assert heads_per_program(g, hkv) == want

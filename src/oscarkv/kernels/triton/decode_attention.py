@@ -1,10 +1,18 @@
 """Triton split-K decode attention over packed INT2 history and 16-bit windows.
 
-One stage-1 launch covers both tiers: program ``(kv_head, split, sequence)`` takes a split of the
-sequence's quantized slot list (``split < n_q_splits``) or of its 16-bit list (the rest), walks it
-in ``BLOCK_N`` tiles with all ``g`` query heads of the KV head together (padded to 16 rows for
-``tl.dot``) and an online softmax (base 2), and writes a normalised partial output and its
-log-sum-exp. Stage 2 merges every split of both tiers by log-sum-exp.
+One stage-1 launch covers both tiers: program ``(head group, split, sequence)`` takes a split of
+the sequence's quantized slot list (``split < n_q_splits``) or of its 16-bit list (the rest), walks
+it in ``BLOCK_N`` tiles with an online softmax (base 2), and writes a normalised partial output and
+its log-sum-exp. Stage 2 merges every split of both tiers by log-sum-exp.
+
+An INT2 program takes ``HPB`` KV heads at once, so that their ``HPB·g`` query heads fill the 16
+rows of the MMA (4 KV heads × 4 query heads for Qwen3-8B) instead of padding one KV head's ``g``
+rows to 16: the softmax and the score scaling run on 16 useful rows, a slot's ``HPB`` value rows
+are one contiguous read, and the number of tensor-core instructions is unchanged (``q·k`` is one
+dot per KV head whose rows are selected by head; ``p·V`` is one dot against the ``HPB`` heads'
+values side by side, whose diagonal blocks are taken once after the loop). The accumulators are
+rescaled only when a row's running maximum grows by more than 2⁸ (the probabilities then stay
+≤ 256, well inside fp16), which skips the rescale on almost every tile.
 
 The INT2 tile is never dequantized. With codes ``c`` and per-row ``(s, z)``:
 ``q·k = s·(q·c) − s·z·Σq`` and ``p·V = (p∘s)·c − Σ p∘s∘z``, so ``q·c`` and ``(p∘s)·c`` are four
@@ -30,7 +38,7 @@ import triton.language as tl
 
 from ...quant import RowFormat
 
-__all__ = ["decode_attention", "num_splits"]
+__all__ = ["decode_attention", "heads_per_program", "num_splits"]
 
 LOG2E = 1.4426950408889634
 #: 2**24: an fp16 word holding the bits ``c`` is worth ``c * 2**-24``
@@ -87,10 +95,11 @@ def _meta(words, META: tl.constexpr):
 
 
 @triton.jit
-def _rows(b, h, sp, total, G: tl.constexpr, G_PAD: tl.constexpr, HQ: tl.constexpr):
-    """Rows ``(b, h·g + i, sp)`` of the ``[B, Hq, total]`` partial-state arrays, and their mask."""
-    offs_g = tl.arange(0, G_PAD)
-    return (b * HQ + h * G + offs_g).to(tl.int64) * total + sp, offs_g < G
+def _rows(b, h0, sp, total, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr, HQ: tl.constexpr):
+    """Rows ``(b, h0·g + r, sp)`` of the ``[B, Hq, total]`` partial-state arrays for the ``HPB·g``
+    query heads of KV heads ``h0 .. h0 + HPB - 1`` (padded to ``R_PAD``), and their mask."""
+    offs_r = tl.arange(0, R_PAD)
+    return (b * HQ + h0 * G + offs_r).to(tl.int64) * total + sp, offs_r < HPB * G
 
 
 @triton.jit
@@ -126,62 +135,95 @@ def _inv(l_i):
 
 
 @triton.jit
-def _int2_split(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, total, h, sp, b,
-                HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+def _store_plane(ptr, acc, rhead, scale, z, rmask, HPB: tl.constexpr, D4: tl.constexpr):
+    """Store quarter ``acc [R, HPB·D4]`` of the output as ``[R, D4]``: row ``r`` keeps the column
+    block of its own KV head, times ``scale [R]``, minus ``z [R]``."""
+    a = tl.reshape(acc, (acc.shape[0], HPB, D4))
+    own = tl.sum(tl.where(rhead[:, None, None] == tl.arange(0, HPB)[None, :, None], a, 0.0), 1)
+    tl.store(ptr, own * scale[:, None] - z[:, None], mask=rmask[:, None])
+
+
+@triton.jit
+def _int2_split(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, total, hg, sp, b,
+                HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr,
                 BLOCK_N: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr):  # fmt: skip
     D4: tl.constexpr = D // 4
+    h0 = hg * HPB
     lo, hi = _split_range(INDPTR, b, sp, split_size)
-    row, gmask = _rows(b, h, sp, total, G, G_PAD, HKV * G)
+    row, rmask = _rows(b, h0, sp, total, G, HPB, R_PAD, HKV * G)
+    offs_r = tl.arange(0, R_PAD)
+    rhead = offs_r // G  # KV head of each row within the group (>= HPB on padding rows)
     offs_d = tl.arange(0, D4)
-    qp = Q + (b * HKV * G + h * G + tl.arange(0, G_PAD))[:, None] * D + offs_d[None, :]
-    q0 = tl.load(qp, mask=gmask[:, None], other=0.0).to(tl.float16)
-    q1 = tl.load(qp + D4, mask=gmask[:, None], other=0.0).to(tl.float32)
-    q2 = tl.load(qp + 2 * D4, mask=gmask[:, None], other=0.0).to(tl.float32)
-    q3 = tl.load(qp + 3 * D4, mask=gmask[:, None], other=0.0).to(tl.float32)
+    qp = Q + (b * HKV * G + h0 * G + offs_r)[:, None] * D + offs_d[None, :]
+    q0 = tl.load(qp, mask=rmask[:, None], other=0.0).to(tl.float16)
+    q1 = tl.load(qp + D4, mask=rmask[:, None], other=0.0).to(tl.float32)
+    q2 = tl.load(qp + 2 * D4, mask=rmask[:, None], other=0.0).to(tl.float32)
+    q3 = tl.load(qp + 3 * D4, mask=rmask[:, None], other=0.0).to(tl.float32)
     qsum = tl.sum(q0.to(tl.float32) + q1 + q2 + q3, 1)
     # plane i holds c·4^i: scale query quarter i by 4^-i (exact, powers of two)
     q1 = (q1 * 0.25).to(tl.float16)
     q2 = (q2 * 0.0625).to(tl.float16)
     q3 = (q3 * 0.015625).to(tl.float16)
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    zacc = tl.zeros([G_PAD], tl.float32)
-    a0 = tl.zeros([G_PAD, D4], tl.float32)
-    a1 = tl.zeros([G_PAD, D4], tl.float32)
-    a2 = tl.zeros([G_PAD, D4], tl.float32)
-    a3 = tl.zeros([G_PAD, D4], tl.float32)
+    m_i = tl.full([R_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([R_PAD], tl.float32)
+    zacc = tl.zeros([R_PAD], tl.float32)
+    offs_c = tl.arange(0, HPB * D4)
+    a0 = tl.zeros([R_PAD, HPB * D4], tl.float32)
+    a1 = tl.zeros([R_PAD, HPB * D4], tl.float32)
+    a2 = tl.zeros([R_PAD, HPB * D4], tl.float32)
+    a3 = tl.zeros([R_PAD, HPB * D4], tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < hi
-        sh = tl.load(IDX + offs_n, mask=nmask, other=0).to(tl.int64) * HKV + h  # (slot, head) row
-        # K codes loaded transposed, [D4, BLOCK_N], so the planes are dot operands as they are
-        kc = tl.load(KC + sh[None, :] * D4 + offs_d[:, None], mask=nmask[None, :], other=0)
-        ks, kz = _meta(tl.load(KM + sh, mask=nmask, other=0), META)
-        k0, k1, k2, k3 = _planes(kc, ASM)
-        qc = tl.dot(q0, k0)
-        qc = tl.dot(q1, k1, qc)
-        qc = tl.dot(q2, k2, qc)
-        qc = tl.dot(q3, k3, qc)
-        s = qc * (ks * (qk_scale * SUBNORMAL))[None, :] - qsum[:, None] * (ks * kz * qk_scale)[None, :]
-        p, alpha, m_i, l_i = _softmax_step(s, nmask, m_i, l_i)
-        vc = tl.load(VC + sh[:, None] * D4 + offs_d[None, :], mask=nmask[:, None], other=0)
-        vs, vz = _meta(tl.load(VM + sh, mask=nmask, other=0), META)
-        ps = p * vs[None, :]
-        zacc = zacc * alpha + tl.sum(ps * vz[None, :], 1)
+        sh = tl.load(IDX + offs_n, mask=nmask, other=0).to(tl.int64) * HKV + h0  # (slot, first head) row
+        # the (scale, zero) word of every score: row r reads head h0 + r // G of token n
+        mrow = sh[None, :] + rhead[:, None]
+        mmask = nmask[None, :] & rmask[:, None]
+        ks, kz = _meta(tl.load(KM + mrow, mask=mmask, other=0), META)
+        qc = tl.zeros([R_PAD, BLOCK_N], tl.float32)
+        for j in tl.static_range(HPB):
+            # K codes loaded transposed, [D4, BLOCK_N], so the planes are dot operands as they are
+            kc = tl.load(KC + (sh + j)[None, :] * D4 + offs_d[:, None], mask=nmask[None, :], other=0)
+            k0, k1, k2, k3 = _planes(kc, ASM)
+            t = tl.dot(q0, k0)
+            t = tl.dot(q1, k1, t)
+            t = tl.dot(q2, k2, t)
+            t = tl.dot(q3, k3, t)
+            qc = t if HPB == 1 else tl.where(rhead[:, None] == j, t, qc)
+        s = qc * ks * (qk_scale * SUBNORMAL) - qsum[:, None] * (ks * kz * qk_scale)
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if tl.max(m_new - m_i, 0) > 8.0:  # rescale only when a row's max grew by more than 2^8
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            zacc = zacc * alpha
+            a0 = a0 * alpha[:, None]
+            a1 = a1 * alpha[:, None]
+            a2 = a2 * alpha[:, None]
+            a3 = a3 * alpha[:, None]
+            m_i = m_new
+        p = tl.exp2(s - m_i[:, None])
+        l_i = l_i + tl.sum(p, 1)
+        vs, vz = _meta(tl.load(VM + mrow, mask=mmask, other=0), META)
+        ps = p * vs
+        zacc = zacc + tl.sum(ps * vz, 1)
         pw = ps.to(tl.float16)
+        # the values of all HPB heads in one tile, [BLOCK_N, HPB·D4] (HPB·D4 contiguous bytes per
+        # slot): row r only keeps the column block of its own head, taken once after the loop
+        vc = tl.load(VC + sh[:, None] * D4 + offs_c[None, :], mask=nmask[:, None], other=0)
         v0, v1, v2, v3 = _planes(vc, ASM)
-        a0 = tl.dot(pw, v0, a0 * alpha[:, None])
-        a1 = tl.dot(pw, v1, a1 * alpha[:, None])
-        a2 = tl.dot(pw, v2, a2 * alpha[:, None])
-        a3 = tl.dot(pw, v3, a3 * alpha[:, None])
+        a0 = tl.dot(pw, v0, a0)
+        a1 = tl.dot(pw, v1, a1)
+        a2 = tl.dot(pw, v2, a2)
+        a3 = tl.dot(pw, v3, a3)
     inv = _inv(l_i)
     z = zacc * inv
     op = O + row[:, None] * D + offs_d[None, :]
-    tl.store(op, a0 * (inv * SUBNORMAL)[:, None] - z[:, None], mask=gmask[:, None])
-    tl.store(op + D4, a1 * (inv * (SUBNORMAL * 0.25))[:, None] - z[:, None], mask=gmask[:, None])
-    tl.store(op + 2 * D4, a2 * (inv * (SUBNORMAL * 0.0625))[:, None] - z[:, None], mask=gmask[:, None])
-    tl.store(op + 3 * D4, a3 * (inv * (SUBNORMAL * 0.015625))[:, None] - z[:, None], mask=gmask[:, None])
-    _store_lse(LSE, row, gmask, m_i, l_i)
+    _store_plane(op, a0, rhead, inv * SUBNORMAL, z, rmask, HPB, D4)
+    _store_plane(op + D4, a1, rhead, inv * (SUBNORMAL / 4), z, rmask, HPB, D4)
+    _store_plane(op + 2 * D4, a2, rhead, inv * (SUBNORMAL / 16), z, rmask, HPB, D4)
+    _store_plane(op + 3 * D4, a3, rhead, inv * (SUBNORMAL / 64), z, rmask, HPB, D4)
+    _store_lse(LSE, row, rmask, m_i, l_i)
 
 
 @triton.jit
@@ -189,7 +231,7 @@ def _hp_split(Q, K, V, INDPTR, IDX, O, LSE, qk_scale, split_size, total, h, sp, 
               HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
               BLOCK_N: tl.constexpr):  # fmt: skip
     lo, hi = _split_range(INDPTR, b, sp - first, split_size)  # this tier's splits start at ``first``
-    row, gmask = _rows(b, h, sp, total, G, G_PAD, HKV * G)
+    row, gmask = _rows(b, h, sp, total, G, 1, G_PAD, HKV * G)
     offs_d = tl.arange(0, D)
     q = tl.load(Q + (b * HKV * G + h * G + tl.arange(0, G_PAD))[:, None] * D + offs_d[None, :],
                 mask=gmask[:, None], other=0.0)  # fmt: skip
@@ -210,18 +252,20 @@ def _hp_split(Q, K, V, INDPTR, IDX, O, LSE, qk_scale, split_size, total, h, sp, 
 
 @triton.jit(do_not_specialize=["split_q", "split_h", "n_q_splits", "total"])
 def _stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale, split_q, split_h,
-            n_q_splits, total, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr):  # fmt: skip
-    # axis 0 is the KV head so that programs reading the same tokens' interleaved rows run together
-    h = tl.program_id(0)
+            n_q_splits, total, HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr,
+            G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+            ASM: tl.constexpr, META: tl.constexpr):  # fmt: skip
+    # axis 0 is the group of HPB KV heads, so that programs reading the same tokens run together
+    hg = tl.program_id(0)
     sp = tl.program_id(1)
     b = tl.program_id(2)
     if sp < n_q_splits:
-        _int2_split(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, h, sp, b,
-                    HKV, G, G_PAD, D, BLOCK_N, ASM, META)  # fmt: skip
+        _int2_split(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
+                    HKV, G, HPB, R_PAD, D, BLOCK_N, ASM, META)  # fmt: skip
     else:
-        _hp_split(Q, HK, HV, HPTR, HIDX, O, LSE, qk_scale, split_h, total, h, sp, b, n_q_splits,
-                  HKV, G, G_PAD, D, BLOCK_H)  # fmt: skip
+        for j in tl.static_range(HPB):  # the 16-bit tier is short (sink + recent): one head at a time
+            _hp_split(Q, HK, HV, HPTR, HIDX, O, LSE, qk_scale, split_h, total, hg * HPB + j, sp, b,
+                      n_q_splits, HKV, G, G_PAD, D, BLOCK_H)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["total"])
@@ -241,9 +285,18 @@ def _merge(O, LSE, OUT, total, S_PAD: tl.constexpr, D: tl.constexpr):
 
 
 # Tuning (set by benchmarks/gpu_check.py's sweep; see its saved results)
-CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 2, "programs": 1024, "min_split": 256}
+CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs": 1024, "min_split": 256, "rows": 16}
 #: 16-bit tier: tokens per split and per tile (it holds at most sink + recent + 7 = 327 by default)
 HP_SPLIT, HP_BLOCK = 128, 32
+
+
+def heads_per_program(g: int, kv_heads: int) -> int:
+    """KV heads one INT2 program takes together: enough for ``CONFIG['rows']`` query rows (the MMA
+    height), at most 8, and a divisor of ``kv_heads``."""
+    hpb = max(1, min(8, kv_heads, CONFIG["rows"] // g))
+    while kv_heads % hpb:
+        hpb -= 1
+    return hpb
 
 
 def num_splits(batch: int, kv_heads: int, max_len: int) -> int:
@@ -303,7 +356,8 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
         )
         lens_hint = tuple(int(x) for x in lens.tolist()) if bsz else (0, 0)
     max_q, max_h = max(int(lens_hint[0]), 1), max(int(lens_hint[1]), 1)
-    sq = num_splits(bsz, hkv, max_q)
+    hpb = heads_per_program(g, hkv)
+    sq = num_splits(bsz, hkv // hpb, max_q)
     split_q = math.ceil(max_q / sq / 256) * 256  # a multiple of every BLOCK_N the sweep tries
     sq = math.ceil(max_q / split_q)
     sh = math.ceil(max_h / HP_SPLIT)
@@ -313,10 +367,11 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     # 16-bit queries: the model's bf16/fp16 as they are; anything else (fp32 on the CPU) as fp16
     q = q_rot.contiguous() if q_rot.dtype in (torch.bfloat16, torch.float16) else q_rot.half().contiguous()
     word, meta_id = _META_WORDS[k_meta.dtype]
-    _stage1[(hkv, total, bsz)](
+    _stage1[(hkv // hpb, total, bsz)](
         q, k_codes, k_meta.view(word), v_codes, v_meta.view(word), hp_k, hp_v, int2_indptr, int2_indices, hp_indptr, hp_indices,
         o_part, lse, sm_scale * LOG2E, split_q, HP_SPLIT, sq, total,
-        HKV=hkv, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, BLOCK_N=CONFIG["block_n"],
+        HKV=hkv, G=g, HPB=hpb, R_PAD=max(16, triton.next_power_of_2(hpb * g)), G_PAD=max(16, triton.next_power_of_2(g)),
+        D=d, BLOCK_N=CONFIG["block_n"],
         BLOCK_H=HP_BLOCK, ASM=q.is_cuda, META=meta_id, num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
     )  # fmt: skip
     out = torch.empty_like(q_rot)
