@@ -58,7 +58,15 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--decode-config", default=None, help="gpu_check.json whose tuned decode config to use")
     args = ap.parse_args()
+    if args.decode_config:
+        import json
+
+        from oscarkv.kernels.triton import decode_attention as tda
+
+        tda.CONFIG.update(json.loads(Path(args.decode_config).read_text())["config"]["decode"])
+        print("decode config:", tda.CONFIG, flush=True)
     from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)

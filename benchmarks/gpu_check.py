@@ -177,16 +177,19 @@ def sweep_decode() -> list[dict]:
     hq, hkv, d = 32, 8, 128
     fmt = RowFormat(d, 2, d)
     cases = []
-    for b, L in ((8, 32768), (1, 131072), (1, 8192), (32, 131072)):
+    for b, L in ((8, 32768), (1, 131072), (1, 8192), (32, 131072), (8, 4096)):
         pools = make_pools(b, L - SINK_RECENT, SINK_RECENT, hkv, d, fmt)
         cases.append(
             (torch.randn(b, hq, d, device=DEV, dtype=torch.bfloat16), pools, (L - SINK_RECENT, SINK_RECENT))
         )
-    # rows 16: G=4 query heads of 4 KV heads fill the MMA's 16 rows; rows 4: one KV head per program
-    # (its 4 query heads padded to 16 rows, the previous design), kept for a side-by-side number
-    configs = [dict(block_n=bn, num_warps=w, num_stages=st, min_split=256, rows=16)
-               for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)]  # fmt: skip
-    configs.append(dict(block_n=128, num_warps=4, num_stages=2, min_split=256, rows=4))
+    # rows 16: the 4 query heads of 4 KV heads fill the MMA's 16 rows; rows 4: one KV head per
+    # program (its 4 query heads padded to 16 rows, the previous design), side by side
+    configs = [dict(block_n=bn, num_warps=4, num_stages=st, min_split=ms, programs=pr, rows=16)
+               for bn, st, ms, pr in ((64, 2, 256, 1024), (128, 2, 256, 1024), (128, 3, 256, 1024),
+                                      (64, 2, 512, 1024), (64, 2, 256, 2048), (128, 3, 256, 2048),
+                                      (128, 3, 512, 512))]  # fmt: skip
+    configs += [dict(block_n=bn, num_warps=4, num_stages=st, min_split=256, programs=1024, rows=4)
+                for bn, st in ((128, 2), (64, 2), (128, 3))]  # fmt: skip
     rows = []
     for cfg in configs:
         tda.CONFIG.update(cfg)

@@ -87,6 +87,9 @@ def _pools(nq: int, nh: int, hkv: int, d: int, fmt: RowFormat):
         ([200, 33], [4, 0], 32, 8, 64, "fp16"),  # Qwen3-8B's GQA: 4 KV heads per program, 16 rows
         ([50], [3], 8, 8, 64, "fp16"),  # MHA: 8 KV heads per program, 8 rows padded to 16
         ([40], [2], 16, 1, 64, "fp16"),  # one KV head, 16 query heads
+        ([70], [2], 12, 4, 64, "fp16"),  # g = 3 (not a power of two): one KV head per program
+        ([70, 20], [2, 5], 16, 8, 64, "bf16"),  # g = 2: 8 KV heads per program
+        ([17000], [3], 2, 1, 64, "fp16"),  # 67 + 1 splits: the merge takes them 64 at a time
     ],
 )
 def test_decode_attention_matches_reference(tk, lens_q, lens_h, hq, hkv, d, meta):
@@ -137,7 +140,7 @@ def test_decode_attention_refuses_mismatched_metadata(tk):
 
 
 @pytest.mark.parametrize(
-    ("g", "hkv", "want"), [(4, 8, 4), (1, 8, 8), (8, 8, 2), (16, 1, 1), (3, 6, 3), (32, 2, 1), (4, 2, 2)]
+    ("g", "hkv", "want"), [(4, 8, 4), (1, 8, 8), (8, 8, 2), (16, 1, 1), (3, 6, 1), (32, 2, 1), (4, 2, 2)]
 )
 def test_heads_per_program_fills_sixteen_rows_with_a_divisor_of_the_kv_heads(g, hkv, want):
     from oscarkv.kernels.triton.decode_attention import heads_per_program

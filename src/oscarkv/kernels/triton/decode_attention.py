@@ -135,12 +135,18 @@ def _inv(l_i):
 
 
 @triton.jit
-def _store_plane(ptr, acc, rhead, scale, z, rmask, HPB: tl.constexpr, D4: tl.constexpr):
-    """Store quarter ``acc [R, HPB·D4]`` of the output as ``[R, D4]``: row ``r`` keeps the column
-    block of its own KV head, times ``scale [R]``, minus ``z [R]``."""
-    a = tl.reshape(acc, (acc.shape[0], HPB, D4))
-    own = tl.sum(tl.where(rhead[:, None, None] == tl.arange(0, HPB)[None, :, None], a, 0.0), 1)
-    tl.store(ptr, own * scale[:, None] - z[:, None], mask=rmask[:, None])
+def _meta_rows(M, sh, nmask, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr, META: tl.constexpr):
+    """``(scale, zero)`` of every score ``[R_PAD, BLOCK_N]``: row ``r`` reads head ``r // G`` of the
+    group. The ``HPB`` heads' words are loaded once as ``[R_PAD // G, BLOCK_N]`` (contiguous per
+    slot, pipelined like the code tiles) and repeated ``G`` times; one head broadcasts a row."""
+    if HPB == 1:
+        s, z = _meta(tl.load(M + sh, mask=nmask, other=0), META)
+        return s[None, :], z[None, :]
+    HP: tl.constexpr = R_PAD // G
+    offs_j = tl.arange(0, HP)
+    w = tl.load(M + sh[None, :] + offs_j[:, None], mask=nmask[None, :] & (offs_j < HPB)[:, None], other=0)
+    w = tl.reshape(tl.broadcast_to(w[:, None, :], (HP, G, w.shape[1])), (R_PAD, w.shape[1]))
+    return _meta(w, META)
 
 
 @triton.jit
@@ -167,19 +173,15 @@ def _int2_split(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, to
     m_i = tl.full([R_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([R_PAD], tl.float32)
     zacc = tl.zeros([R_PAD], tl.float32)
-    offs_c = tl.arange(0, HPB * D4)
-    a0 = tl.zeros([R_PAD, HPB * D4], tl.float32)
-    a1 = tl.zeros([R_PAD, HPB * D4], tl.float32)
-    a2 = tl.zeros([R_PAD, HPB * D4], tl.float32)
-    a3 = tl.zeros([R_PAD, HPB * D4], tl.float32)
+    a0 = tl.zeros([R_PAD, D4], tl.float32)
+    a1 = tl.zeros([R_PAD, D4], tl.float32)
+    a2 = tl.zeros([R_PAD, D4], tl.float32)
+    a3 = tl.zeros([R_PAD, D4], tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < hi
         sh = tl.load(IDX + offs_n, mask=nmask, other=0).to(tl.int64) * HKV + h0  # (slot, first head) row
-        # the (scale, zero) word of every score: row r reads head h0 + r // G of token n
-        mrow = sh[None, :] + rhead[:, None]
-        mmask = nmask[None, :] & rmask[:, None]
-        ks, kz = _meta(tl.load(KM + mrow, mask=mmask, other=0), META)
+        ks, kz = _meta_rows(KM, sh, nmask, G, HPB, R_PAD, META)
         qc = tl.zeros([R_PAD, BLOCK_N], tl.float32)
         for j in tl.static_range(HPB):
             # K codes loaded transposed, [D4, BLOCK_N], so the planes are dot operands as they are
@@ -204,25 +206,25 @@ def _int2_split(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, to
             m_i = m_new
         p = tl.exp2(s - m_i[:, None])
         l_i = l_i + tl.sum(p, 1)
-        vs, vz = _meta(tl.load(VM + mrow, mask=mmask, other=0), META)
+        vs, vz = _meta_rows(VM, sh, nmask, G, HPB, R_PAD, META)
         ps = p * vs
         zacc = zacc + tl.sum(ps * vz, 1)
         pw = ps.to(tl.float16)
-        # the values of all HPB heads in one tile, [BLOCK_N, HPB·D4] (HPB·D4 contiguous bytes per
-        # slot): row r only keeps the column block of its own head, taken once after the loop
-        vc = tl.load(VC + sh[:, None] * D4 + offs_c[None, :], mask=nmask[:, None], other=0)
-        v0, v1, v2, v3 = _planes(vc, ASM)
-        a0 = tl.dot(pw, v0, a0)
-        a1 = tl.dot(pw, v1, a1)
-        a2 = tl.dot(pw, v2, a2)
-        a3 = tl.dot(pw, v3, a3)
+        for j in tl.static_range(HPB):
+            vc = tl.load(VC + (sh + j)[:, None] * D4 + offs_d[None, :], mask=nmask[:, None], other=0)
+            v0, v1, v2, v3 = _planes(vc, ASM)
+            pj = pw if HPB == 1 else tl.where(rhead[:, None] == j, pw, 0.0).to(tl.float16)
+            a0 = tl.dot(pj, v0, a0)
+            a1 = tl.dot(pj, v1, a1)
+            a2 = tl.dot(pj, v2, a2)
+            a3 = tl.dot(pj, v3, a3)
     inv = _inv(l_i)
     z = zacc * inv
     op = O + row[:, None] * D + offs_d[None, :]
-    _store_plane(op, a0, rhead, inv * SUBNORMAL, z, rmask, HPB, D4)
-    _store_plane(op + D4, a1, rhead, inv * (SUBNORMAL / 4), z, rmask, HPB, D4)
-    _store_plane(op + 2 * D4, a2, rhead, inv * (SUBNORMAL / 16), z, rmask, HPB, D4)
-    _store_plane(op + 3 * D4, a3, rhead, inv * (SUBNORMAL / 64), z, rmask, HPB, D4)
+    tl.store(op, a0 * (inv * SUBNORMAL)[:, None] - z[:, None], mask=rmask[:, None])
+    tl.store(op + D4, a1 * (inv * SUBNORMAL / 4)[:, None] - z[:, None], mask=rmask[:, None])
+    tl.store(op + 2 * D4, a2 * (inv * SUBNORMAL / 16)[:, None] - z[:, None], mask=rmask[:, None])
+    tl.store(op + 3 * D4, a3 * (inv * SUBNORMAL / 64)[:, None] - z[:, None], mask=rmask[:, None])
     _store_lse(LSE, row, rmask, m_i, l_i)
 
 
@@ -269,19 +271,27 @@ def _stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale,
 
 
 @triton.jit(do_not_specialize=["total"])
-def _merge(O, LSE, OUT, total, S_PAD: tl.constexpr, D: tl.constexpr):
+def _merge(O, LSE, OUT, total, S_BLOCK: tl.constexpr, D: tl.constexpr):
+    """Log-sum-exp merge of the ``total`` partial outputs of one ``(sequence, query head)`` row,
+    ``S_BLOCK`` splits at a time (a running maximum keeps it exact)."""
     row = tl.program_id(0)  # b * Hq + hq
-    offs_s = tl.arange(0, S_PAD)
     offs_d = tl.arange(0, D)
-    smask = offs_s < total
-    lse = tl.load(LSE + row * total + offs_s, mask=smask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
-    o = tl.load(O + (row * total + offs_s)[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
-    den = tl.sum(w, 0)
-    res = tl.sum(o * w[:, None], 0) / tl.where(den > 0, den, 1.0)
-    tl.store(OUT + row * D + offs_d, res.to(OUT.dtype.element_ty))
+    m = tl.full([1], float("-inf"), tl.float32)
+    den = tl.zeros([1], tl.float32)
+    acc = tl.zeros([D], tl.float32)
+    for s0 in range(0, total, S_BLOCK):
+        offs_s = s0 + tl.arange(0, S_BLOCK)
+        smask = offs_s < total
+        lse = tl.load(LSE + row * total + offs_s, mask=smask, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp2(lse - m_safe)
+        o = tl.load(O + (row * total + offs_s)[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
+        scale = tl.exp2(m - m_safe)
+        acc = acc * scale + tl.sum(o * w[:, None], 0)
+        den = den * scale + tl.sum(w, 0)
+        m = m_new
+    tl.store(OUT + row * D + offs_d, (acc / tl.where(den > 0, den, 1.0)).to(OUT.dtype.element_ty))
 
 
 # Tuning (set by benchmarks/gpu_check.py's sweep; see its saved results)
@@ -292,7 +302,9 @@ HP_SPLIT, HP_BLOCK = 128, 32
 
 def heads_per_program(g: int, kv_heads: int) -> int:
     """KV heads one INT2 program takes together: enough for ``CONFIG['rows']`` query rows (the MMA
-    height), at most 8, and a divisor of ``kv_heads``."""
+    height), at most 8, and a divisor of ``kv_heads``; 1 when ``g`` is not a power of two."""
+    if g & (g - 1):
+        return 1
     hpb = max(1, min(8, kv_heads, CONFIG["rows"] // g))
     while kv_heads % hpb:
         hpb -= 1
@@ -375,5 +387,5 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
         BLOCK_H=HP_BLOCK, ASM=q.is_cuda, META=meta_id, num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
     )  # fmt: skip
     out = torch.empty_like(q_rot)
-    _merge[(bsz * hq,)](o_part, lse, out, total, S_PAD=max(2, triton.next_power_of_2(total)), D=d)
+    _merge[(bsz * hq,)](o_part, lse, out, total, S_BLOCK=min(64, max(2, triton.next_power_of_2(total))), D=d)
     return out
