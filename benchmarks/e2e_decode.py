@@ -52,6 +52,23 @@ def decode(model, ids: torch.Tensor, cache, new: int) -> float:
     return time.perf_counter() - t0
 
 
+def warm_kernels(batch: int, context: int, cfg) -> None:
+    """Compile the Triton kernels for this shape class before timing (an engine compiles once at
+    start-up; the first ``generate`` step would otherwise include it)."""
+    from gpu_check import SINK_RECENT, make_pools
+
+    from oscarkv.kernels.triton import decode_attention as tda
+    from oscarkv.quant import RowFormat
+
+    d, hkv = cfg.head_dim, cfg.num_key_value_heads
+    fmt = RowFormat(d, 2, d)
+    lq = context - SINK_RECENT
+    pools = make_pools(batch, lq, SINK_RECENT, hkv, d, fmt)
+    q = torch.randn(batch, cfg.num_attention_heads, d, device="cuda", dtype=torch.bfloat16)
+    tda.decode_attention(q, *pools, d**-0.5, fmt, fmt)
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=16)
@@ -78,6 +95,7 @@ def main() -> None:
     res = {}
     # the same RotationSet shape OSCAR uses (per-layer Hadamard here: speed does not depend on U)
     rots = RotationSet({i: fixed_layer("hadamard", 128, 8, "layer") for i in range(cfg.num_hidden_layers)})
+    warm_kernels(args.batch, args.context, cfg)
     for name in ("bf16", "oscar"):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()

@@ -128,7 +128,7 @@ def test_needle_prompts():
     assert len(cases) == 4
     for c in cases:
         text = tok.decode(c.ids)
-        assert abs(len(c.ids) - 2000) < 150  # within a filler block
+        assert abs(len(c.ids) - 2000) < 40  # within a filler line
         name = text.rsplit("\n", 1)[-1].removesuffix(": int =")
         assert text.endswith(f"\n{name}: int =")
         # the queried needle is a line of its own at needle_pos, holding the answer, once
@@ -143,18 +143,50 @@ def test_needle_prompts():
     assert [c.ids for c in again] == [c.ids for c in cases]
 
 
+def _check_needles(tok, cases, spec: QuantSpec) -> None:
+    """Every needle line lies in the INT2 tier (after the sink, before the recent window), the
+    answer occurs once in the prompt (in the queried needle line) and never in the 16-bit recent
+    window or the query tail."""
+    for c in cases:
+        text = tok.decode(c.ids)
+        name = text.rsplit("\n", 1)[-1].removesuffix(": int =")
+        needle = f"{name}: int = {c.answer}"
+        assert tok.decode(c.ids[c.needle_pos :]).startswith(needle + "\n")
+        end = c.needle_pos + len(tok(needle)["input_ids"])  # one past the needle's last token
+        assert spec.sink_tokens <= c.needle_pos and end <= len(c.ids) - spec.recent_tokens
+        assert text.count(c.answer) == 1 and c.answer not in tok.decode(c.ids[-spec.recent_tokens :])
+        values = [ln.split(" = ")[1] for ln in text.split("\n") if ": int = " in ln]
+        assert len(values) == c.needles == len(set(values))  # other needles never hold the answer
+
+
 def test_needles_sit_in_the_quantized_middle():
     """At the default windows (sink 64, recent 256) and ~3K tokens, needles at depths 0.05-0.9
-    are stored in INT2, not in a 16-bit window."""
+    are stored in INT2, not in a 16-bit window, and the answer is nowhere else in the prompt."""
     tok = CharTok()
     spec = QuantSpec()
     depths = [0.05, 0.3, 0.6, 0.9]
-    # one-line filler blocks: CharTok's blocks are far longer than a real tokenizer's
-    for c in build_cases(tok, [3072], depths, trials=2, needles=1, seed=1, filler=FILLER, block_lines=1):
-        text = tok.decode(c.ids)  # one character per token
-        end = text.index("\n", c.needle_pos) + 1
-        assert abs(c.needle_pos / len(c.ids) - c.depth) < 0.05  # within half a filler block
-        assert spec.sink_tokens <= c.needle_pos and end <= len(c.ids) - spec.recent_tokens
+    for needles in (1, 4):
+        cases = build_cases(tok, [3072], depths, trials=2, needles=needles, seed=1, filler=FILLER)
+        for c in cases:
+            # needles go in at line boundaries, so the depth is exact to a line
+            assert abs(c.needle_pos / len(c.ids) - c.depth) < 0.02 and abs(len(c.ids) - 3072) < 40
+        _check_needles(tok, cases, spec)
+
+
+@pytest.mark.shared
+def test_needles_sit_in_the_quantized_middle_with_the_reference_tokenizer(shared_dir: Path):
+    """The same with the reference model's tokenizer and the stdlib filler (what `oscarkv eval`
+    builds): the needle stays in INT2 and the answer never leaks into the prompt tail."""
+    from transformers import AutoTokenizer
+
+    ref = shared_dir / "models" / "oscar-ref-qwen3-30m"
+    if not ref.exists():
+        pytest.skip("reference model not present")
+    tok = AutoTokenizer.from_pretrained(str(ref))
+    for needles in (1, 4):
+        cases = build_cases(tok, [3072], [0.05, 0.5, 0.9], trials=3, needles=needles, seed=needles)
+        assert all(abs(len(c.ids) - 3072) < 100 for c in cases)
+        _check_needles(tok, cases, QuantSpec())
 
 
 def test_needle_filler_is_stdlib_code():

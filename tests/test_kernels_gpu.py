@@ -46,8 +46,12 @@ def _lists(lens: list[int], device: str, shuffle: bool) -> tuple[torch.Tensor, t
     ],
 )
 @pytest.mark.parametrize("meta", ["fp16", "bf16"])
-def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta):
+@pytest.mark.parametrize("grouped", [False, True], ids=["auto-heads", "grouped-heads"])
+def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta, grouped, monkeypatch):
     from oscarkv.kernels.triton import decode_attention as tda
+
+    if grouped:  # several KV heads per program at any size (normally only for large batches)
+        monkeypatch.setitem(tda.CONFIG, "group_tokens", 0)
 
     dev = "cuda"
     fmt = RowFormat(d, 2, d, meta_dtype=meta)

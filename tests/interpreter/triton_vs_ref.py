@@ -92,8 +92,11 @@ def _pools(nq: int, nh: int, hkv: int, d: int, fmt: RowFormat):
         ([17000], [3], 2, 1, 64, "fp16"),  # 67 + 1 splits: the merge takes them 64 at a time
     ],
 )
-def test_decode_attention_matches_reference(tk, lens_q, lens_h, hq, hkv, d, meta):
+@pytest.mark.parametrize("grouped", [False, True], ids=["auto-heads", "grouped-heads"])
+def test_decode_attention_matches_reference(tk, lens_q, lens_h, hq, hkv, d, meta, grouped, monkeypatch):
     _, da = tk
+    if grouped:  # several KV heads per program at any size (normally only for large batches)
+        monkeypatch.setitem(da.CONFIG, "group_tokens", 0)
     fmt = RowFormat(d, 2, d, meta_dtype=meta)
     nq, nh = sum(lens_q), sum(lens_h)
     kc, km, vc, vm, hk, hv = _pools(nq, nh, hkv, d, fmt)
@@ -146,3 +149,4 @@ def test_heads_per_program_fills_sixteen_rows_with_a_divisor_of_the_kv_heads(g, 
     from oscarkv.kernels.triton.decode_attention import heads_per_program
 
     assert heads_per_program(g, hkv) == want
+    assert heads_per_program(g, hkv, tokens=1000) == 1  # small batches: one KV head per program

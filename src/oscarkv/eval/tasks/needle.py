@@ -29,7 +29,9 @@ NAMES = ("PASS_KEY", "DOOR_CODE", "PIN_NUMBER", "LOCK_COMBO", "ROOM_ID", "TICKET
 #: lines of filler kept in the pool (from the first eval-split files in a stable order)
 POOL_LINES = 20000
 #: lines in the repeated filler block
-BLOCK_LINES = 6
+BLOCK_LINES = 24
+#: between a needle's name and its value; the query is the needle line up to the value
+SEP = ": int = "
 
 
 @dataclass(frozen=True)
@@ -64,14 +66,24 @@ def filler_lines(root: str | Path | None = None) -> tuple[str, ...]:
 
 
 def _clean(line: str) -> bool:
-    return bool(line.strip()) and not any(c.isdigit() or c in "\"'" for c in line)
+    return not any(c.isdigit() for c in line)
 
 
 @functools.lru_cache(maxsize=8)
 def _block_starts(pool: tuple[str, ...], n: int) -> tuple[int, ...]:
-    """Pool indices where ``n`` consecutive non-empty lines without digits or quotes start."""
+    """Pool indices where ``n`` consecutive lines without digits start (and the first and last
+    of them are non-empty)."""
     ok = [_clean(ln) for ln in pool]
-    return tuple(i for i in range(len(pool) - n + 1) if all(ok[i : i + n]))
+    return tuple(
+        i
+        for i in range(len(pool) - n + 1)
+        if pool[i].strip() and pool[i + n - 1].strip() and all(ok[i : i + n])
+    )
+
+
+def _values(rng: random.Random, k: int, digits: int) -> list[str]:
+    """``k`` distinct random ``digits``-digit numbers (a needle's value never names another's)."""
+    return [str(v) for v in rng.sample(range(10 ** (digits - 1), 10**digits), k)]
 
 
 def build_cases(
@@ -86,41 +98,46 @@ def build_cases(
     block_lines: int = BLOCK_LINES,
 ) -> list[NeedleCase]:
     """Prompts of about ``context_len`` tokens; the queried needle starts at about ``depth`` of the
-    prompt (0 = start). ``filler``: the line pool (default :func:`filler_lines`)."""
+    prompt (0 = start), at the nearest filler line boundary. ``filler``: the line pool (default
+    :func:`filler_lines`)."""
     if needles > len(NAMES):
         raise ValueError(f"at most {len(NAMES)} needles; got {needles}")
     pool = tuple(filler if filler is not None else filler_lines())
     starts = _block_starts(pool, block_lines)
     if not starts:
         raise ValueError(
-            f"the filler pool has no {block_lines} consecutive non-empty lines without digits or quotes; "
+            f"the filler pool has no {block_lines} consecutive lines without digits; "
             "pass a larger filler or a smaller block_lines"
         )
     rng = random.Random(seed)
-    enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    enc = lambda s: list(tokenizer(s, add_special_tokens=False)["input_ids"])  # noqa: E731
+    nl = len(enc("\n"))
     cases = []
     for n_tok in lengths:
         for depth in depths:
             for trial in range(trials):
                 names = rng.sample(NAMES, needles)
-                values = [str(rng.randint(10 ** (digits - 1), 10**digits - 1)) for _ in names]
+                values = _values(rng, needles, digits)
                 s0 = rng.choice(starts)
-                fill = enc("".join(ln + "\n" for ln in pool[s0 : s0 + block_lines]))
-                query = enc(f"{names[0]}: int =")
-                lines = [enc(f"{n}: int = {v}\n") for n, v in zip(names, values, strict=True)]
-                body = n_tok - len(query) - sum(map(len, lines))
-                n_fill = max(1, round(body / len(fill)))
+                block = list(pool[s0 : s0 + block_lines])
+                needle_text = [f"{n}{SEP}{v}" for n, v in zip(names, values, strict=True)]
+                query = enc(f"\n{names[0]}{SEP.rstrip()}")
+                per_block = len(enc("\n".join(block))) + nl
+                body = n_tok - len(query) - sum(len(enc(t)) + nl for t in needle_text)
+                n_lines = max(1, round(body * block_lines / per_block))  # the block repeated, cut at a line
+                lines = [block[j % block_lines] for j in range(n_lines)]
                 spots = [depth] + [rng.uniform(0.05, 0.95) for _ in range(needles - 1)]
-                slots = [round(sp * n_fill) for sp in spots]
+                at = sorted((round(sp * len(lines)), i) for i, sp in enumerate(spots))
                 ids: list[int] = []
-                pos = -1
-                for j in range(n_fill + 1):
-                    for i, (sl, line) in enumerate(zip(slots, lines, strict=True)):
-                        if sl == j:
-                            pos = len(ids) if i == 0 else pos
-                            ids += line
-                    if j < n_fill:
-                        ids += fill
+                pos, prev = -1, 0
+                for k, i in at:
+                    if k > prev:  # the filler lines before this needle; line breaks open a line
+                        ids += enc(("\n" if prev else "") + "\n".join(lines[prev:k]))
+                    pos = len(ids) + (nl if ids else 0) if i == 0 else pos
+                    ids += enc(("\n" if ids else "") + needle_text[i])
+                    prev = k
+                if prev < len(lines):
+                    ids += enc("\n" + "\n".join(lines[prev:]))
                 cases.append(
                     NeedleCase(n_tok, depth, needles, trial, tuple(ids + query), values[0], needle_pos=pos)
                 )

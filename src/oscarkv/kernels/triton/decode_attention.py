@@ -140,12 +140,12 @@ def _meta_rows(M, sh, nmask, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.const
     group. The ``HPB`` heads' words are loaded once as ``[R_PAD // G, BLOCK_N]`` (contiguous per
     slot, pipelined like the code tiles) and repeated ``G`` times; one head broadcasts a row."""
     if HPB == 1:
-        s, z = _meta(tl.load(M + sh, mask=nmask, other=0), META)
-        return s[None, :], z[None, :]
-    HP: tl.constexpr = R_PAD // G
-    offs_j = tl.arange(0, HP)
-    w = tl.load(M + sh[None, :] + offs_j[:, None], mask=nmask[None, :] & (offs_j < HPB)[:, None], other=0)
-    w = tl.reshape(tl.broadcast_to(w[:, None, :], (HP, G, w.shape[1])), (R_PAD, w.shape[1]))
+        w = tl.load(M + sh, mask=nmask, other=0)[None, :]
+    else:
+        HP: tl.constexpr = R_PAD // G
+        offs_j = tl.arange(0, HP)
+        w = tl.load(M + sh[None, :] + offs_j[:, None], mask=nmask[None, :] & (offs_j < HPB)[:, None], other=0)
+        w = tl.reshape(tl.broadcast_to(w[:, None, :], (HP, G, w.shape[1])), (R_PAD, w.shape[1]))
     return _meta(w, META)
 
 
@@ -295,15 +295,26 @@ def _merge(O, LSE, OUT, total, S_BLOCK: tl.constexpr, D: tl.constexpr):
 
 
 # Tuning (set by benchmarks/gpu_check.py's sweep; see its saved results)
-CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs": 1024, "min_split": 256, "rows": 16}
+CONFIG = {
+    "block_n": 128,
+    "num_warps": 4,
+    "num_stages": 3,
+    "programs": 1024,
+    "min_split": 256,
+    "rows": 16,
+    "group_tokens": 262144,
+}
 #: 16-bit tier: tokens per split and per tile (it holds at most sink + recent + 7 = 327 by default)
 HP_SPLIT, HP_BLOCK = 128, 32
 
 
-def heads_per_program(g: int, kv_heads: int) -> int:
+def heads_per_program(g: int, kv_heads: int, tokens: int | None = None) -> int:
     """KV heads one INT2 program takes together: enough for ``CONFIG['rows']`` query rows (the MMA
-    height), at most 8, and a divisor of ``kv_heads``; 1 when ``g`` is not a power of two."""
-    if g & (g - 1):
+    height), at most 8, and a divisor of ``kv_heads``. 1 when ``g`` is not a power of two, or when
+    the batch holds fewer than ``CONFIG['group_tokens']`` quantized tokens (``tokens``): small
+    batches need the programs of every head to fill the GPU (measured on the H200: grouping wins
+    from batch × length ≈ 256K tokens, loses below)."""
+    if g & (g - 1) or (tokens is not None and tokens < CONFIG["group_tokens"]):
         return 1
     hpb = max(1, min(8, kv_heads, CONFIG["rows"] // g))
     while kv_heads % hpb:
@@ -368,7 +379,7 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
         )
         lens_hint = tuple(int(x) for x in lens.tolist()) if bsz else (0, 0)
     max_q, max_h = max(int(lens_hint[0]), 1), max(int(lens_hint[1]), 1)
-    hpb = heads_per_program(g, hkv)
+    hpb = heads_per_program(g, hkv, bsz * max_q)
     sq = num_splits(bsz, hkv // hpb, max_q)
     split_q = math.ceil(max_q / sq / 256) * 256  # a multiple of every BLOCK_N the sweep tries
     sq = math.ceil(max_q / split_q)
