@@ -1,15 +1,24 @@
 """Passkey and multi-needle retrieval with generation (code haystacks, no downloads).
 
 The haystack is code: a block of ``BLOCK_LINES`` consecutive lines of the standard library's
-``eval`` split (the split calibration never reads; lines without digits or quotes, drawn per
-prompt) repeated to the prompt length, the way the classic passkey test repeats a prose filler.
-One or several needle lines ``NAME: int = NUMBER`` (upper-case constant names, 4 digits, a line
-each) sit between blocks at the requested depths, and the prompt ends with ``NAME: int =`` for
-one of them: the model must generate the number. One needle is the passkey test; several needles
-with distinct names is multi-key needle-in-a-haystack. Every method is scored on the same
-prompts. Why this format: the reference model is a code model, and with an English-prose
-haystack or contiguous (non-repeated) real code it fails often in BF16 already; without the
-``: int`` annotation it tends to open a string literal instead of copying the number.
+``eval`` split (the split calibration never reads; non-empty lines without digits or quotes, the
+block drawn per prompt) repeated line by line to the prompt length, the way the classic passkey
+test repeats a prose filler. One or several needle lines ``NAME: int = NUMBER`` (upper-case
+constant names, distinct random 4-digit values, a line each) sit at filler line boundaries at
+the requested depths, and the prompt ends with the line ``NAME: int =`` for one of them: the
+model must generate the number. One needle is the passkey test; several needles with distinct
+names is multi-key needle-in-a-haystack. Every method is scored on the same prompts.
+
+Why this format: the reference model is a code model; with an English-prose haystack or
+contiguous real code it fails often in BF16 already, and without ``: int`` it tends to open a
+string literal. In a 100-prompt BF16 run at 3K it copied numbers whose first token is one digit
+(``" 4", "82", "13"``) 0.84 of the time (n = 73), those starting with a two-digit token
+(``" 48", "39"``) 0.41 (n = 27), so values get a one-digit first token where the tokenizer
+allows; the confirming run still gave only 0.74 (n = 100, vs 0.73 before). Measured on BF16 and
+not kept (n = 30-40 each, within noise or worse): a 24-line block, ``NAME = N``, a blank-line
+delimited constant, the value repeated in a comment, string, hex or digit-tuple values, queries
+that are not the needle's own prefix (``assert NAME ==``, few-shot decoy pairs: 0.0-0.2). BF16
+misses ~10-20% at 768 tokens too: this 30M model mis-copies digits (8349 for 8339).
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ NAMES = ("PASS_KEY", "DOOR_CODE", "PIN_NUMBER", "LOCK_COMBO", "ROOM_ID", "TICKET
 #: lines of filler kept in the pool (from the first eval-split files in a stable order)
 POOL_LINES = 20000
 #: lines in the repeated filler block
-BLOCK_LINES = 24
+BLOCK_LINES = 6
 #: between a needle's name and its value; the query is the needle line up to the value
 SEP = ": int = "
 
@@ -66,24 +75,37 @@ def filler_lines(root: str | Path | None = None) -> tuple[str, ...]:
 
 
 def _clean(line: str) -> bool:
-    return not any(c.isdigit() for c in line)
+    return bool(line.strip()) and not any(c.isdigit() or c in "\"'" for c in line)
 
 
 @functools.lru_cache(maxsize=8)
 def _block_starts(pool: tuple[str, ...], n: int) -> tuple[int, ...]:
-    """Pool indices where ``n`` consecutive lines without digits start (and the first and last
-    of them are non-empty)."""
+    """Pool indices where ``n`` consecutive non-empty lines without digits or quotes start."""
     ok = [_clean(ln) for ln in pool]
-    return tuple(
-        i
-        for i in range(len(pool) - n + 1)
-        if pool[i].strip() and pool[i + n - 1].strip() and all(ok[i : i + n])
-    )
+    return tuple(i for i in range(len(pool) - n + 1) if all(ok[i : i + n]))
 
 
-def _values(rng: random.Random, k: int, digits: int) -> list[str]:
-    """``k`` distinct random ``digits``-digit numbers (a needle's value never names another's)."""
-    return [str(v) for v in rng.sample(range(10 ** (digits - 1), 10**digits), k)]
+def _single_digit_lead(tokenizer: Any, value: str) -> bool:
+    """Whether the first token of ``" " + value`` that holds a digit holds only one."""
+    for i in tokenizer(" " + value, add_special_tokens=False)["input_ids"]:
+        n = sum(c.isdigit() for c in tokenizer.decode([i]))
+        if n:
+            return n == 1
+    return False
+
+
+def _values(rng: random.Random, tokenizer: Any, k: int, digits: int) -> list[str]:
+    """``k`` distinct random ``digits``-digit numbers whose first digit is a token of its own where
+    the tokenizer allows (BF16 copied 0.84 of those vs 0.41 with a leading ``" 48"``-like token);
+    distinct, so no other needle holds the answer."""
+    out: list[str] = []
+    for tries in range(100 * k):
+        v = str(rng.randint(10 ** (digits - 1), 10**digits - 1))
+        if v not in out and (tries >= 50 * k or _single_digit_lead(tokenizer, v)):
+            out.append(v)
+            if len(out) == k:
+                break
+    return out
 
 
 def build_cases(
@@ -106,7 +128,7 @@ def build_cases(
     starts = _block_starts(pool, block_lines)
     if not starts:
         raise ValueError(
-            f"the filler pool has no {block_lines} consecutive lines without digits; "
+            f"the filler pool has no {block_lines} consecutive non-empty lines without digits or quotes; "
             "pass a larger filler or a smaller block_lines"
         )
     rng = random.Random(seed)
@@ -117,12 +139,12 @@ def build_cases(
         for depth in depths:
             for trial in range(trials):
                 names = rng.sample(NAMES, needles)
-                values = _values(rng, needles, digits)
+                values = _values(rng, tokenizer, needles, digits)
                 s0 = rng.choice(starts)
                 block = list(pool[s0 : s0 + block_lines])
                 needle_text = [f"{n}{SEP}{v}" for n, v in zip(names, values, strict=True)]
                 query = enc(f"\n{names[0]}{SEP.rstrip()}")
-                per_block = len(enc("\n".join(block))) + nl
+                per_block = len(enc("\n".join(block * 2))) - len(enc("\n".join(block)))  # one more
                 body = n_tok - len(query) - sum(len(enc(t)) + nl for t in needle_text)
                 n_lines = max(1, round(body * block_lines / per_block))  # the block repeated, cut at a line
                 lines = [block[j % block_lines] for j in range(n_lines)]
@@ -132,7 +154,7 @@ def build_cases(
                 pos, prev = -1, 0
                 for k, i in at:
                     if k > prev:  # the filler lines before this needle; line breaks open a line
-                        ids += enc(("\n" if prev else "") + "\n".join(lines[prev:k]))
+                        ids += enc(("\n" if ids else "") + "\n".join(lines[prev:k]))
                     pos = len(ids) + (nl if ids else 0) if i == 0 else pos
                     ids += enc(("\n" if ids else "") + needle_text[i])
                     prev = k
