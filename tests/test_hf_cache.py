@@ -543,3 +543,15 @@ def test_oscarcache_is_a_lazy_attribute():
     assert via_from_import is OscarCache
     with pytest.raises(AttributeError, match="NoSuchThing"):
         _ = oscarkv.NoSuchThing
+
+
+def test_ranges_to_csr_expands_ranges_in_order() -> None:
+    from oscarkv.hf.slots import ranges_to_csr
+
+    ranges = [[(100, 3), (7, 0), (40, 2)], [], [(0, 1)], [(5, 0)], [(300, 4), (200, 1)]]
+    indptr, idx = ranges_to_csr(ranges, torch.device("cpu"))
+    want = [s + i for r in ranges for s, n in r for i in range(n)]
+    assert indptr.tolist() == [0, 5, 5, 6, 6, 11]
+    assert idx.dtype == torch.int32 and idx.tolist() == want
+    indptr, idx = ranges_to_csr([[], [(3, 0)]], torch.device("cpu"))
+    assert indptr.tolist() == [0, 0, 0] and idx.numel() == 0
