@@ -1,8 +1,10 @@
 """Continuation-perplexity ratio to BF16 for several calibration recipes and baselines (CPU, fp32).
 
-Calibrates the model four ways (clip search, global clips, per-KV-head, softmax V target), then
-scores the 8 evaluation windows of 3072 tokens (``eval_sequences``: one module each; the last 512
-tokens in chunks of 32) through each method's cache.
+Calibrates the model six ways (clip search, global clips, per-KV-head, softmax V target, and the
+per-layer / per-KV-head OSCAR-or-Hadamard selection), then scores the 8 evaluation windows of 3072
+tokens (``eval_sequences``: one module each; the last 512 tokens in chunks of 32) through each
+method's cache. Next to each ratio: the mean per-layer relative INT2 attention-output error on 4
+held-out eval-split sequences of 2048 tokens (`calibration_quality.py`'s measure).
 
     python benchmarks/ppl_recipes.py --model ../shared/models/oscar-ref-qwen3-30m
 """
@@ -20,22 +22,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import save
 
 import oscarkv
+from oscarkv.calibration import token_sequences
 from oscarkv.calibration.data import eval_sequences
+from oscarkv.calibration.report import attention_errors
 from oscarkv.cli import load_model
 from oscarkv.config import CalibrationConfig
 from oscarkv.eval.methods import get_method
 from oscarkv.eval.tasks.ppl import continuation_nll
 
 RECIPES = {"search": {"clip_search": True}, "global": {}, "kvhead": {"granularity": "kv_head"},
-           "softmax": {"v_target": "softmax"}}  # fmt: skip
+           "softmax": {"v_target": "softmax"}, "select": {"rotation_select": True},
+           "select-kvhead": {"granularity": "kv_head", "rotation_select": True}}  # fmt: skip
+
+
+def _names(c: str | list[str]) -> str:
+    return c if isinstance(c, str) else ",".join(c)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
+    ap.add_argument("--name", default="ppl_recipes_cpu", help="results file name")
     args = ap.parse_args()
     model, tok = load_model(args.model, "cpu", "fp32")
     sets = {n: oscarkv.calibrate(model, tok, CalibrationConfig(**kw)) for n, kw in RECIPES.items()}
+    # the hadamard-int2 baseline's rotations and clips (for its attention error)
+    had = oscarkv.calibrate(model, tok, CalibrationConfig(method="hadamard"))
+    evals = token_sequences(tok, None, 4, 2048, seed=0, split="eval")
+    errs = attention_errors(
+        model, evals, {"hadamard-int2": had, **{f"oscar ({n})": rs for n, rs in sets.items()}}
+    )
+    mean_err = {n: sum(e.values()) / len(e) for n, e in errs.items()}
+    selected = {n: rs.provenance.recipe["rotation_select"] for n, rs in sets.items() if "select" in n}
     seqs = eval_sequences(tok, 8, 3072, seed=0)
 
     def ppl(method) -> float:
@@ -52,12 +70,29 @@ def main() -> None:
         f"Continuation perplexity / BF16 (BF16 = {base:.3f}), 8 x 512 tokens, context 3072, chunks of 32, "
         f"`{Path(args.model).name}` fp32 on CPU",
         "",
-        "| method | ppl / BF16 |",
-        "|---|---|",
+        "",
+        "attn err: mean over layers of the relative INT2 attention-output error, 4 x 2048 held-out",
+        "eval-split tokens (sink 64 + recent 256 exact)",
+        "",
+        "| method | ppl / BF16 | attn err |",
+        "|---|---|---|",
     ]
-    md += [f"| {k} | {v:.4f} |" for k, v in rows.items()]
+    md += [f"| {k} | {v:.4f} | {f'{mean_err[k]:.3e}' if k in mean_err else '-'} |" for k, v in rows.items()]
+    for n, sel in selected.items():
+        md += [
+            "",
+            f"`{n}` choices (K, V) per layer: "
+            + "; ".join(f"L{i} {_names(c['k'])}/{_names(c['v'])}" for i, c in sel.items()),
+        ]
     print("\n".join(md))
-    save("ppl_recipes_cpu", {"bf16_ppl": base, "ratios": rows}, "\n".join(md))
+    payload = {
+        "bf16_ppl": base,
+        "ratios": rows,
+        "attn_err_mean": mean_err,
+        "attn_err": errs,
+        "selection": selected,
+    }
+    save(args.name, payload, "\n".join(md))
 
 
 if __name__ == "__main__":

@@ -80,7 +80,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
     bpe = [f"{n // 1024}K: {spec.bits_per_element(n, rs.head_dim):.3f}" for n in (4096, 32768, 131072)]
     t.add_row("bits/element", f"tier {spec.bits_per_element(None, rs.head_dim):.3f}; " + ", ".join(bpe))
     if p.recipe:
-        t.add_row("recipe", ", ".join(f"{k}={v}" for k, v in p.recipe.items() if k != "clip_search"))
+        skip = ("clip_search", "rotation_select")
+        t.add_row("recipe", ", ".join(f"{k}={v}" for k, v in p.recipe.items() if k not in skip))
+        sel = p.recipe.get("rotation_select")
+        if isinstance(sel, dict):
+            t.add_row("rotation selection", "; ".join(f"{i}: K {c['k']}, V {c['v']}" for i, c in sel.items()))
     if p.config_hash:
         t.add_row("model config hash", p.config_hash)
     if p.library_version:

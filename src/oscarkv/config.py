@@ -173,7 +173,15 @@ class CalibrationConfig:
         "search per-layer K/V clip ratios on held-out tokens (minimises attention-output error)",
         default=False,
     )
-    holdout_tokens: int = _help("held-out tokens (beyond --tokens) for the clip search", default=4096)
+    rotation_select: bool = _help(
+        "keep the fitted rotation or Hadamard per layer (per KV head with kv_head granularity), "
+        "K and V jointly, whichever has the lower held-out attention-output error",
+        default=False,
+    )
+    holdout_tokens: int = _help(
+        "held-out tokens (beyond --tokens) for the clip search and the rotation selection",
+        default=4096,
+    )
     batch_size: int = _help("sequences per forward pass", default=1)
     seed: int = _help("seed for corpus sampling", default=0)
 
@@ -195,6 +203,13 @@ class CalibrationConfig:
             raise field_error(
                 name, "holdout_tokens", "> 0 when clip_search is on (or pass --no-clip-search)", 0
             )
+        if self.rotation_select and self.holdout_tokens < 1:
+            raise field_error(
+                name,
+                "holdout_tokens",
+                "> 0 when rotation_select is on (or pass --no-rotation-select)",
+                self.holdout_tokens,
+            )
 
     @property
     def num_sequences(self) -> int:
@@ -202,7 +217,8 @@ class CalibrationConfig:
 
     @property
     def num_holdout_sequences(self) -> int:
-        return -(-self.holdout_tokens // self.seq_len) if self.clip_search else 0
+        held = self.clip_search or self.rotation_select
+        return -(-self.holdout_tokens // self.seq_len) if held else 0
 
 
 ALL_EVAL_METHODS = "bf16,oscar,naive-int2,quarot-int2,clip-only,hadamard-int2,kivi2,turboquant-k3v3,int4"

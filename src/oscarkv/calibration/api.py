@@ -15,6 +15,7 @@ from .capture import UnsupportedModelError, attention_geometry, capture_attentio
 from .data import token_sequences
 from .error import ClipSearch
 from .fit import fit_layer, fixed_layer
+from .select import RotationSelect
 from .stats import LayerStats
 
 __all__ = ["calibrate"]
@@ -126,6 +127,19 @@ def calibrate(
     else:
         rots = {i: fixed_layer(cfg.method, d, hkv, cfg.granularity) for i in layers}
 
+    selection: dict[str, dict[str, Any]] = {}
+    if cfg.rotation_select:  # before the clip search, which then tunes the chosen rotations
+        sel = RotationSelect(rots, spec, d, cfg.granularity)
+        _run(
+            model,
+            _batches(hold, cfg.batch_size),
+            lambda i, q, k, v, o: sel.update(i, q, k, v),
+            layers,
+            "rotation selection",
+            progress,
+        )
+        rots, selection = sel.apply()
+
     search: dict[int, dict[str, float]] = {}
     if cfg.clip_search:
         cs = ClipSearch(rots, spec, d, CLIP_GRID_K, CLIP_GRID_V)
@@ -153,6 +167,7 @@ def calibrate(
         "seed": cfg.seed,
         "data": [str(p) for p in data] if data else "python-stdlib",
         "clip_search": {str(k): v for k, v in search.items()} if search else "off",
+        "rotation_select": selection or "off",
         "holdout_tokens": sum(s.numel() for s in hold),
     }
     prov = Provenance(

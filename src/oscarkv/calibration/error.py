@@ -70,6 +70,14 @@ class WindowedError:
         """Squared error sum of the attention output with the given (rotated) K and V."""
         return self._out_error(self._probs(k_hat), v_hat)
 
+    def head_errors(self, k_hat: torch.Tensor, v_hat: torch.Tensor) -> torch.Tensor:
+        """Per-KV-head squared error sums ``[H_kv]`` (float64) with the given (rotated) K and V."""
+        return (self._probs(k_hat) @ v_hat - self.ref).square().sum((0, 2, 3)).double()
+
+    def head_ref(self) -> torch.Tensor:
+        """Per-KV-head ``Σ‖o‖²`` of the exact output ``[H_kv]`` (float64)."""
+        return self.ref.square().sum((0, 2, 3)).double()
+
     def quantized_k(self, fmt: RowFormat) -> torch.Tensor:
         return fake_quant_middle(self.k_rot, fmt, self.sink, self.recent)
 
