@@ -43,9 +43,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--name", default="ppl_recipes_cpu", help="results file name")
+    ap.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated subset of RECIPES")
+    ap.add_argument("--baselines", default="hadamard-int2,clip-only,quarot-int2,int4")
+    ap.add_argument("--holdout-tokens", type=int, default=None, help="override for every recipe")
     args = ap.parse_args()
     model, tok = load_model(args.model, "cpu", "fp32")
-    sets = {n: oscarkv.calibrate(model, tok, CalibrationConfig(**kw)) for n, kw in RECIPES.items()}
+    over = {} if args.holdout_tokens is None else {"holdout_tokens": args.holdout_tokens}
+    want = [n for n in args.recipes.split(",") if n]
+    sets = {n: oscarkv.calibrate(model, tok, CalibrationConfig(**RECIPES[n], **over)) for n in want}
     # the hadamard-int2 baseline's rotations and clips (for its attention error)
     had = oscarkv.calibrate(model, tok, CalibrationConfig(method="hadamard"))
     evals = token_sequences(tok, None, 4, 2048, seed=0, split="eval")
@@ -62,13 +67,14 @@ def main() -> None:
 
     base = ppl(get_method("bf16", None, model.config))
     rows = {"bf16": 1.0}
-    for n in ("hadamard-int2", "clip-only", "quarot-int2", "int4"):
-        rows[n] = ppl(get_method(n, sets["global"], model.config)) / base
+    for n in [b for b in args.baselines.split(",") if b]:  # spec (clips, windows) of any recipe
+        rows[n] = ppl(get_method(n, next(iter(sets.values())), model.config)) / base
     for n, rs in sets.items():
         rows[f"oscar ({n})"] = ppl(get_method("oscar", rs, model.config)) / base
     md = [
         f"Continuation perplexity / BF16 (BF16 = {base:.3f}), 8 x 512 tokens, context 3072, chunks of 32, "
-        f"`{Path(args.model).name}` fp32 on CPU",
+        f"`{Path(args.model).name}` fp32 on CPU"
+        + (f", {args.holdout_tokens} held-out calibration tokens" if over else ""),
         "",
         "",
         "attn err: mean over layers of the relative INT2 attention-output error, 4 x 2048 held-out",

@@ -5,12 +5,14 @@ from .capture import UnsupportedModelError, attention_geometry, capture_attentio
 from .data import CorpusError, token_sequences
 from .error import ClipSearch, WindowedError, fake_quant_middle
 from .fit import fit_layer, fixed_layer
+from .select import RotationSelect
 from .stats import LayerStats
 
 __all__ = [
     "ClipSearch",
     "CorpusError",
     "LayerStats",
+    "RotationSelect",
     "UnsupportedModelError",
     "WindowedError",
     "attention_geometry",
