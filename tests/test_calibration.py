@@ -33,6 +33,7 @@ from oscarkv.calibration import (
 )
 from oscarkv.calibration.data import iter_documents
 from oscarkv.calibration.report import attention_errors, summary_rows
+from oscarkv.calibration.select import RotationSelect
 from oscarkv.config import CLIP_GRID_K, CLIP_GRID_V
 from oscarkv.quant import RowFormat
 from oscarkv.rotation import LayerRotation, compose, load_rotations, save_rotations
@@ -163,7 +164,8 @@ def calibration_chunks(tok, data, cfg: CalibrationConfig) -> tuple[list[torch.Te
     """The statistics chunks (first ``cfg.tokens`` tokens) and held-out sequences ``calibrate``
     should use, rebuilt from ``token_sequences`` as documented."""
     n_cal = math.ceil(cfg.tokens / cfg.seq_len)
-    n_hold = math.ceil(cfg.holdout_tokens / cfg.seq_len) if cfg.clip_search else 0
+    held = cfg.clip_search or cfg.rotation_select
+    n_hold = math.ceil(cfg.holdout_tokens / cfg.seq_len) if held else 0
     ids = token_sequences(tok, data, n_cal + n_hold, cfg.seq_len, cfg.seed)
     flat = ids[:n_cal].reshape(-1)[: cfg.tokens]
     cal = [flat[s : s + cfg.seq_len] for s in range(0, cfg.tokens, cfg.seq_len)]
@@ -734,6 +736,153 @@ def test_clip_search_picks_the_brute_force_minimiser(helpful):
 
 
 # ---- 8. determinism --------------------------------------------------------------------------------
+# ---- 7b. rotation selection (fitted vs Hadamard) on constructed data ----------------------------
+SEL_SPEC = QuantSpec(sink_tokens=4, recent_tokens=8)
+
+
+def _outlier_rows(gen: torch.Generator, t: int, in_hadamard_basis: bool) -> torch.Tensor:
+    """``[t, D]`` rows with one ±30 outlier channel over noise: in the original basis (identity
+    quantizes them badly, Hadamard spreads the outlier) or in the Hadamard basis (the reverse)."""
+    x = torch.randn(t, D, generator=gen) * 0.5
+    x[:, 7] = 30 * torch.where(torch.rand(t, generator=gen) < 0.5, -1.0, 1.0)
+    return (x.double() @ hadamard_ref(D)).float() if in_hadamard_basis else x
+
+
+def _select_case(seed: int, k_had_better: list[bool], v_had_better: list[bool]):
+    """q ``[1, H_q, T, D]``, k, v ``[1, H_KV, T, D]``; per KV head, which candidate should win."""
+    gen = torch.Generator().manual_seed(seed)
+    t = 48
+    q = torch.randn(1, H_Q, t, D, generator=gen) * 0.3
+    k = torch.stack([_outlier_rows(gen, t, not hb) for hb in k_had_better])[None]
+    v = torch.stack([_outlier_rows(gen, t, not hb) for hb in v_had_better])[None]
+    return q, k, v
+
+
+def _brute_head_errors(cases, spec: QuantSpec, nq: int) -> torch.Tensor:
+    """Independent float64 errors ``[2 (K cand), 2 (V cand), H_KV]`` with fitted = identity."""
+    h = hadamard_ref(D)
+    out = torch.zeros(2, 2, H_KV, dtype=torch.float64)
+
+    def roundtrip(x, r, ratio):
+        return my_fake_quant(x.double() @ r, ratio, spec.sink_tokens, spec.recent_tokens) @ r.T
+
+    eye = torch.eye(D, dtype=torch.float64)
+    for q, k, v in cases:
+        for head in range(H_KV):
+            qh, kh, vh = q[:, head * G : (head + 1) * G], k[:, head : head + 1], v[:, head : head + 1]
+            for i, rk in enumerate((eye, h)):
+                for j, rv in enumerate((eye, h)):
+                    k_hat, v_hat = roundtrip(kh, rk, spec.k_clip), roundtrip(vh, rv, spec.v_clip)
+                    out[i, j, head] += my_window_error(qh, kh, vh, k_hat, v_hat, nq)[0]
+    return out
+
+
+def _identity_rotations(heads: int | None) -> LayerRotation:
+    eye, lam = torch.eye(D), torch.arange(1.0, D + 1)
+    if heads:
+        eye, lam = eye.expand(heads, D, D).clone(), lam.expand(heads, D).clone()
+    return LayerRotation(eye, eye.clone(), lam, lam.clone())
+
+
+def test_rotation_select_per_kv_head_picks_the_clearly_better_candidate():
+    # head 0: K favours Hadamard, V favours the fitted (identity) rotation; head 1: the reverse
+    cases = [_select_case(s, [True, False], [False, True]) for s in (20, 21)]
+    nq = 24
+    sel = RotationSelect({3: _identity_rotations(H_KV)}, SEL_SPEC, D, "kv_head", n_queries=nq)
+    for q, k, v in cases:
+        sel.update(3, q, k, v)
+    ck, cv = sel.choices()[3]
+    assert ck.tolist() == [1, 0] and cv.tolist() == [0, 1]
+
+    brute = _brute_head_errors(cases, SEL_SPEC, nq)
+    torch.testing.assert_close(sel.err[3], brute, rtol=1e-2, atol=0)  # fp32 vs fp64 codes
+    for head in range(H_KV):
+        best = int(brute[..., head].reshape(-1).argmin())
+        assert (int(ck[head]), int(cv[head])) == (best // 2, best % 2)
+        # the case is clear-cut: the chosen pair beats both uniform choices by a wide margin
+        chosen = brute[ck[head], cv[head], head]
+        assert chosen * 3 < min(brute[0, 0, head], brute[1, 1, head])
+
+    rots, record = sel.apply()
+    lr, h = rots[3], hadamard_ref(D).float()
+    torch.testing.assert_close(lr.k[0], h)
+    torch.testing.assert_close(lr.v[1], h)
+    assert torch.equal(lr.k[1], torch.eye(D)) and torch.equal(lr.v[0], torch.eye(D))
+    assert torch.equal(lr.k_eigenvalues[0], torch.ones(D))  # Hadamard parts: eigenvalues 1
+    assert torch.equal(lr.k_eigenvalues[1], torch.arange(1.0, D + 1))
+    r = record["3"]
+    assert r["k"] == ["hadamard", "fitted"] and r["v"] == ["fitted", "hadamard"]
+    ref = sum(my_window_error(q, k, v, k, v, nq)[1] for q, k, v in cases)
+    chosen_total = float(brute[ck, cv, torch.arange(H_KV)].sum())
+    assert r["err_chosen"] == pytest.approx(chosen_total / ref, rel=1e-2)
+    assert r["err_chosen"] * 3 < min(r["err_fitted"], r["err_hadamard"])
+    json.dumps(record)  # provenance must stay JSON-serialisable
+
+
+@pytest.mark.parametrize("k_had", [True, False])
+def test_rotation_select_per_layer_picks_the_clearly_better_candidate(k_had):
+    cases = [_select_case(s, [k_had] * H_KV, [not k_had] * H_KV) for s in (30, 31)]
+    sel = RotationSelect({0: _identity_rotations(None)}, SEL_SPEC, D, "layer", n_queries=24)
+    for q, k, v in cases:
+        sel.update(0, q, k, v)
+    ck, cv = sel.choices()[0]
+    assert ck.tolist() == [int(k_had)] * H_KV and cv.tolist() == [int(not k_had)] * H_KV
+    brute = _brute_head_errors(cases, SEL_SPEC, 24).sum(-1)
+    assert int(brute.reshape(-1).argmin()) == 2 * int(k_had) + int(not k_had)
+    rots, record = sel.apply()
+    names = ("fitted", "hadamard")
+    assert (record["0"]["k"], record["0"]["v"]) == (names[k_had], names[not k_had])
+    h = hadamard_ref(D).float()
+    torch.testing.assert_close(rots[0].k, h if k_had else torch.eye(D))
+    torch.testing.assert_close(rots[0].v, torch.eye(D) if k_had else h)
+
+
+def test_rotation_select_tie_keeps_the_fitted_rotation():
+    h = hadamard_ref(D).float()
+    fitted = LayerRotation(h.clone(), h.clone(), torch.arange(1.0, D + 1), torch.arange(1.0, D + 1))
+    sel = RotationSelect({0: fitted}, SEL_SPEC, D, "layer", n_queries=24)
+    sel.update(0, *_select_case(40, [True, False], [False, True]))
+    rots, record = sel.apply()
+    assert (record["0"]["k"], record["0"]["v"]) == ("fitted", "fitted")
+    assert torch.equal(rots[0].k_eigenvalues, fitted.k_eigenvalues)
+
+
+@pytest.mark.parametrize("granularity", ["layer", "kv_head"])
+def test_rotation_select_through_calibrate(models, tok, corpus, granularity, tmp_path):
+    model = models["qwen3"]
+    base = dict(tokens=256, seq_len=128, holdout_tokens=128, granularity=granularity)
+    plain = calibrate(model, tok, CalibrationConfig(**base), SPEC, data=corpus)
+    cfg = CalibrationConfig(**base, rotation_select=True)
+    rs = calibrate(model, tok, cfg, SPEC, data=corpus)
+    assert plain.provenance.recipe["rotation_select"] == "off"
+    record = rs.provenance.recipe["rotation_select"]
+    assert sorted(record) == [str(i) for i in rs.layer_ids]
+    h = hadamard_ref(D).float()
+    for i in rs.layer_ids:
+        r, lr, lp = record[str(i)], rs.layers[i], plain.layers[i]
+        assert lr.k_clip is None and lr.v_clip is None  # no clip search: global clips
+        for kind in ("k", "v"):
+            names = [r[kind]] if granularity == "layer" else r[kind]
+            got, fit = getattr(lr, kind), getattr(lp, kind)
+            for hd, name in enumerate(names):
+                g = got if granularity == "layer" else got[hd]
+                f = fit if granularity == "layer" else fit[hd]
+                torch.testing.assert_close(g, h if name == "hadamard" else f, rtol=0, atol=1e-7)
+        assert r["err_chosen"] <= min(r["err_fitted"], r["err_hadamard"]) * (1 + 1e-9)
+    # the recorded errors are the evaluator's errors on the held-out sequence
+    hold = calibration_chunks(tok, corpus, cfg)[1]
+    had = calibrate(model, tok, CalibrationConfig(**base, method="hadamard"), SPEC, data=corpus)
+    errs = attention_errors(model, torch.stack(hold), {"plain": plain, "sel": rs, "had": had})
+    for i in rs.layer_ids:
+        r = record[str(i)]
+        assert errs["plain"][i] == pytest.approx(r["err_fitted"], rel=1e-4)
+        assert errs["had"][i] == pytest.approx(r["err_hadamard"], rel=1e-4)
+        assert errs["sel"][i] == pytest.approx(r["err_chosen"], rel=1e-4)
+    save_rotations(rs, tmp_path / "sel")  # the record survives the artifact round trip
+    back = load_rotations(tmp_path / "sel", model_config=model.config)
+    assert back.provenance.recipe["rotation_select"] == record
+
+
 def test_calibrate_is_deterministic_and_seeded(models, tok, corpus, oscar_run):
     cfg, first = oscar_run
     again = calibrate(models["qwen3"], tok, cfg, SPEC, data=corpus)
@@ -880,6 +1029,14 @@ def test_clip_search_needs_holdout():
     assert CalibrationConfig(holdout_tokens=0).num_holdout_sequences == 0  # the search is off by default
     cfg = CalibrationConfig(tokens=300, seq_len=128, holdout_tokens=129, clip_search=True)
     assert (cfg.num_sequences, cfg.num_holdout_sequences) == (3, 2)
+
+
+def test_rotation_select_needs_holdout_and_is_off_by_default():
+    assert CalibrationConfig().rotation_select is False
+    with pytest.raises(SpecError, match=r"holdout_tokens.*rotation_select"):
+        CalibrationConfig(holdout_tokens=0, rotation_select=True)
+    cfg = CalibrationConfig(tokens=300, seq_len=128, holdout_tokens=129, rotation_select=True)
+    assert cfg.num_holdout_sequences == 2
 
 
 # ---- 10. data ---------------------------------------------------------------------------------------
