@@ -63,6 +63,11 @@ def _run(
             prog.update(task, completed=done, rate=f"{rate:,.0f}")
 
 
+def _qkv(update: Callable[..., None]) -> Callable[..., None]:
+    """A capture callback that passes a layer's ``(q, k, v)`` on (the held-out passes ignore ``o``)."""
+    return lambda i, q, k, v, o: update(i, q, k, v)
+
+
 def _batches(seqs: Sequence[torch.Tensor], batch_size: int) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     for s in seqs:  # sequences of equal length share a batch; a shorter tail goes alone
@@ -130,27 +135,13 @@ def calibrate(
     selection: dict[str, dict[str, Any]] = {}
     if cfg.rotation_select:  # before the clip search, which then tunes the chosen rotations
         sel = RotationSelect(rots, spec, d, cfg.granularity)
-        _run(
-            model,
-            _batches(hold, cfg.batch_size),
-            lambda i, q, k, v, o: sel.update(i, q, k, v),
-            layers,
-            "rotation selection",
-            progress,
-        )
+        _run(model, _batches(hold, cfg.batch_size), _qkv(sel.update), layers, "rotation selection", progress)
         rots, selection = sel.apply()
 
     search: dict[int, dict[str, float]] = {}
     if cfg.clip_search:
         cs = ClipSearch(rots, spec, d, CLIP_GRID_K, CLIP_GRID_V)
-        _run(
-            model,
-            _batches(hold, cfg.batch_size),
-            lambda i, q, k, v, o: cs.update(i, q, k, v),
-            layers,
-            "clip search",
-            progress,
-        )
+        _run(model, _batches(hold, cfg.batch_size), _qkv(cs.update), layers, "clip search", progress)
         search = cs.result()
         for i, r in search.items():
             rots[i].k_clip, rots[i].v_clip = r["k_clip"], r["v_clip"]
