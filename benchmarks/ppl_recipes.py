@@ -32,7 +32,14 @@ from oscarkv.eval.tasks.ppl import continuation_nll
 
 RECIPES = {"search": {"clip_search": True}, "global": {}, "kvhead": {"granularity": "kv_head"},
            "softmax": {"v_target": "softmax"}, "select": {"rotation_select": True},
-           "select-kvhead": {"granularity": "kv_head", "rotation_select": True}}  # fmt: skip
+           "select-kvhead": {"granularity": "kv_head", "rotation_select": True},
+           # clip search by the held-out loss of the fake-quantized model (not the eval text)
+           "nll": {"clip_search": True, "clip_objective": "nll"},
+           "nll-kvhead": {"granularity": "kv_head", "clip_search": True, "clip_objective": "nll"},
+           "kl-kvhead": {"granularity": "kv_head", "clip_search": True, "clip_objective": "kl"},
+           "nll-kvhead-layer": {"granularity": "kv_head", "clip_search": True, "clip_objective": "nll",
+                                "clip_per_layer": True}}  # fmt: skip
+DEFAULT_RECIPES = "search,global,kvhead,softmax,select,select-kvhead"
 
 
 def _names(c: str | list[str]) -> str:
@@ -43,7 +50,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--name", default="ppl_recipes_cpu", help="results file name")
-    ap.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated subset of RECIPES")
+    ap.add_argument("--recipes", default=DEFAULT_RECIPES, help="comma-separated subset of RECIPES")
     ap.add_argument("--baselines", default="hadamard-int2,clip-only,quarot-int2,int4")
     ap.add_argument("--holdout-tokens", type=int, default=None, help="override for every recipe")
     args = ap.parse_args()
@@ -59,6 +66,10 @@ def main() -> None:
     )
     mean_err = {n: sum(e.values()) / len(e) for n, e in errs.items()}
     selected = {n: rs.provenance.recipe["rotation_select"] for n, rs in sets.items() if "select" in n}
+    clip_loss = {
+        n: rs.provenance.recipe["clip_loss"] for n, rs in sets.items() if "clip_loss" in rs.provenance.recipe
+    }
+    clips = {n: {i: list(rs.clips(i)) for i in rs.layer_ids} for n, rs in sets.items() if n in clip_loss}
     seqs = eval_sequences(tok, 8, 3072, seed=0)
 
     def ppl(method) -> float:
@@ -90,6 +101,13 @@ def main() -> None:
             f"`{n}` choices (K, V) per layer: "
             + "; ".join(f"L{i} {_names(c['k'])}/{_names(c['v'])}" for i, c in sel.items()),
         ]
+    for n, rep in clip_loss.items():
+        md += [
+            "",
+            f"`{n}` held-out {rep['objective']} ({rep['scored_tokens']} tokens): exact {rep['exact']:.4f}, "
+            f"spec clips {rep['spec']:.4f}, chosen {rep.get('per_layer', rep['global']):.4f}; (K, V) clips: "
+            + "; ".join(f"L{i} {k:g}/{v:g}" for i, (k, v) in clips[n].items()),
+        ]
     print("\n".join(md))
     payload = {
         "bf16_ppl": base,
@@ -97,6 +115,8 @@ def main() -> None:
         "attn_err_mean": mean_err,
         "attn_err": errs,
         "selection": selected,
+        "clip_loss": clip_loss,
+        "clips": clips,
     }
     save(args.name, payload, "\n".join(md))
 

@@ -1183,3 +1183,70 @@ def test_top_level_calibrate_is_the_same_function(models, tok, corpus):
     cfg = CalibrationConfig(tokens=128, seq_len=128, method="identity", clip_search=False)
     rs = oscarkv.calibrate(models["llama"], tok, cfg, SPEC, data=corpus)
     assert isinstance(rs, oscarkv.RotationSet) and rs.layer_ids == [0, 1]
+
+
+# ---- clip search by held-out loss --------------------------------------------------------------
+def test_coordinate_search_finds_the_constructed_minimum():
+    from oscarkv.calibration.loss_search import coordinate_search
+
+    target = (0.9, 0.86)
+    calls: list[tuple[float, ...]] = []
+
+    def bowl(x):
+        calls.append(x)
+        return (x[0] - target[0]) ** 2 + 2 * (x[1] - target[1]) ** 2
+
+    best, f = coordinate_search(bowl, (SPEC.k_clip, SPEC.v_clip), (CLIP_GRID_K, CLIP_GRID_V))
+    assert best == target and f == 0.0
+    # a tie never moves away from the start
+    assert coordinate_search(lambda x: 1.0, (0.96, 0.92), (CLIP_GRID_K, CLIP_GRID_V))[0] == (0.96, 0.92)
+
+
+def _plain_nll(model, seq: torch.Tensor, n: int) -> float:
+    """Mean next-token NLL of the last ``n - 1`` targets of ``seq [1, T]`` (exact model)."""
+    with torch.no_grad():
+        lp = model(input_ids=seq).logits[0, -n:-1].log_softmax(-1)
+    return float(-lp.gather(-1, seq[0, -n + 1 :, None]).mean())
+
+
+@pytest.mark.parametrize("objective", ["nll", "kl"])
+def test_loss_clip_search_picks_the_held_out_loss_minimiser(models, objective):
+    from oscarkv.calibration.fit import fixed_layer
+    from oscarkv.calibration.loss_search import LossClipSearch
+
+    model, gen = models["qwen3"], torch.Generator().manual_seed(3)
+    spec = QuantSpec(sink_tokens=4, recent_tokens=8, group_size=D)
+    rots = {i: fixed_layer("identity", D, H_KV, "layer") for i in range(N_LAYERS)}
+    k_grid = (0.0, 0.5, 0.7, 0.9)
+    ls = LossClipSearch(model, rots, spec, D, k_grid, (spec.v_clip,), objective, n_score=40)
+    seqs = [torch.randint(0, 128, (1, 96), generator=gen) for _ in range(2)]
+    for s in seqs:
+        ls.add(s)
+    # exact attention: the model's own loss (independently computed), or zero KL
+    exact = sum(_plain_nll(model, s, 40) for s in seqs) / 2 if objective == "nll" else 0.0
+    assert ls.loss(None) == pytest.approx(exact, abs=1e-5)
+    # brute force over the K grid (V fixed: the V grid has one point) and the windows matter
+    brute = {k: ls.loss(dict.fromkeys(range(N_LAYERS), (k, spec.v_clip))) for k in ls.k_grid}
+    assert len(set(brute.values())) > 1
+    clips, report = ls.search()
+    assert set(clips.values()) == {(min(brute, key=brute.get), spec.v_clip)}
+    assert report["global"] == pytest.approx(min(brute.values()))
+    assert report["spec"] == pytest.approx(brute[spec.k_clip]) and report["objective"] == objective
+    # per layer: each move lowers (or keeps) the loss of the global choice
+    clips2, report2 = ls.search(per_layer=True)
+    assert report2["per_layer"] <= report["global"] + 1e-12
+    assert report2["per_layer"] == pytest.approx(ls.loss(clips2))
+
+
+def test_calibrate_with_loss_clip_objective_records_the_choice(models, tok, corpus):
+    spec = QuantSpec(sink_tokens=4, recent_tokens=16, group_size=D)
+    cfg = CalibrationConfig(
+        tokens=256, seq_len=128, holdout_tokens=128, clip_search=True, clip_objective="nll", seed=0
+    )
+    rs = calibrate(models["llama"], tok, cfg, spec, data=corpus)
+    rep = rs.provenance.recipe["clip_loss"]
+    assert rep["objective"] == "nll" and rep["global"] <= rep["spec"]
+    assert {rs.clips(i) for i in rs.layer_ids} == {tuple(rep["global_choice"])}
+    assert all(r["k_clip"] == rep["global_choice"][0] for r in summary_rows(rs))
+    with pytest.raises(SpecError):
+        CalibrationConfig(clip_objective="ppl")

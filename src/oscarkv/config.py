@@ -151,6 +151,7 @@ class QuantSpec:
 
 CAL_METHODS = ("oscar", "hadamard", "identity", "ktk_vtv")
 V_TARGETS = ("oscar", "softmax")
+CLIP_OBJECTIVES = ("attn", "nll", "kl")
 CLIP_GRID_K = (0.0, 0.86, 0.88, 0.9, 0.92, 0.94, 0.96, 0.98)
 CLIP_GRID_V = (0.0, 0.82, 0.84, 0.86, 0.88, 0.9, 0.92, 0.94, 0.96)
 
@@ -171,6 +172,17 @@ class CalibrationConfig:
     # continuation perplexity (1.0395 vs 1.0293 x BF16, docs/calibration.md)
     clip_search: bool = _help(
         "search per-layer K/V clip ratios on held-out tokens (minimises attention-output error)",
+        default=False,
+    )
+    clip_objective: str = _help(
+        "what --clip-search minimises: attn (per-layer windowed attention-output error) | nll "
+        "(held-out next-token loss of the fake-quantized model, global K/V clips) | kl (its KL "
+        "from the exact model)",
+        default="attn",
+    )
+    clip_per_layer: bool = _help(
+        "with --clip-objective nll|kl: after the global clips, move each layer's K/V clip one grid "
+        "step where that lowers the held-out loss",
         default=False,
     )
     rotation_select: bool = _help(
@@ -199,6 +211,8 @@ class CalibrationConfig:
             raise field_error(name, "method", " | ".join(CAL_METHODS), self.method)
         if self.v_target not in V_TARGETS:
             raise field_error(name, "v_target", " | ".join(V_TARGETS), self.v_target)
+        if self.clip_objective not in CLIP_OBJECTIVES:
+            raise field_error(name, "clip_objective", " | ".join(CLIP_OBJECTIVES), self.clip_objective)
         if self.clip_search and self.holdout_tokens < 1:
             raise field_error(
                 name, "holdout_tokens", "> 0 when clip_search is on (or pass --no-clip-search)", 0

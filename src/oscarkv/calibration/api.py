@@ -15,6 +15,7 @@ from .capture import UnsupportedModelError, attention_geometry, capture_attentio
 from .data import token_sequences
 from .error import ClipSearch
 from .fit import fit_layer, fixed_layer
+from .loss_search import LossClipSearch
 from .select import RotationSelect
 from .stats import LayerStats
 
@@ -139,7 +140,16 @@ def calibrate(
         rots, selection = sel.apply()
 
     search: dict[int, dict[str, float]] = {}
-    if cfg.clip_search:
+    loss_report: dict[str, Any] = {}
+    if cfg.clip_search and cfg.clip_objective != "attn":
+        ls = LossClipSearch(model, rots, spec, d, CLIP_GRID_K, CLIP_GRID_V, cfg.clip_objective)
+        for b in _batches(hold, cfg.batch_size):
+            ls.add(b)
+        clips, loss_report = ls.search(cfg.clip_per_layer)
+        search = {i: {"k_clip": kc, "v_clip": vc} for i, (kc, vc) in clips.items()}
+        for i, (kc, vc) in clips.items():
+            rots[i].k_clip, rots[i].v_clip = kc, vc
+    elif cfg.clip_search:
         cs = ClipSearch(rots, spec, d, CLIP_GRID_K, CLIP_GRID_V)
         _run(model, _batches(hold, cfg.batch_size), _qkv(cs.update), layers, "clip search", progress)
         search = cs.result()
@@ -159,6 +169,7 @@ def calibrate(
         "data": [str(p) for p in data] if data else "python-stdlib",
         "clip_search": {str(k): v for k, v in search.items()} if search else "off",
         "rotation_select": selection or "off",
+        **({"clip_loss": loss_report} if loss_report else {}),
         "holdout_tokens": sum(s.numel() for s in hold),
     }
     prov = Provenance(

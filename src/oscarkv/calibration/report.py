@@ -67,7 +67,7 @@ def summary_rows(rs: RotationSet) -> list[dict[str, Any]]:
             "v_clip": vc,
             "ortho": ortho[i],
         }
-        if isinstance(search, dict) and str(i) in search:
+        if isinstance(search, dict) and "k_err_global" in search.get(str(i), {}):  # attn objective
             s = search[str(i)]
             row["err_global"] = g = s["k_err_global"]
             row["k_gain"] = 1 - s["k_err_best"] / g if g > 0 else 0.0
