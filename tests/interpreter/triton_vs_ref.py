@@ -115,13 +115,22 @@ def test_decode_attention_matches_reference(tk, lens_q, lens_h, hq, hkv, d, meta
             assert _rel(got[b], want[b]) < 5e-3
 
 
+def _one_sequence(fmt: RowFormat):
+    """Pools and CSR lists of one sequence: 8 quantized and 2 16-bit tokens, 2 KV heads."""
+    kc, km, vc, vm, hk, hv = _pools(8, 2, 2, fmt.head_dim, fmt)
+    lists = (
+        torch.tensor([0, 8], dtype=torch.int32),
+        torch.arange(8, dtype=torch.int32),
+        torch.tensor([0, 2], dtype=torch.int32),
+        torch.arange(2, dtype=torch.int32),
+    )
+    return (kc, km, vc, vm, hk, hv), lists
+
+
 def test_decode_attention_refuses_non_contiguous_pools(tk):
     _, da = tk
     fmt = RowFormat(64, 2, 64)
-    kc, km, vc, vm, hk, hv = _pools(8, 2, 2, 64, fmt)
-    ip = torch.tensor([0, 8], dtype=torch.int32)
-    hp = torch.tensor([0, 2], dtype=torch.int32)
-    idx, hidx = torch.arange(8, dtype=torch.int32), torch.arange(2, dtype=torch.int32)
+    (kc, km, vc, vm, hk, hv), (ip, idx, hp, hidx) = _one_sequence(fmt)
     strided = torch.cat([kc, kc], 2)[:, :, ::2]
     with pytest.raises(ValueError, match="k_codes must be contiguous"):
         da.decode_attention(
@@ -132,10 +141,7 @@ def test_decode_attention_refuses_non_contiguous_pools(tk):
 def test_decode_attention_refuses_mismatched_metadata(tk):
     _, da = tk
     fmt = RowFormat(64, 2, 64)
-    kc, km, vc, vm, hk, hv = _pools(8, 2, 2, 64, fmt)
-    ip = torch.tensor([0, 8], dtype=torch.int32)
-    hp = torch.tensor([0, 2], dtype=torch.int32)
-    idx, hidx = torch.arange(8, dtype=torch.int32), torch.arange(2, dtype=torch.int32)
+    (kc, km, vc, vm, hk, hv), (ip, idx, hp, hidx) = _one_sequence(fmt)
     with pytest.raises(ValueError, match="k_meta/v_meta must both be"):
         da.decode_attention(
             torch.randn(1, 4, 64), kc, km, vc, vm.float(), hk, hv, ip, idx, hp, hidx, 0.1, fmt, fmt

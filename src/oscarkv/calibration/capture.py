@@ -48,14 +48,6 @@ def _capture_forward(module: Any, query, key, value, attention_mask, **kwargs):
     return out, weights
 
 
-def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(CAPTURE_IMPL, _capture_forward)
-    AttentionMaskInterface.register(CAPTURE_IMPL, sdpa_mask)
-
-
 def attention_geometry(model: Any) -> dict[str, Any]:
     """Head counts, head dim and attention layer ids of a loaded transformers model."""
     from ..rotation import attention_layer_ids, model_head_dim
@@ -80,6 +72,30 @@ def check_supported(model: Any) -> None:
 
 
 @contextlib.contextmanager
+def route_attention(model: Any, name: str, forward: Callable[..., Any]) -> Iterator[None]:
+    """Register ``forward`` as attention implementation ``name`` (with the SDPA mask function)
+    and route ``model``'s attention through it while the block runs; the previous
+    implementation is restored on exit."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    check_supported(model)
+    AttentionInterface.register(name, forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    previous = model.config._attn_implementation
+    try:
+        model.set_attn_implementation(name)
+        if model.config._attn_implementation != name:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} refused the attention implementation {name!r}; "
+                "oscarkv cannot see its queries and keys"
+            )
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@contextlib.contextmanager
 def capture_attention(model: Any, callback: Callback) -> Iterator[set[int]]:
     """Route ``model``'s attention through the capture function while the block runs.
 
@@ -87,8 +103,6 @@ def capture_attention(model: Any, callback: Callback) -> Iterator[set[int]]:
     implementation is restored on exit.
     """
     check_supported(model)
-    _register()
-    previous = model.config._attn_implementation
     seen: set[int] = set()
 
     def wrapped(layer: int, q, k, v, o) -> None:
@@ -100,16 +114,10 @@ def capture_attention(model: Any, callback: Callback) -> Iterator[set[int]]:
     for m in modules:
         m.__dict__.setdefault(_HOOK, []).append(wrapped)
     try:
-        model.set_attn_implementation(CAPTURE_IMPL)
-        if model.config._attn_implementation != CAPTURE_IMPL:
-            raise UnsupportedModelError(
-                f"{type(model).__name__} refused the attention implementation {CAPTURE_IMPL!r}; "
-                "oscarkv cannot see its queries and keys"
-            )
-        yield seen
+        with route_attention(model, CAPTURE_IMPL, _capture_forward):
+            yield seen
     finally:
         for m in modules:
             m.__dict__[_HOOK].pop()
             if not m.__dict__[_HOOK]:
                 del m.__dict__[_HOOK]
-        model.set_attn_implementation(previous)

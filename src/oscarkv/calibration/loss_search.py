@@ -22,6 +22,7 @@ import torch
 from ..config import QuantSpec
 from ..quant import RowFormat, fake_quantize_rows
 from ..rotation import LayerRotation, rotate_heads
+from .capture import route_attention
 
 __all__ = ["LossClipSearch", "coordinate_search", "windowed_fake_quant_attention"]
 
@@ -82,22 +83,15 @@ def _loss_forward(module: Any, query, key, value, attention_mask, **kwargs):
 @contextlib.contextmanager
 def _patched(model: Any, search: LossClipSearch) -> Iterator[None]:
     """Route ``model``'s attention through :func:`_loss_forward` while the block runs."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(LOSS_IMPL, _loss_forward)
-    AttentionMaskInterface.register(LOSS_IMPL, sdpa_mask)
-    previous = model.config._attn_implementation
     modules = [m for m in model.modules() if hasattr(m, "layer_idx")]
     for m in modules:
         setattr(m, _HOOK, search)
     try:
-        model.set_attn_implementation(LOSS_IMPL)
-        yield
+        with route_attention(model, LOSS_IMPL, _loss_forward):
+            yield
     finally:
         for m in modules:
             delattr(m, _HOOK)
-        model.set_attn_implementation(previous)
 
 
 def coordinate_search(
