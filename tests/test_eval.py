@@ -14,6 +14,7 @@ from oscarkv.calibration.fit import fixed_layer
 from oscarkv.config import EvalConfig, QuantSpec, SpecError
 from oscarkv.eval import METHODS, get_method, run_eval, write_report
 from oscarkv.eval.kivi import RESIDUAL, kivi_bits_per_element, kivi_fake_kv
+from oscarkv.eval.report import paired_difference
 from oscarkv.eval.tasks.needle import build_cases
 from oscarkv.eval.tasks.ppl import continuation_nll
 from oscarkv.rotation import LayerRotation, RotationSet
@@ -274,6 +275,21 @@ def test_run_eval_rows_and_report(model, rotations, tmp_path, monkeypatch):
     assert {"results.json", "results.md", "passkey_heatmap.png", "layer_errors.png"} <= names
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["rows"] and data["summary"][0]["method"] == "bf16"
+    at = {r["method"]: r for r in rows if r["metric"] == "accuracy_at_context"}
+    assert all(len(r["hits"]) == 2 and r["value"] == sum(r["hits"]) / 2 for r in at.values())
+    naive = next(s for s in data["summary"] if s["method"] == "naive-int2")
+    assert naive["passkey_vs_bf16"] == (sum(at["naive-int2"]["hits"]) - sum(at["bf16"]["hits"])) / 2
+    assert "Δ vs BF16" in (tmp_path / "results.md").read_text()
+
+
+def test_paired_difference():
+    # one prompt lost, one gained, two unchanged: mean 0, and the SE comes from the two changes only
+    m, se = paired_difference([1, 0, 1, 1], [1, 1, 0, 1])
+    assert m == 0.0 and se == pytest.approx((2 / 3 / 4) ** 0.5)
+    m, se = paired_difference([0, 0, 1, 1], [1, 1, 1, 1])
+    assert m == -0.5 and se == pytest.approx((1 / 3 / 4) ** 0.5)
+    with pytest.raises(ValueError, match="equal, non-empty"):
+        paired_difference([1], [1, 0])
 
 
 @pytest.mark.shared

@@ -6,17 +6,34 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["summary", "summary_markdown", "write_report"]
+__all__ = ["paired_difference", "summary", "summary_markdown", "write_report"]
 
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def paired_difference(a: list[int], b: list[int]) -> tuple[float, float]:
+    """Mean of ``a − b`` over the same prompts and its standard error (paired: prompts both
+    methods get right or both get wrong add no noise)."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired hits need equal, non-empty lists; got {len(a)} and {len(b)}")
+    d = [x - y for x, y in zip(a, b, strict=True)]
+    m = sum(d) / len(d)
+    var = sum((x - m) ** 2 for x in d) / max(len(d) - 1, 1)
+    return m, (var / len(d)) ** 0.5
+
+
 def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per method: BPE, perplexity (and ratio to BF16), needle accuracies, mean errors."""
+    """One row per method: BPE, perplexity (and ratio to BF16), needle accuracies (with the paired
+    passkey difference to BF16 and its standard error), mean errors."""
     methods = list(dict.fromkeys(r["method"] for r in rows))
     ppl = {r["method"]: r["value"] for r in rows if r["task"] == "ppl"}
+    ref_hits = next(
+        (r.get("hits") for r in rows if r["method"] == "bf16" and r["metric"] == "accuracy_at_context"
+         and r["task"] == "passkey"),
+        None,
+    )  # fmt: skip
     out = []
     for m in methods:
         mine = [r for r in rows if r["method"] == m]
@@ -36,6 +53,8 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if at:
                 s[f"{task}_at_context"] = at[0]["value"]
                 s[f"{task}_n"] = at[0]["n"]
+                if task == "passkey" and ref_hits and at[0].get("hits") and m != "bf16":
+                    s["passkey_vs_bf16"], s["passkey_vs_bf16_se"] = paired_difference(at[0]["hits"], ref_hits)
         for metric in ("attn_kl", "attn_out_err", "hidden_err"):
             vals = [r["value"] for r in mine if r["task"] == "attn-error" and r["metric"] == metric]
             if vals:
@@ -50,6 +69,7 @@ COLUMNS = [
     ("ppl", "ppl", "{:.3f}"),
     ("ppl_ratio", "ppl / BF16", "{:.4f}"),
     ("passkey_at_context", "passkey @ctx", "{:.2f}"),
+    ("passkey_vs_bf16", "Δ vs BF16 (± SE)", None),
     ("passkey_grid", "passkey grid", "{:.2f}"),
     ("niah_grid", "multi-needle grid", "{:.2f}"),
     ("attn_kl", "attn KL", "{:.2e}"),
@@ -58,17 +78,26 @@ COLUMNS = [
 ]
 
 
+def _cell(s: dict[str, Any], col: tuple[str, str, str | None]) -> str:
+    key, _, fmt = col
+    if key not in s:
+        return "-"
+    if fmt is None:  # a paired difference with its standard error
+        return f"{s[key]:+.3f} ± {s[key + '_se']:.3f}"
+    return fmt.format(s[key])
+
+
 def summary_markdown(rows: list[dict[str, Any]], settings: dict[str, Any] | None = None) -> str:
     summ = summary(rows)
     cols = [c for c in COLUMNS if any(c[0] in s for s in summ)]
     lines = ["| " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * len(cols)]
     for s in summ:
-        lines.append("| " + " | ".join(c[2].format(s[c[0]]) if c[0] in s else "-" for c in cols) + " |")
+        lines.append("| " + " | ".join(_cell(s, c) for c in cols) + " |")
     if settings:
         n = next((s.get("passkey_n") for s in summ if s.get("passkey_n")), None)
         notes = f"context {settings.get('context')} tokens"
         if n:
-            notes += f"; passkey @ctx over n = {n} prompts"
+            notes += f"; passkey @ctx over n = {n} prompts (Δ: paired difference on the same prompts)"
         lines.append("")
         lines.append(f"_{notes}; attn/hidden errors are means over layers (relative; KL in nats)._")
     return "\n".join(lines)

@@ -102,6 +102,7 @@ def run_eval(
                     context_len=cfg.context,
                     n=len(ok),
                     needles=needles,
+                    hits=[int(x) for x in ok],  # per prompt, same prompts for every method
                 )
     if "attn-error" in tasks:
         say("attn-error")
