@@ -15,7 +15,7 @@ from oscarkv.config import EvalConfig, QuantSpec, SpecError
 from oscarkv.eval import METHODS, get_method, run_eval, write_report
 from oscarkv.eval.kivi import RESIDUAL, kivi_bits_per_element, kivi_fake_kv
 from oscarkv.eval.report import paired_difference
-from oscarkv.eval.tasks.needle import build_cases
+from oscarkv.eval.tasks.needle import build_cases, generate_answers
 from oscarkv.eval.tasks.ppl import continuation_nll
 from oscarkv.rotation import LayerRotation, RotationSet
 
@@ -34,8 +34,7 @@ class CharTok:
         return "".join(chr(int(i) - 1) if 1 <= int(i) < 251 else "" for i in ids)
 
 
-@pytest.fixture(scope="module")
-def model():
+def _tiny_model(init_std: float = 0.02) -> Qwen3ForCausalLM:
     torch.manual_seed(0)
     cfg = Qwen3Config(
         vocab_size=256,
@@ -46,8 +45,14 @@ def model():
         num_key_value_heads=2,
         head_dim=32,
         max_position_embeddings=2048,
+        initializer_range=init_std,
     )
     return Qwen3ForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _tiny_model()
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +78,11 @@ def test_every_method_runs_through_its_cache(model, rotations, name):
     assert kq.shape == k.shape and vq.shape == v.shape and torch.isfinite(kq).all()
     bpe = m.bits_per_element(4096, 128)
     assert 2.0 < bpe <= 16.0
+    # a batch of sequences scores each one as if alone (equal lengths, no padding)
+    seqs = torch.stack([seq, torch.randint(1, 256, (160,), generator=torch.Generator().manual_seed(3))])
+    both, n2 = continuation_nll(model, m, seqs, context=100, chunk=16)
+    second, _ = continuation_nll(model, m, seqs[1], context=100, chunk=16)
+    assert n2 == 120 and both == pytest.approx(nll + second, rel=1e-4)
 
 
 def test_bits_per_element_of_the_baselines(model, rotations):
@@ -129,7 +139,7 @@ def test_needle_prompts():
     assert len(cases) == 4
     for c in cases:
         text = tok.decode(c.ids)
-        assert abs(len(c.ids) - 2000) < 40  # within a filler line
+        assert len(c.ids) == 2000  # exact, so prompts batch without padding
         name = text.rsplit("\n", 1)[-1].removesuffix(": int =")
         assert text.endswith(f"\n{name}: int =")
         # the queried needle is a line of its own at needle_pos, holding the answer, once
@@ -160,6 +170,24 @@ def _check_needles(tok, cases, spec: QuantSpec) -> None:
         assert len(values) == c.needles == len(set(values))  # other needles never hold the answer
 
 
+def test_needle_prompt_too_short_to_trim_is_refused():
+    with pytest.raises(ValueError, match="no filler to trim"):
+        build_cases(CharTok(), [300], [0.0], trials=1, needles=1, seed=0, filler=FILLER)
+
+
+@pytest.mark.parametrize("name", ["bf16", "oscar", "kivi2"])
+def test_batched_needle_generation_equals_one_prompt_at_a_time(rotations, name):
+    """Exact-length prompts batch without padding; each prompt's result is the one it gets alone
+    (two lengths, a batch that does not divide the count). Larger initial weights, so the random
+    model's continuations depend on the prompt."""
+    model = _tiny_model(init_std=0.2)
+    cases = build_cases(CharTok(), [300, 360], [0.3, 0.7], trials=3, needles=1, seed=2, filler=FILLER)
+    m = get_method(name, rotations, model.config)
+    together = generate_answers(model, CharTok(), m, cases, batch_size=4, max_new_tokens=4)
+    alone = [generate_answers(model, CharTok(), m, [c], batch_size=1, max_new_tokens=4)[0] for c in cases]
+    assert together == alone and len(together) == 12 and len(set(together)) > 1
+
+
 def test_needles_sit_in_the_quantized_middle():
     """At the default windows (sink 64, recent 256) and ~3K tokens, needles at depths 0.05-0.9
     are stored in INT2, not in a 16-bit window, and the answer is nowhere else in the prompt."""
@@ -170,7 +198,7 @@ def test_needles_sit_in_the_quantized_middle():
         cases = build_cases(tok, [3072], depths, trials=2, needles=needles, seed=1, filler=FILLER)
         for c in cases:
             # needles go in at line boundaries, so the depth is exact to a line
-            assert abs(c.needle_pos / len(c.ids) - c.depth) < 0.02 and abs(len(c.ids) - 3072) < 40
+            assert abs(c.needle_pos / len(c.ids) - c.depth) < 0.02 and len(c.ids) == 3072
         _check_needles(tok, cases, spec)
 
 
@@ -186,7 +214,7 @@ def test_needles_sit_in_the_quantized_middle_with_the_reference_tokenizer(shared
     tok = AutoTokenizer.from_pretrained(str(ref))
     for needles in (1, 4):
         cases = build_cases(tok, [3072], [0.05, 0.5, 0.9], trials=3, needles=needles, seed=needles)
-        assert all(abs(len(c.ids) - 3072) < 100 for c in cases)
+        assert all(len(c.ids) == 3072 for c in cases)
         _check_needles(tok, cases, QuantSpec())
 
 

@@ -257,6 +257,9 @@ class EvalConfig:
     needle_lengths: int = _help("context lengths from context/N up to context", default=3)
     passkey_at_context: int = _help("extra passkey prompts at the full context (accuracy n)", default=100)
     niah_needles: int = _help("needles per prompt in the niah task", default=4)
+    batch_size: int = _help(
+        "ppl sequences / needle prompts run together (equal lengths, no padding)", default=16
+    )
     attn_sequences: int = _help("sequences for the per-layer error metrics", default=4)
     seed: int = _help("seed for data sampling and needle prompts", default=0)
 
@@ -269,7 +272,7 @@ class EvalConfig:
                 name, "tasks", "a comma-separated subset of " + ",".join(EVAL_TASKS), self.tasks
             )
         for f in ("context", "ppl_sequences", "ppl_continuation", "ppl_chunk", "needle_trials",
-                  "needle_depths", "needle_lengths", "niah_needles", "attn_sequences"):  # fmt: skip
+                  "needle_depths", "needle_lengths", "niah_needles", "batch_size", "attn_sequences"):  # fmt: skip
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise field_error(name, f, "a positive integer", v)

@@ -10,7 +10,7 @@ from ..config import EvalConfig
 from ..rotation import RotationSet, model_head_dim
 from .methods import get_method
 from .tasks.attn_error import attention_metrics, hidden_state_errors
-from .tasks.needle import build_cases, run_case
+from .tasks.needle import build_cases, run_cases
 from .tasks.ppl import continuation_nll, perplexity
 
 __all__ = ["run_eval"]
@@ -58,8 +58,8 @@ def run_eval(
         for name, m in methods.items():
             say(f"ppl: {name}")
             nll = n = 0
-            for s in seqs:
-                a, b = continuation_nll(model, m, s, ctx, cfg.ppl_chunk)
+            for j in range(0, len(seqs), cfg.batch_size):
+                a, b = continuation_nll(model, m, seqs[j : j + cfg.batch_size], ctx, cfg.ppl_chunk)
                 nll, n = nll + a, n + b
             row(
                 name, "ppl", "ppl", perplexity(nll, n), context_len=cfg.context, tokens=n, chunk=cfg.ppl_chunk
@@ -79,8 +79,8 @@ def run_eval(
         for name, m in methods.items():
             say(f"{task}: {name} ({len(grid) + len(extra)} prompts)")
             cells: dict[tuple[int, float], list[bool]] = {}
-            for c in grid:
-                cells.setdefault((c.context_len, c.depth), []).append(run_case(model, tokenizer, m, c))
+            for c, hit in zip(grid, run_cases(model, tokenizer, m, grid, cfg.batch_size), strict=True):
+                cells.setdefault((c.context_len, c.depth), []).append(hit)
             for (n_tok, depth), ok in sorted(cells.items()):
                 row(
                     name,
@@ -93,7 +93,7 @@ def run_eval(
                     needles=needles,
                 )
             if extra:
-                ok = [run_case(model, tokenizer, m, c) for c in extra]
+                ok = run_cases(model, tokenizer, m, extra, cfg.batch_size)
                 row(
                     name,
                     task,

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["NAMES", "NeedleCase", "build_cases", "filler_lines", "run_case"]
+__all__ = ["NAMES", "NeedleCase", "build_cases", "filler_lines", "generate_answers", "run_cases"]
 
 NAMES = ("PASS_KEY", "DOOR_CODE", "PIN_NUMBER", "LOCK_COMBO", "ROOM_ID", "TICKET_NO", "SEAT_CODE", "BOX_ID")
 #: lines of filler kept in the pool (from the first eval-split files in a stable order)
@@ -119,8 +119,8 @@ def build_cases(
     filler: Sequence[str] | None = None,
     block_lines: int = BLOCK_LINES,
 ) -> list[NeedleCase]:
-    """Prompts of about ``context_len`` tokens; the queried needle starts at about ``depth`` of the
-    prompt (0 = start), at the nearest filler line boundary. ``filler``: the line pool (default
+    """Prompts of exactly ``context_len`` tokens (the first filler line may start cut); the queried
+    needle starts at about ``depth`` of the prompt (0 = start), at the nearest filler line boundary. ``filler``: the line pool (default
     :func:`filler_lines`)."""
     if needles > len(NAMES):
         raise ValueError(f"at most {len(NAMES)} needles; got {needles}")
@@ -151,33 +151,71 @@ def build_cases(
                 spots = [depth] + [rng.uniform(0.05, 0.95) for _ in range(needles - 1)]
                 at = sorted((round(sp * len(lines)), i) for i, sp in enumerate(spots))
                 ids: list[int] = []
-                pos, prev = -1, 0
+                pos, first, prev = -1, -1, 0
                 for k, i in at:
                     if k > prev:  # the filler lines before this needle; line breaks open a line
                         ids += enc(("\n" if ids else "") + "\n".join(lines[prev:k]))
+                    first = len(ids) + (nl if ids else 0) if first < 0 else first
                     pos = len(ids) + (nl if ids else 0) if i == 0 else pos
                     ids += enc(("\n" if ids else "") + needle_text[i])
                     prev = k
                 if prev < len(lines):
                     ids += enc("\n" + "\n".join(lines[prev:]))
-                cases.append(
-                    NeedleCase(n_tok, depth, needles, trial, tuple(ids + query), values[0], needle_pos=pos)
-                )
+                ids += query
+                # exactly n_tok tokens, so prompts batch without padding: filler lines added in
+                # front (the block's, cyclically backwards), then the surplus cut from the start
+                back = 0
+                while len(ids) < n_tok:
+                    back += 1
+                    head = enc(block[-back % block_lines] + "\n")
+                    ids, pos, first = head + ids, pos + len(head), first + len(head)
+                cut = len(ids) - n_tok
+                if cut > first:
+                    raise ValueError(
+                        f"a {n_tok}-token prompt with a needle at depth {depth} leaves no filler to trim "
+                        "before it; use a longer context or a later depth"
+                    )
+                cases.append(NeedleCase(n_tok, depth, needles, trial, tuple(ids[cut:]), values[0], pos - cut))
     return cases
 
 
+def _correct(text: str, answer: str) -> bool:
+    text = text.strip()
+    return text.startswith(answer) and not text[len(answer) : len(answer) + 1].isdigit()
+
+
 @torch.inference_mode()
-def run_case(model: Any, tokenizer: Any, method: Any, case: NeedleCase, max_new_tokens: int = 6) -> bool:
-    """Greedy generation through the method's cache; correct iff the output starts with the answer."""
+def generate_answers(
+    model: Any, tokenizer: Any, method: Any, cases: Sequence[NeedleCase], batch_size: int = 16,
+    max_new_tokens: int = 6,
+) -> list[str]:  # fmt: skip
+    """Greedy continuations through the method's cache, ``batch_size`` prompts of one length at a
+    time (prompts are exact-length, so no padding); one decoded string per case, in order."""
     device = next(model.parameters()).device
-    ids = torch.tensor([case.ids], device=device)
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        past_key_values=method.make_cache(model),
-        pad_token_id=getattr(tokenizer, "pad_token_id", None) or 0,
-    )
-    text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
-    return text.startswith(case.answer) and not text[len(case.answer) : len(case.answer) + 1].isdigit()
+    by_len: dict[int, list[int]] = {}
+    for j, c in enumerate(cases):
+        by_len.setdefault(len(c.ids), []).append(j)
+    texts = [""] * len(cases)
+    for group in by_len.values():
+        for b in range(0, len(group), batch_size):
+            idx = group[b : b + batch_size]
+            ids = torch.tensor([cases[j].ids for j in idx], device=device)
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                past_key_values=method.make_cache(model),
+                pad_token_id=getattr(tokenizer, "pad_token_id", None) or 0,
+            )
+            for row, j in enumerate(idx):
+                texts[j] = tokenizer.decode(out[row, ids.shape[1] :], skip_special_tokens=True)
+    return texts
+
+
+def run_cases(
+    model: Any, tokenizer: Any, method: Any, cases: Sequence[NeedleCase], batch_size: int = 16
+) -> list[bool]:
+    """Per case: whether the greedy output starts with the answer (and no further digit)."""
+    texts = generate_answers(model, tokenizer, method, cases, batch_size)
+    return [_correct(t, c.answer) for t, c in zip(texts, cases, strict=True)]

@@ -18,21 +18,22 @@ __all__ = ["continuation_nll"]
 def continuation_nll(
     model: Any, method: Any, seq: torch.Tensor, context: int, chunk: int
 ) -> tuple[float, int]:
-    """Summed negative log-likelihood of ``seq[context:]`` and the number of scored tokens.
+    """Summed negative log-likelihood of ``seq[..., context:]`` and the number of scored tokens.
 
-    ``seq``: LongTensor ``[L]``; the first ``context`` tokens are prefilled in one forward.
+    ``seq``: LongTensor ``[L]`` or a batch ``[B, L]`` (scored together, no padding); the first
+    ``context`` tokens are prefilled in one forward.
     """
     device = next(model.parameters()).device
-    seq = seq.to(device)
+    seq = (seq[None] if seq.dim() == 1 else seq).to(device)
     cache = method.make_cache(model)
-    logits = [model(input_ids=seq[None, :context], past_key_values=cache, use_cache=True).logits[0, -1:]]
-    for s in range(context, len(seq) - 1, chunk):
-        ids = seq[None, s : min(s + chunk, len(seq) - 1)]
-        logits.append(model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0])
-    lp = torch.cat(logits).float().log_softmax(-1)
-    target = seq[context:]
-    nll = -lp[torch.arange(len(target), device=device), target].sum()
-    return float(nll), len(target)
+    logits = [model(input_ids=seq[:, :context], past_key_values=cache, use_cache=True).logits[:, -1:]]
+    for s in range(context, seq.shape[1] - 1, chunk):
+        ids = seq[:, s : min(s + chunk, seq.shape[1] - 1)]
+        logits.append(model(input_ids=ids, past_key_values=cache, use_cache=True).logits)
+    lp = torch.cat(logits, 1).float().log_softmax(-1)
+    target = seq[:, context:]
+    nll = -lp.gather(-1, target[..., None]).sum()
+    return float(nll), target.numel()
 
 
 def perplexity(nll: float, n: int) -> float:
