@@ -4,6 +4,7 @@
 # usage: bash benchmarks/eval_gpu.sh MODEL_DIR OUT_DIR [recipe ...]   (recipes: see below)
 set -u
 MODEL=$1; OUT=$2; shift 2
+command -v oscarkv >/dev/null || oscarkv() { python3 -m oscarkv "$@"; }
 RECIPES=${*:-kvhead nll-kvhead-layer nll}
 METHODS=bf16,oscar,naive-int2,quarot-int2,clip-only,hadamard-int2,kivi2
 mkdir -p "$OUT"
