@@ -1,12 +1,29 @@
 """Triton rotate-clip-quantize-pack (2-bit, one (scale, zero) per row) and its inverse.
 
-``_quantize_pack``: program = ``BLOCK_R`` rows of ``D`` elements, each held as its four quarters.
-Optional rotation by ``tl.dot`` with ``R`` (operands in the rows' dtype, fp32 accumulation, one
-quarter of ``R``'s columns and 64 of its rows at a time), the exact clip threshold of the
-reference (the ``⌊ratio·D⌋``-th smallest ``|x|``: peeling maxima with tie counts, or an in-register
-``tl.sort`` for large drop counts; not OSCAR's bisection), min/max, scale/zero rounded to the
-metadata dtype first, codes by correctly rounded division (``div_rn``, as ``torch`` divides), then
-the quartered packing as shifts and ORs of the four quarters' codes.
+``_quantize_pack``: a program takes ``BLOCK_R`` rows, each held as eight pieces (columns
+``[i·D/8, (i+1)·D/8)``; pieces ``2q`` and ``2q+1`` are quarter ``q`` of the quartered byte layout,
+where byte ``j`` packs elements ``j, j+D/4, j+D/2, j+3D/4``). Bit-exact with the reference:
+
+1. optional rotation: one ``tl.dot`` of the rows with ``R`` (operands in the rows' dtype, fp32
+   accumulation), split into the eight pieces (register relabelling);
+2. clip threshold ``tau`` = the ``(N_DROP+1)``-th largest ``|x|`` counting ties (the reference's
+   ``⌊ratio·D⌋``-th smallest): each of ``ROUNDS = ⌈(N_DROP+1)/6⌉`` rounds takes the six largest
+   of a row, sorted, by a comparator network: the six largest of the eight pieces at each column
+   (a sorting network), merged across columns by ``tl.reduce`` with a sorted-list merge (an
+   element-wise maximum against the reversed list, then a bitonic sort). Ties need no care: the
+   lists are multisets. A further round masks the values ``>=`` the last list's smallest entry
+   and counts them, so the threshold's rank moves down by that count;
+3. ``lo``/``hi`` of the clipped row are ``clamp(min x)``/``clamp(max x)``; scale and zero as the
+   reference, rounded to the metadata dtype;
+4. codes by comparison: ``q(v) = ⌊fl(fl(v ⊘ s) + z) + 0.5⌋`` is non-decreasing in ``v``, so
+   ``clamp(q(clip(x)), 0, 3) = [x >= t1] + [x >= t2] + [x >= t3]`` with per-row thresholds
+   ``t_k``, the smallest fp32 ``v`` with ``q(v) >= k``. They are exact, not searched: rounding to
+   nearest crosses a float's value at the midpoint below it, so ``fl(u + z) >= W_k`` (``W_k``
+   the smallest ``w`` with ``fl(w + 0.5) >= k``) iff ``u >= β_k - z`` and ``fl(v ⊘ s) >= U`` iff
+   ``v >= μ·s`` (``μ`` the midpoint below ``U``), each ``>=`` strict when the tie rounds down (odd
+   significand); both right-hand sides are exact in fp64 and rounded up to fp32. A threshold
+   outside the clipped range ``(lo, hi]`` becomes ``-inf`` or NaN (never), so ``x`` needs no
+   clamping. Codes of the four quarters are packed with shifts and ORs.
 """
 
 from __future__ import annotations
@@ -27,103 +44,216 @@ BLOCK_R = 64
 BLOCK_R_ROT = 64
 NUM_WARPS = 4
 
-
-@triton.jit
-def _rotated_quarter(X, rows, rmask, s_xr, rbase, Q: tl.constexpr, D: tl.constexpr, D4: tl.constexpr,
-                     BLOCK_R: tl.constexpr, KC: tl.constexpr):  # fmt: skip
-    """Columns ``[Q·D4, (Q+1)·D4)`` of ``rows @ R`` with ``R`` at ``rbase``: fp32 accumulation,
-    ``KC`` input columns at a time."""
-    acc = tl.zeros([BLOCK_R, D4], tl.float32)
-    offs_k = tl.arange(0, KC)
-    for k0 in range(0, D, KC):
-        xk = tl.load(X + rows[:, None] * s_xr + (k0 + offs_k)[None, :], mask=rmask[:, None], other=0.0)
-        rk = tl.load(rbase + (k0 + offs_k)[:, None] * D + Q * D4 + tl.arange(0, D4)[None, :])
-        acc += tl.dot(xk.to(rk.dtype), rk)
-    return acc
+# β_k: the midpoint below W_k = the smallest fp32 w with fl(w + 0.5) >= k (k = 1, 2, 3), and
+# whether u + z = β_k exactly rounds down (W_1 = 0.5 - 2^-25 is odd; 1.5 and 2.5 are even)
+_BETA1 = tl.constexpr(float.fromhex("0x1.fffffd0000000p-2"))
+_BETA2 = tl.constexpr(float.fromhex("0x1.7fffff0000000p+0"))
+_BETA3 = tl.constexpr(float.fromhex("0x1.3fffff0000000p+1"))
 
 
 @triton.jit
-def _max4(a0, a1, a2, a3):
-    return tl.maximum(tl.maximum(tl.max(a0, 1), tl.max(a1, 1)), tl.maximum(tl.max(a2, 1), tl.max(a3, 1)))
+def _ce(a, b):
+    return tl.maximum(a, b), tl.minimum(a, b)
 
 
 @triton.jit
-def _min4(a0, a1, a2, a3):
-    return tl.minimum(tl.minimum(tl.min(a0, 1), tl.min(a1, 1)), tl.minimum(tl.min(a2, 1), tl.min(a3, 1)))
+def _top6_of_8(a0, a1, a2, a3, a4, a5, a6, a7):
+    """The six largest of eight, largest first (Batcher's 19-comparator sort of eight; the
+    comparator outputs that only reach the two smallest are dead code)."""
+    a0, a2 = _ce(a0, a2)
+    a1, a3 = _ce(a1, a3)
+    a4, a6 = _ce(a4, a6)
+    a5, a7 = _ce(a5, a7)
+    a0, a4 = _ce(a0, a4)
+    a1, a5 = _ce(a1, a5)
+    a2, a6 = _ce(a2, a6)
+    a3, a7 = _ce(a3, a7)
+    a0, a1 = _ce(a0, a1)
+    a2, a3 = _ce(a2, a3)
+    a4, a5 = _ce(a4, a5)
+    a6, a7 = _ce(a6, a7)
+    a2, a4 = _ce(a2, a4)
+    a3, a5 = _ce(a3, a5)
+    a1, a4 = _ce(a1, a4)
+    a3, a6 = _ce(a3, a6)
+    a1, a2 = _ce(a1, a2)
+    a3, a4 = _ce(a3, a4)
+    a5, a6 = _ce(a5, a6)
+    return a0, a1, a2, a3, a4, a5
 
 
 @triton.jit
-def _code(x, sf, zf):
-    """Correctly rounded ``x / s`` (as torch divides), ``+ z``, round half up, clamp to [0, 3]."""
-    q = tl.floor(tl.math.div_rn(x, sf[:, None]) + zf[:, None] + 0.5)
-    return tl.minimum(tl.maximum(q, 0.0), 3.0).to(tl.int32)
+def _merge6(a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5):
+    """The six largest of two sorted six-lists, sorted: ``c_i = max(a_i, b_{5-i})`` holds them
+    and is V-shaped; padded with two +inf it is bitonic, and the bitonic sort of eight reduces to
+    seven comparators."""
+    c0, c1, c2 = tl.maximum(a0, b5), tl.maximum(a1, b4), tl.maximum(a2, b3)
+    c3, c4, c5 = tl.maximum(a3, b2), tl.maximum(a4, b1), tl.maximum(a5, b0)
+    c0, c4 = _ce(c0, c4)
+    c1, c5 = _ce(c1, c5)
+    t0, t1 = _ce(c0, c1)
+    c4, c2 = _ce(c4, c2)
+    c5, c3 = _ce(c5, c3)
+    u0, u1 = _ce(c4, c5)
+    u2, u3 = _ce(c2, c3)
+    return t0, t1, u0, u1, u2, u3
 
 
 @triton.jit
-def _quantize_pack(X, R, C, M, n_rows, clip_idx, tiny, s_xr, s_rh, s_cr, s_mr,
-                   D: tl.constexpr, D4: tl.constexpr, BLOCK_R: tl.constexpr, ROTATE: tl.constexpr,
-                   PER_HEAD: tl.constexpr, HEADS: tl.constexpr, CLIP: tl.constexpr, KC: tl.constexpr,
-                   N_DROP: tl.constexpr):  # fmt: skip
-    # a row is handled as its four quarters (the quartered byte layout: byte j packs elements j,
-    # j+D/4, j+D/2, j+3D/4), so packing is elementwise and row reductions stay within few lanes
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < n_rows
-    offs = tl.arange(0, D4)
-    if ROTATE:
-        # rows are (token, head) pairs, head fastest; per-head R picks R[row % HEADS]
-        rbase = R + (pid % HEADS) * s_rh if PER_HEAD else R  # BLOCK_R == 1 in the per-head case
-        x0 = _rotated_quarter(X, rows, rmask, s_xr, rbase, 0, D, D4, BLOCK_R, KC)
-        x1 = _rotated_quarter(X, rows, rmask, s_xr, rbase, 1, D, D4, BLOCK_R, KC)
-        x2 = _rotated_quarter(X, rows, rmask, s_xr, rbase, 2, D, D4, BLOCK_R, KC)
-        x3 = _rotated_quarter(X, rows, rmask, s_xr, rbase, 3, D, D4, BLOCK_R, KC)
+def _row_top6(a0, a1, a2, a3, a4, a5, a6, a7):
+    l0, l1, l2, l3, l4, l5 = _top6_of_8(a0, a1, a2, a3, a4, a5, a6, a7)
+    return tl.reduce((l0, l1, l2, l3, l4, l5), 1, _merge6)
+
+
+@triton.jit
+def _ge(a, b):
+    return (a >= b).to(tl.int32)
+
+
+@triton.jit
+def _drop(a, b):
+    return tl.where(a >= b, -1.0, a)
+
+
+@triton.jit
+def _clip_threshold(a0, a1, a2, a3, a4, a5, a6, a7, N_DROP: tl.constexpr, ROUNDS: tl.constexpr):
+    """The ``(N_DROP+1)``-th largest of the row of pieces ``a*`` (all >= 0), counting ties."""
+    s0, s1, s2, s3, s4, s5, s6, s7 = a0, a1, a2, a3, a4, a5, a6, a7
+    above = tl.zeros([a0.shape[0]], tl.int32)  # values >= the previous list's smallest
+    tau = tl.zeros([a0.shape[0]], tl.float32)
+    for r in tl.static_range(ROUNDS):
+        t0, t1, t2, t3, t4, t5 = _row_top6(s0, s1, s2, s3, s4, s5, s6, s7)
+        k = N_DROP - above  # rank of tau within this list (out of [0, 6) once found)
+        tau = tl.where(k == 0, t0, tl.where(k == 1, t1, tl.where(k == 2, t2, tau)))
+        tau = tl.where(k == 3, t3, tl.where(k == 4, t4, tl.where(k == 5, t5, tau)))
+        if r + 1 < ROUNDS:
+            b = t5[:, None]
+            n = _ge(a0, b) + _ge(a1, b) + _ge(a2, b) + _ge(a3, b) + _ge(a4, b) + _ge(a5, b) + _ge(a6, b)
+            above = tl.sum(n + _ge(a7, b), 1)
+            # rank N_DROP past this list but among the values >= t5: a tie with t5
+            tau = tl.where((k >= 6) & (above > N_DROP), t5, tau)
+            s0, s1, s2, s3 = _drop(a0, b), _drop(a1, b), _drop(a2, b), _drop(a3, b)
+            s4, s5, s6, s7 = _drop(a4, b), _drop(a5, b), _drop(a6, b), _drop(a7, b)
+    return tau
+
+
+@triton.jit
+def _key(f):
+    """fp32 -> int32, monotone, ±0 -> 0 (so key ± 1 steps to the adjacent float)."""
+    i = f.to(tl.int32, bitcast=True)
+    return tl.where(i < 0, -(i & 0x7FFFFFFF), i)
+
+
+@triton.jit
+def _unkey(k):
+    return tl.where(k < 0, (-k).to(tl.uint32, bitcast=True) | 0x80000000, k.to(tl.uint32, bitcast=True)).to(
+        tl.float32, bitcast=True
+    )
+
+
+@triton.jit
+def _ceil32(m, strict):
+    """The smallest fp32 ``>= m`` (``> m`` where ``strict``) for fp64 ``m``."""
+    c = m.to(tl.float32)
+    cd = c.to(tl.float64)
+    return tl.where((cd < m) | (strict & (cd == m)), _unkey(_key(c) + 1), c)
+
+
+@triton.jit
+def _threshold(BETA: tl.constexpr, STRICT: tl.constexpr, sd, zd, lo, hi):
+    """Smallest fp32 ``v`` with ``⌊fl(fl(v ⊘ s) + z) + 0.5⌋ >= k`` (``beta`` = β_k); ``-inf``
+    when every value of ``[lo, hi]`` reaches it, NaN when none does."""
+    u = _ceil32(tl.full(zd.shape, BETA, tl.float64) - zd, STRICT)
+    mu = (u.to(tl.float64) + _unkey(_key(u) - 1).to(tl.float64)) * 0.5
+    v = _ceil32(mu * sd, (u.to(tl.int32, bitcast=True) & 1) == 1)
+    return tl.where(v <= lo, float("-inf"), tl.where(v > hi, float("nan"), v))[:, None]
+
+
+@triton.jit
+def _to_meta(v, ty: tl.constexpr):
+    """Round fp32 ``v`` to the metadata dtype, to nearest even (bf16 by integer rounding of the
+    bits, as the GPU's conversion does, since Triton's interpreter truncates)."""
+    if ty == tl.bfloat16:
+        b = v.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
-        xp = X + rows[:, None] * s_xr + offs[None, :]
-        x0 = tl.load(xp, mask=rmask[:, None], other=0.0).to(tl.float32)
-        x1 = tl.load(xp + D4, mask=rmask[:, None], other=0.0).to(tl.float32)
-        x2 = tl.load(xp + 2 * D4, mask=rmask[:, None], other=0.0).to(tl.float32)
-        x3 = tl.load(xp + 3 * D4, mask=rmask[:, None], other=0.0).to(tl.float32)
+        return v.to(ty)
+
+
+@triton.jit
+def _code(x, t1, t2, t3):
+    return (x >= t1).to(tl.int32) + (x >= t2).to(tl.int32) + (x >= t3).to(tl.int32)
+
+
+@triton.jit
+def _split8(acc, BLOCK_R: tl.constexpr, D8: tl.constexpr):
+    """``[BLOCK_R, 8·D8]`` -> its eight column pieces (a register relabelling)."""
+    t = tl.permute(tl.reshape(acc, [BLOCK_R, 2, 2, 2, D8]), (0, 4, 1, 2, 3))
+    e, o = tl.split(t)
+    e0, e1 = tl.split(e)
+    o0, o1 = tl.split(o)
+    p0, p4 = tl.split(e0)
+    p2, p6 = tl.split(e1)
+    p1, p5 = tl.split(o0)
+    p3, p7 = tl.split(o1)
+    return p0, p1, p2, p3, p4, p5, p6, p7
+
+
+@triton.jit
+def _quantize_pack(X, R, C, M, n_rows, tiny, s_xr, s_rh, s_cr, s_mr,
+                   D: tl.constexpr, BLOCK_R: tl.constexpr, ROTATE: tl.constexpr, HEADS: tl.constexpr,
+                   CLIP: tl.constexpr, N_DROP: tl.constexpr, ROUNDS: tl.constexpr, KC: tl.constexpr):  # fmt: skip
+    # rows r·HEADS + program_id(1) for r in this program's block (HEADS = 1 unless R is per head)
+    D8: tl.constexpr = D // 8
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < n_rows
+    rows = rows * HEADS + tl.program_id(1)
+    offs = tl.arange(0, D8)
+    xp = X + rows[:, None] * s_xr + offs[None, :]
+    m2 = rmask[:, None]
+    if ROTATE:
+        acc = tl.zeros([BLOCK_R, D], tl.float32)
+        kc = tl.arange(0, KC)
+        for k0 in tl.static_range(0, D, KC):
+            xk = tl.load(X + rows[:, None] * s_xr + (k0 + kc)[None, :], mask=m2, other=0.0)
+            rk = tl.load(R + tl.program_id(1) * s_rh + (k0 + kc)[:, None] * D + tl.arange(0, D)[None, :])
+            acc += tl.dot(xk.to(rk.dtype), rk)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _split8(acc, BLOCK_R, D8)
+    else:
+        x0 = tl.load(xp, mask=m2, other=0.0).to(tl.float32)
+        x1 = tl.load(xp + D8, mask=m2, other=0.0).to(tl.float32)
+        x2 = tl.load(xp + 2 * D8, mask=m2, other=0.0).to(tl.float32)
+        x3 = tl.load(xp + 3 * D8, mask=m2, other=0.0).to(tl.float32)
+        x4 = tl.load(xp + 4 * D8, mask=m2, other=0.0).to(tl.float32)
+        x5 = tl.load(xp + 5 * D8, mask=m2, other=0.0).to(tl.float32)
+        x6 = tl.load(xp + 6 * D8, mask=m2, other=0.0).to(tl.float32)
+        x7 = tl.load(xp + 7 * D8, mask=m2, other=0.0).to(tl.float32)
+    mn = tl.minimum(tl.minimum(tl.minimum(x0, x1), tl.minimum(x2, x3)), tl.minimum(tl.minimum(x4, x5), tl.minimum(x6, x7)))  # fmt: skip
+    mx = tl.maximum(tl.maximum(tl.maximum(x0, x1), tl.maximum(x2, x3)), tl.maximum(tl.maximum(x4, x5), tl.maximum(x6, x7)))  # fmt: skip
+    lo = tl.min(mn, 1)
+    hi = tl.max(mx, 1)
     if CLIP:
-        a0, a1, a2, a3 = tl.abs(x0), tl.abs(x1), tl.abs(x2), tl.abs(x3)
-        if N_DROP <= 16:
-            # tau = the (N_DROP+1)-th largest |x| counting ties: peel off maxima with their counts
-            rem = tl.full([BLOCK_R], N_DROP, tl.int32)
-            tau = tl.zeros([BLOCK_R], tl.float32)
-            done = rem < 0
-            for _ in tl.static_range(N_DROP + 1):
-                m = _max4(a0, a1, a2, a3)[:, None]
-                h0, h1, h2, h3 = a0 == m, a1 == m, a2 == m, a3 == m
-                cnt = tl.sum(h0.to(tl.int32) + h1.to(tl.int32) + h2.to(tl.int32) + h3.to(tl.int32), 1)
-                take = (cnt > rem) & (~done)
-                tau = tl.where(take, tl.reshape(m, [BLOCK_R]), tau)
-                done = done | take
-                rem = rem - cnt
-                a0, a1 = tl.where(h0, -1.0, a0), tl.where(h1, -1.0, a1)
-                a2, a3 = tl.where(h2, -1.0, a2), tl.where(h3, -1.0, a3)
-        else:
-            # the threshold does not depend on the order of a row's elements
-            a = tl.reshape(tl.join(tl.join(a0, a1), tl.join(a2, a3)), [BLOCK_R, D])
-            srt = tl.sort(a, 1)
-            tau = tl.sum(tl.where(tl.arange(0, D)[None, :] == clip_idx, srt, 0.0), 1)
-        t = tau[:, None]
-        x0 = tl.minimum(tl.maximum(x0, -t), t)
-        x1 = tl.minimum(tl.maximum(x1, -t), t)
-        x2 = tl.minimum(tl.maximum(x2, -t), t)
-        x3 = tl.minimum(tl.maximum(x3, -t), t)
-    lo = _min4(x0, x1, x2, x3)
-    hi = _max4(x0, x1, x2, x3)
+        tau = _clip_threshold(tl.abs(x0), tl.abs(x1), tl.abs(x2), tl.abs(x3), tl.abs(x4), tl.abs(x5),
+                              tl.abs(x6), tl.abs(x7), N_DROP, ROUNDS)  # fmt: skip
+        lo = tl.minimum(tl.maximum(lo, -tau), tau)
+        hi = tl.minimum(tl.maximum(hi, -tau), tau)
     s = tl.math.div_rn(tl.maximum(hi - lo, 1e-8), 3.0)
     s = tl.maximum(s, tl.math.div_rn(tl.maximum(tl.abs(lo), tl.abs(hi)), 16384.0))
     s = tl.maximum(s, tiny)
     z = tl.math.div_rn(-lo, s)
-    s_m = s.to(M.dtype.element_ty)
-    z_m = z.to(M.dtype.element_ty)
-    sf = s_m.to(tl.float32)
-    zf = z_m.to(tl.float32)
-    packed = (
-        _code(x0, sf, zf) | (_code(x1, sf, zf) << 2) | (_code(x2, sf, zf) << 4) | (_code(x3, sf, zf) << 6)
-    )
-    tl.store(C + rows[:, None] * s_cr + offs[None, :], packed.to(tl.uint8), mask=rmask[:, None])
+    s_m = _to_meta(s, M.dtype.element_ty)
+    z_m = _to_meta(z, M.dtype.element_ty)
+    sd = s_m.to(tl.float64)
+    zd = z_m.to(tl.float64)
+    t1 = _threshold(_BETA1, True, sd, zd, lo, hi)
+    t2 = _threshold(_BETA2, False, sd, zd, lo, hi)
+    t3 = _threshold(_BETA3, False, sd, zd, lo, hi)
+    cp = C + rows[:, None] * s_cr + offs[None, :]
+    lo_b = _code(x0, t1, t2, t3) | (_code(x2, t1, t2, t3) << 2) | (_code(x4, t1, t2, t3) << 4) | (_code(x6, t1, t2, t3) << 6)  # fmt: skip
+    hi_b = _code(x1, t1, t2, t3) | (_code(x3, t1, t2, t3) << 2) | (_code(x5, t1, t2, t3) << 4) | (_code(x7, t1, t2, t3) << 6)  # fmt: skip
+    tl.store(cp, lo_b.to(tl.uint8), mask=m2)
+    tl.store(cp + D8, hi_b.to(tl.uint8), mask=m2)
     tl.store(M + rows * s_mr, s_m, mask=rmask)
     tl.store(M + rows * s_mr + 1, z_m, mask=rmask)
 
@@ -170,15 +300,17 @@ def quantize_pack(rows: torch.Tensor, rotation: torch.Tensor | None, fmt: RowFor
     if n * h == 0:
         return codes, meta
     per_head = rotation is not None and rotation.dim() == 3
-    block_r = 1 if per_head else BLOCK_R_ROT if rotation is not None else BLOCK_R
-    c = clip_index(fmt.clip, d) if fmt.clip > 0 else 0
+    block_r = BLOCK_R_ROT if rotation is not None else BLOCK_R
+    n_drop = d - 1 - clip_index(fmt.clip, d) if fmt.clip > 0 else 0
     # the rotation GEMM runs in the rows' dtype (bf16 tensor cores for bf16 models), fp32 accumulation
     r = rotation.to(device=rows.device, dtype=rows.dtype).contiguous() if rotation is not None else x
     tiny = torch.finfo(meta.dtype).tiny
-    _quantize_pack[(triton.cdiv(n * h, block_r),)](
-        x, r, codes, meta, n * h, c, tiny, x.stride(0), r.stride(0) if per_head else 0, d // 4, 2,
-        D=d, D4=d // 4, BLOCK_R=block_r, ROTATE=rotation is not None, PER_HEAD=per_head, HEADS=h,
-        CLIP=fmt.clip > 0, KC=min(64, d), N_DROP=d - 1 - c, num_warps=NUM_WARPS if d <= 128 else 8,
+    heads = h if per_head else 1
+    grid = (triton.cdiv(n * h // heads, block_r), heads)
+    _quantize_pack[grid](
+        x, r, codes, meta, n * h // heads, tiny, x.stride(0), r.stride(0) if per_head else 0, d // 4, 2,
+        D=d, BLOCK_R=block_r, ROTATE=rotation is not None, HEADS=heads, CLIP=fmt.clip > 0, N_DROP=n_drop,
+        ROUNDS=-(-(n_drop + 1) // 6), KC=64, num_warps=NUM_WARPS if d <= 128 else 8,
     )  # fmt: skip
     return codes, meta
 
