@@ -275,10 +275,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-sweep", action="store_true", help="skip the tuning sweep (use the module defaults)")
+    ap.add_argument("--sweep", default="decode,quantize", help="kernels to sweep: decode, quantize or both")
     args = ap.parse_args()
     torch.manual_seed(0)
     copy_tbps = copy_bandwidth()
-    swept = {"decode": sweep_decode(), "quantize": sweep_quantize()} if not args.no_sweep else {}
+    sweeps = {"decode": sweep_decode, "quantize": sweep_quantize}
+    swept = {} if args.no_sweep else {k: sweeps[k]() for k in args.sweep.split(",") if k}
     checks = check_decode(args.quick) + check_quantize()
     qb = bench_quantize()
     dec = bench_decode(args.quick, copy_tbps)
