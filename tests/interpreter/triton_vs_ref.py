@@ -61,6 +61,78 @@ def test_quantize_pack_with_rotation(tk):
     assert _rel(ref.dequantize(c1, m1, fmt), ref.dequantize(c2, m2, fmt)) < 1e-2
 
 
+def _adversarial_rows(d: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[33, 2, d]`` rows, three of each kind: the clip threshold tied with many values, rows
+    drawn from a tiny set of values, constant, zero, all-positive and all-negative rows, one huge
+    outlier, rows so small that the scale sits at its floor, +-max ties, and permuted integer
+    ramps (scaled by powers of two), whose values land exactly on rounding boundaries."""
+    g = torch.Generator().manual_seed(d)
+    shape = (3, 2, d)
+    tied = torch.randn(shape, generator=g) * 3 + 0.5
+    tied[:, :, : d // 8] = 7.0
+    few = torch.tensor([-2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0])[torch.randint(0, 8, shape, generator=g)]
+    outlier = torch.randn(shape, generator=g)
+    outlier[:, :, 3] = 1e4
+    both = torch.randn(shape, generator=g)
+    both[:, 0, :12], both[:, 1, :12] = both[:, 0].abs().amax(-1, keepdim=True), -5.0
+    m = 3 * 2 ** ((d // 3).bit_length() - 1)  # range 3·2^j: scale 2^j, boundaries on integers
+    ramp = (torch.arange(d) % (m + 1) - m // 2)[torch.argsort(torch.rand(shape, generator=g), -1)].float()
+    ramp = ramp * torch.tensor([1.0, 2.0**-3, 2.0**-20])[:, None, None] + torch.tensor([0.0, 0.5])[:, None]
+    parts = [tied, few, torch.full(shape, 0.75), torch.zeros(shape), torch.rand(shape, generator=g) + 0.1,
+             -(torch.rand(shape, generator=g) + 1), outlier, torch.randn(shape, generator=g) * 1e-6, both,
+             ramp, ramp.abs()]  # fmt: skip
+    return torch.cat(parts).to(dtype)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("clip", [0.0, 0.8, 0.92, 0.96])
+def test_quantize_pack_is_bit_exact_on_adversarial_rows(tk, d, clip):
+    qp, _ = tk
+    for meta in ("fp16", "bf16", "fp32"):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            fmt = RowFormat(d, 2, d, clip=clip, meta_dtype=meta)
+            x = _adversarial_rows(d, dtype)
+            c1, m1 = qp.quantize_pack(x, None, fmt)
+            c2, m2 = ref.quantize_pack(x, None, fmt)
+            assert torch.equal(c1, c2) and torch.equal(m1, m2), (meta, dtype)
+
+
+@pytest.mark.parametrize(("d", "clip"), [(64, 0.92), (128, 0.96), (128, 0.92), (256, 0.96)])
+def test_quantize_pack_is_bit_exact_on_many_random_rows(tk, d, clip):
+    qp, _ = tk
+    g = torch.Generator().manual_seed(d)
+    for meta in ("fp16", "bf16"):
+        fmt = RowFormat(d, 2, d, clip=clip, meta_dtype=meta)
+        x = (torch.randn(150, 4, d, generator=g) * 2 + 0.2).bfloat16()
+        c1, m1 = qp.quantize_pack(x, None, fmt)
+        c2, m2 = ref.quantize_pack(x, None, fmt)
+        assert torch.equal(c1, c2) and torch.equal(m1, m2), meta
+
+
+def _signed_permutation(d: int, g: torch.Generator) -> torch.Tensor:
+    sign = torch.randint(0, 2, (d, 1), generator=g).float() * 2 - 1
+    return torch.eye(d)[torch.randperm(d, generator=g)] * sign
+
+
+@pytest.mark.parametrize(("d", "clip"), [(64, 0.92), (128, 0.96), (128, 0.0), (256, 0.92)])
+def test_quantize_pack_with_exact_rotations_is_bit_exact(tk, d, clip):
+    """Rotations whose products are exact in any summation order (signed permutations, and an
+    unnormalised Hadamard matrix on small integers), per layer and per head: the kernel must then
+    match the reference bit for bit (integer rows also tie heavily after the rotation)."""
+    qp, _ = tk
+    g = torch.Generator().manual_seed(d)
+    fmt = RowFormat(d, 2, d, clip=clip)
+    x = torch.randint(-8, 9, (40, 2, d), generator=g).float()
+    had = torch.ones(1, 1)
+    while had.shape[0] < d:
+        had = torch.cat([torch.cat([had, had], 1), torch.cat([had, -had], 1)])
+    per_head = torch.stack([_signed_permutation(d, g), _signed_permutation(d, g)])
+    for r in (had, _signed_permutation(d, g), per_head):
+        c1, m1 = qp.quantize_pack(x, r, fmt)
+        c2, m2 = ref.quantize_pack(x, r, fmt)
+        assert torch.equal(c1, c2) and torch.equal(m1, m2), r.shape
+
+
 def test_triton_refuses_formats_it_does_not_implement(tk):
     qp, _ = tk
     with pytest.raises(ValueError, match="backend='torch'"):

@@ -29,6 +29,7 @@ where byte ``j`` packs elements ``j, j+D/4, j+D/2, j+3D/4``). Bit-exact with the
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -100,8 +101,24 @@ def _merge6(a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5):
 
 
 @triton.jit
-def _row_top6(a0, a1, a2, a3, a4, a5, a6, a7):
+def _halves(x):
+    return tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+
+
+@triton.jit
+def _row_top6(a0, a1, a2, a3, a4, a5, a6, a7, TREE: tl.constexpr):
+    """Sorted top six of the row: per column, then ``TREE`` levels merging column pairs
+    ``(2j, 2j+1)`` (registers of one thread in the usual layouts; fast in the interpreter), then
+    ``tl.reduce`` over the remaining columns (across lanes)."""
     l0, l1, l2, l3, l4, l5 = _top6_of_8(a0, a1, a2, a3, a4, a5, a6, a7)
+    for _ in tl.static_range(TREE):
+        l0, m0 = _halves(l0)
+        l1, m1 = _halves(l1)
+        l2, m2 = _halves(l2)
+        l3, m3 = _halves(l3)
+        l4, m4 = _halves(l4)
+        l5, m5 = _halves(l5)
+        l0, l1, l2, l3, l4, l5 = _merge6(l0, l1, l2, l3, l4, l5, m0, m1, m2, m3, m4, m5)
     return tl.reduce((l0, l1, l2, l3, l4, l5), 1, _merge6)
 
 
@@ -116,13 +133,13 @@ def _drop(a, b):
 
 
 @triton.jit
-def _clip_threshold(a0, a1, a2, a3, a4, a5, a6, a7, N_DROP: tl.constexpr, ROUNDS: tl.constexpr):
+def _clip_threshold(a0, a1, a2, a3, a4, a5, a6, a7, N_DROP: tl.constexpr, ROUNDS: tl.constexpr, TREE: tl.constexpr):
     """The ``(N_DROP+1)``-th largest of the row of pieces ``a*`` (all >= 0), counting ties."""
     s0, s1, s2, s3, s4, s5, s6, s7 = a0, a1, a2, a3, a4, a5, a6, a7
     above = tl.zeros([a0.shape[0]], tl.int32)  # values >= the previous list's smallest
     tau = tl.zeros([a0.shape[0]], tl.float32)
     for r in tl.static_range(ROUNDS):
-        t0, t1, t2, t3, t4, t5 = _row_top6(s0, s1, s2, s3, s4, s5, s6, s7)
+        t0, t1, t2, t3, t4, t5 = _row_top6(s0, s1, s2, s3, s4, s5, s6, s7, TREE)
         k = N_DROP - above  # rank of tau within this list (out of [0, 6) once found)
         tau = tl.where(k == 0, t0, tl.where(k == 1, t1, tl.where(k == 2, t2, tau)))
         tau = tl.where(k == 3, t3, tl.where(k == 4, t4, tl.where(k == 5, t5, tau)))
@@ -182,8 +199,20 @@ def _to_meta(v, ty: tl.constexpr):
 
 
 @triton.jit
-def _code(x, t1, t2, t3):
-    return (x >= t1).to(tl.int32) + (x >= t2).to(tl.int32) + (x >= t3).to(tl.int32)
+def _code(x, t1, t2, t3, shift):
+    """``code(x) << shift``: the high bit is ``x >= t2``, the low bit ``x >=`` t3 or t1."""
+    h = x >= t2
+    lo = x >= tl.where(h, t3, t1)
+    return tl.where(h, 2 << shift, 0) | tl.where(lo, 1 << shift, 0)
+
+
+@triton.jit
+def _pack(xa, xb, xc, xd, t1, t2, t3, BLOCK_R: tl.constexpr, D8: tl.constexpr):
+    """Bytes ``code(xa) | code(xb) << 2 | code(xc) << 4 | code(xd) << 6`` as int32 words."""
+    sh = (tl.arange(0, D8) % 4 * 8)[None, :]
+    c = _code(xa, t1, t2, t3, sh) | _code(xb, t1, t2, t3, sh + 2)
+    c = c | _code(xc, t1, t2, t3, sh + 4) | _code(xd, t1, t2, t3, sh + 6)
+    return tl.sum(tl.reshape(c, [BLOCK_R, D8 // 4, 4]), 2)
 
 
 @triton.jit
@@ -203,7 +232,7 @@ def _split8(acc, BLOCK_R: tl.constexpr, D8: tl.constexpr):
 @triton.jit
 def _quantize_pack(X, R, C, M, n_rows, tiny, s_xr, s_rh, s_cr, s_mr,
                    D: tl.constexpr, BLOCK_R: tl.constexpr, ROTATE: tl.constexpr, HEADS: tl.constexpr,
-                   CLIP: tl.constexpr, N_DROP: tl.constexpr, ROUNDS: tl.constexpr, KC: tl.constexpr):  # fmt: skip
+                   CLIP: tl.constexpr, N_DROP: tl.constexpr, ROUNDS: tl.constexpr, TREE: tl.constexpr, KC: tl.constexpr):  # fmt: skip
     # rows r·HEADS + program_id(1) for r in this program's block (HEADS = 1 unless R is per head)
     D8: tl.constexpr = D // 8
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -235,7 +264,7 @@ def _quantize_pack(X, R, C, M, n_rows, tiny, s_xr, s_rh, s_cr, s_mr,
     hi = tl.max(mx, 1)
     if CLIP:
         tau = _clip_threshold(tl.abs(x0), tl.abs(x1), tl.abs(x2), tl.abs(x3), tl.abs(x4), tl.abs(x5),
-                              tl.abs(x6), tl.abs(x7), N_DROP, ROUNDS)  # fmt: skip
+                              tl.abs(x6), tl.abs(x7), N_DROP, ROUNDS, TREE)  # fmt: skip
         lo = tl.minimum(tl.maximum(lo, -tau), tau)
         hi = tl.minimum(tl.maximum(hi, -tau), tau)
     s = tl.math.div_rn(tl.maximum(hi - lo, 1e-8), 3.0)
@@ -249,11 +278,9 @@ def _quantize_pack(X, R, C, M, n_rows, tiny, s_xr, s_rh, s_cr, s_mr,
     t1 = _threshold(_BETA1, True, sd, zd, lo, hi)
     t2 = _threshold(_BETA2, False, sd, zd, lo, hi)
     t3 = _threshold(_BETA3, False, sd, zd, lo, hi)
-    cp = C + rows[:, None] * s_cr + offs[None, :]
-    lo_b = _code(x0, t1, t2, t3) | (_code(x2, t1, t2, t3) << 2) | (_code(x4, t1, t2, t3) << 4) | (_code(x6, t1, t2, t3) << 6)  # fmt: skip
-    hi_b = _code(x1, t1, t2, t3) | (_code(x3, t1, t2, t3) << 2) | (_code(x5, t1, t2, t3) << 4) | (_code(x7, t1, t2, t3) << 6)  # fmt: skip
-    tl.store(cp, lo_b.to(tl.uint8), mask=m2)
-    tl.store(cp + D8, hi_b.to(tl.uint8), mask=m2)
+    cp = C.to(tl.pointer_type(tl.int32)) + rows[:, None] * (s_cr // 4) + tl.arange(0, D8 // 4)[None, :]
+    tl.store(cp, _pack(x0, x2, x4, x6, t1, t2, t3, BLOCK_R, D8), mask=m2)
+    tl.store(cp + D8 // 4, _pack(x1, x3, x5, x7, t1, t2, t3, BLOCK_R, D8), mask=m2)
     tl.store(M + rows * s_mr, s_m, mask=rmask)
     tl.store(M + rows * s_mr + 1, z_m, mask=rmask)
 
@@ -306,11 +333,16 @@ def quantize_pack(rows: torch.Tensor, rotation: torch.Tensor | None, fmt: RowFor
     r = rotation.to(device=rows.device, dtype=rows.dtype).contiguous() if rotation is not None else x
     tiny = torch.finfo(meta.dtype).tiny
     heads = h if per_head else 1
+    # column pairs merged by splits before tl.reduce: in registers up to 16 bytes of a loaded piece;
+    # the MMA accumulator's pieces by tl.reduce alone (fewer instructions)
+    tree = 0 if rotation is not None else min(d // 8, 16 // x.element_size()).bit_length() - 1
+    if os.environ.get("TRITON_INTERPRET") == "1":  # its tl.reduce calls _merge6 once per element
+        tree = (d // 8).bit_length() - 1
     grid = (triton.cdiv(n * h // heads, block_r), heads)
     _quantize_pack[grid](
         x, r, codes, meta, n * h // heads, tiny, x.stride(0), r.stride(0) if per_head else 0, d // 4, 2,
         D=d, BLOCK_R=block_r, ROTATE=rotation is not None, HEADS=heads, CLIP=fmt.clip > 0, N_DROP=n_drop,
-        ROUNDS=-(-(n_drop + 1) // 6), KC=64, num_warps=NUM_WARPS if d <= 128 else 8,
+        ROUNDS=-(-(n_drop + 1) // 6), TREE=tree, KC=64, num_warps=NUM_WARPS if d <= 128 else 8,
     )  # fmt: skip
     return codes, meta
 
