@@ -1,29 +1,30 @@
 """Triton rotate-clip-quantize-pack (2-bit, one (scale, zero) per row) and its inverse.
 
-``_quantize_pack``: a program takes ``BLOCK_R`` rows, each held as eight pieces (columns
-``[i·D/8, (i+1)·D/8)``; pieces ``2q`` and ``2q+1`` are quarter ``q`` of the quartered byte layout,
-where byte ``j`` packs elements ``j, j+D/4, j+D/2, j+3D/4``). Bit-exact with the reference:
+``_quantize_pack``, bit-exact with the reference: a program takes ``BLOCK_R`` rows, each held as
+eight column pieces ``x_i = x[:, i·D/8 : (i+1)·D/8]`` (pieces ``2q``, ``2q+1`` make quarter ``q``
+of the packed layout: byte ``j`` holds elements ``j, j+D/4, j+D/2, j+3D/4``).
 
-1. optional rotation: one ``tl.dot`` of the rows with ``R`` (operands in the rows' dtype, fp32
-   accumulation), split into the eight pieces (register relabelling);
-2. clip threshold ``tau`` = the ``(N_DROP+1)``-th largest ``|x|`` counting ties (the reference's
-   ``⌊ratio·D⌋``-th smallest): each of ``ROUNDS = ⌈(N_DROP+1)/6⌉`` rounds takes the six largest
-   of a row, sorted, by a comparator network: the six largest of the eight pieces at each column
-   (a sorting network), merged across columns by ``tl.reduce`` with a sorted-list merge (an
-   element-wise maximum against the reversed list, then a bitonic sort). Ties need no care: the
-   lists are multisets. A further round masks the values ``>=`` the last list's smallest entry
-   and counts them, so the threshold's rank moves down by that count;
-3. ``lo``/``hi`` of the clipped row are ``clamp(min x)``/``clamp(max x)``; scale and zero as the
-   reference, rounded to the metadata dtype;
-4. codes by comparison: ``q(v) = ⌊fl(fl(v ⊘ s) + z) + 0.5⌋`` is non-decreasing in ``v``, so
-   ``clamp(q(clip(x)), 0, 3) = [x >= t1] + [x >= t2] + [x >= t3]`` with per-row thresholds
-   ``t_k``, the smallest fp32 ``v`` with ``q(v) >= k``. They are exact, not searched: rounding to
-   nearest crosses a float's value at the midpoint below it, so ``fl(u + z) >= W_k`` (``W_k``
-   the smallest ``w`` with ``fl(w + 0.5) >= k``) iff ``u >= β_k - z`` and ``fl(v ⊘ s) >= U`` iff
-   ``v >= μ·s`` (``μ`` the midpoint below ``U``), each ``>=`` strict when the tie rounds down (odd
-   significand); both right-hand sides are exact in fp64 and rounded up to fp32. A threshold
-   outside the clipped range ``(lo, hi]`` becomes ``-inf`` or NaN (never), so ``x`` needs no
-   clamping. Codes of the four quarters are packed with shifts and ORs.
+1. Rotation (optional): ``tl.dot`` of the rows with ``R`` in the rows' dtype, fp32 accumulation,
+   split into the pieces by reshape/split (register relabelling).
+2. Clip threshold ``tau``: the ``(N_DROP+1)``-th largest ``|x|`` counting ties (the reference's
+   ``⌊ratio·D⌋``-th smallest). A round finds a row's six largest values, sorted, with comparator
+   networks on multisets (so ties need no care): the six largest of the eight pieces at each
+   column (a sorting network), then sorted-list merges across columns (``_merge6``), by
+   reshape/split within a thread (``TREE`` levels) and ``tl.reduce`` across lanes. Larger drop
+   counts take ``⌈(N_DROP+1)/6⌉`` rounds, each masking the values ``>=`` the last list's
+   smallest entry and counting them.
+3. ``lo, hi`` of the clipped row are ``clamp(min x), clamp(max x)``; scale and zero as the
+   reference, rounded to the metadata dtype.
+4. Codes by three compares: ``q(v) = ⌊fl(fl(v ⊘ s) + z) + 0.5⌋`` is non-decreasing in ``v``, so
+   ``clamp(q(clip(x)), 0, 3) = [x >= t1] + [x >= t2] + [x >= t3]``, ``t_k`` the smallest fp32
+   ``v`` with ``q(v) >= k``. Computed exactly per row, not searched: rounding to nearest crosses
+   a float at the midpoint below it, so ``fl(u + z) >= W_k`` iff ``u >= β_k - z`` and
+   ``fl(v ⊘ s) >= U`` iff ``v >= μ·s`` (``β_k``, ``μ``: midpoints below ``W_k``, ``U``; strict
+   where that tie rounds down), both exact in fp64 and rounded up to fp32. A ``t_k`` outside
+   ``(lo, hi]`` becomes ``-inf`` (all) or NaN (none), so ``x`` itself is never clamped.
+
+For 16-bit rows without rotation and one round (``HALF``), steps 2-4 run in the rows' dtype
+(exact; the GPU issues pairs), the thresholds rounded up to it.
 """
 
 from __future__ import annotations
@@ -101,23 +102,26 @@ def _merge6(a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5):
 
 
 @triton.jit
-def _halves(x):
-    return tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+def _pairs(x, P: tl.constexpr):
+    """Columns ``j`` and ``j + P/2`` of each block of ``P`` columns (the TREE blocks are one
+    thread's registers; halves of 32-bit registers are paired last)."""
+    R: tl.constexpr = x.shape[0]
+    W: tl.constexpr = x.shape[1]
+    a, b = tl.split(tl.permute(tl.reshape(x, [R, W // P, 2, P // 2]), (0, 1, 3, 2)))
+    return tl.reshape(a, [R, W // 2]), tl.reshape(b, [R, W // 2])
 
 
 @triton.jit
 def _row_top6(a0, a1, a2, a3, a4, a5, a6, a7, TREE: tl.constexpr):
-    """Sorted top six of the row: per column, then ``TREE`` levels merging column pairs
-    ``(2j, 2j+1)`` (registers of one thread in the usual layouts; fast in the interpreter), then
-    ``tl.reduce`` over the remaining columns (across lanes)."""
+    """The row's six largest values, sorted (``[BLOCK_R]`` each)."""
     l0, l1, l2, l3, l4, l5 = _top6_of_8(a0, a1, a2, a3, a4, a5, a6, a7)
-    for _ in tl.static_range(TREE):
-        l0, m0 = _halves(l0)
-        l1, m1 = _halves(l1)
-        l2, m2 = _halves(l2)
-        l3, m3 = _halves(l3)
-        l4, m4 = _halves(l4)
-        l5, m5 = _halves(l5)
+    for t in tl.static_range(TREE):
+        l0, m0 = _pairs(l0, 2 ** (TREE - t))
+        l1, m1 = _pairs(l1, 2 ** (TREE - t))
+        l2, m2 = _pairs(l2, 2 ** (TREE - t))
+        l3, m3 = _pairs(l3, 2 ** (TREE - t))
+        l4, m4 = _pairs(l4, 2 ** (TREE - t))
+        l5, m5 = _pairs(l5, 2 ** (TREE - t))
         l0, l1, l2, l3, l4, l5 = _merge6(l0, l1, l2, l3, l4, l5, m0, m1, m2, m3, m4, m5)
     return tl.reduce((l0, l1, l2, l3, l4, l5), 1, _merge6)
 
@@ -133,7 +137,8 @@ def _drop(a, b):
 
 
 @triton.jit
-def _clip_threshold(a0, a1, a2, a3, a4, a5, a6, a7, N_DROP: tl.constexpr, ROUNDS: tl.constexpr, TREE: tl.constexpr):
+def _clip_threshold(a0, a1, a2, a3, a4, a5, a6, a7, N_DROP: tl.constexpr, ROUNDS: tl.constexpr,
+                    TREE: tl.constexpr):  # fmt: skip
     """The ``(N_DROP+1)``-th largest of the row of pieces ``a*`` (all >= 0), counting ties."""
     s0, s1, s2, s3, s4, s5, s6, s7 = a0, a1, a2, a3, a4, a5, a6, a7
     above = tl.zeros([a0.shape[0]], tl.int32)  # values >= the previous list's smallest
@@ -163,9 +168,8 @@ def _key(f):
 
 @triton.jit
 def _unkey(k):
-    return tl.where(k < 0, (-k).to(tl.uint32, bitcast=True) | 0x80000000, k.to(tl.uint32, bitcast=True)).to(
-        tl.float32, bitcast=True
-    )
+    b = tl.where(k < 0, (-k).to(tl.uint32, bitcast=True) | 0x80000000, k.to(tl.uint32, bitcast=True))
+    return b.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -178,8 +182,8 @@ def _ceil32(m, strict):
 
 @triton.jit
 def _threshold(BETA: tl.constexpr, STRICT: tl.constexpr, sd, zd, lo, hi):
-    """Smallest fp32 ``v`` with ``⌊fl(fl(v ⊘ s) + z) + 0.5⌋ >= k`` (``beta`` = β_k); ``-inf``
-    when every value of ``[lo, hi]`` reaches it, NaN when none does."""
+    """Smallest fp32 ``v`` with ``⌊fl(fl(v ⊘ s) + z) + 0.5⌋ >= k`` (``BETA`` = β_k), as a
+    ``[BLOCK_R, 1]`` column; ``-inf`` when all of ``[lo, hi]`` reaches it, NaN when none does."""
     u = _ceil32(tl.full(zd.shape, BETA, tl.float64) - zd, STRICT)
     mu = (u.to(tl.float64) + _unkey(_key(u) - 1).to(tl.float64)) * 0.5
     v = _ceil32(mu * sd, (u.to(tl.int32, bitcast=True) & 1) == 1)
@@ -199,11 +203,26 @@ def _to_meta(v, ty: tl.constexpr):
 
 
 @triton.jit
+def _ceil16(t, ty: tl.constexpr):
+    """The smallest ``ty`` (bf16 or fp16) value ``>= t`` for fp32 ``t`` (``-inf`` and NaN kept):
+    for 16-bit ``x``, ``x >= t`` iff ``x >= _ceil16(t)``."""
+    if ty == tl.bfloat16:
+        b = t.to(tl.uint32, bitcast=True)
+        b = tl.where((b >> 31) == 0, b + 0xFFFF, b) >> 16  # magnitude up for t >= 0, down for t < 0
+        return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        c = t.to(tl.float16)
+        b = c.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        up = tl.where(b == 0x8000, 1, tl.where(b >= 0x8000, b - 1, b + 1))  # the next fp16 up
+        return tl.where(c.to(tl.float32) < t, up, b).to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def _code(x, t1, t2, t3, shift):
     """``code(x) << shift``: the high bit is ``x >= t2``, the low bit ``x >=`` t3 or t1."""
     h = x >= t2
-    lo = x >= tl.where(h, t3, t1)
-    return tl.where(h, 2 << shift, 0) | tl.where(lo, 1 << shift, 0)
+    low = x >= tl.where(h, t3, t1)
+    return tl.where(h, 2 << shift, 0) | tl.where(low, 1 << shift, 0)
 
 
 @triton.jit
@@ -232,14 +251,14 @@ def _split8(acc, BLOCK_R: tl.constexpr, D8: tl.constexpr):
 @triton.jit
 def _quantize_pack(X, R, C, M, n_rows, tiny, s_xr, s_rh, s_cr, s_mr,
                    D: tl.constexpr, BLOCK_R: tl.constexpr, ROTATE: tl.constexpr, HEADS: tl.constexpr,
-                   CLIP: tl.constexpr, N_DROP: tl.constexpr, ROUNDS: tl.constexpr, TREE: tl.constexpr, KC: tl.constexpr):  # fmt: skip
+                   CLIP: tl.constexpr, N_DROP: tl.constexpr, ROUNDS: tl.constexpr, TREE: tl.constexpr,
+                   KC: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
     # rows r·HEADS + program_id(1) for r in this program's block (HEADS = 1 unless R is per head)
     D8: tl.constexpr = D // 8
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < n_rows
     rows = rows * HEADS + tl.program_id(1)
-    offs = tl.arange(0, D8)
-    xp = X + rows[:, None] * s_xr + offs[None, :]
+    xp = X + rows[:, None] * s_xr + tl.arange(0, D8)[None, :]
     m2 = rmask[:, None]
     if ROTATE:
         acc = tl.zeros([BLOCK_R, D], tl.float32)
@@ -250,25 +269,24 @@ def _quantize_pack(X, R, C, M, n_rows, tiny, s_xr, s_rh, s_cr, s_mr,
             acc += tl.dot(xk.to(rk.dtype), rk)
         x0, x1, x2, x3, x4, x5, x6, x7 = _split8(acc, BLOCK_R, D8)
     else:
-        x0 = tl.load(xp, mask=m2, other=0.0).to(tl.float32)
-        x1 = tl.load(xp + D8, mask=m2, other=0.0).to(tl.float32)
-        x2 = tl.load(xp + 2 * D8, mask=m2, other=0.0).to(tl.float32)
-        x3 = tl.load(xp + 3 * D8, mask=m2, other=0.0).to(tl.float32)
-        x4 = tl.load(xp + 4 * D8, mask=m2, other=0.0).to(tl.float32)
-        x5 = tl.load(xp + 5 * D8, mask=m2, other=0.0).to(tl.float32)
-        x6 = tl.load(xp + 6 * D8, mask=m2, other=0.0).to(tl.float32)
-        x7 = tl.load(xp + 7 * D8, mask=m2, other=0.0).to(tl.float32)
+        x0, x1 = tl.load(xp, mask=m2, other=0.0), tl.load(xp + D8, mask=m2, other=0.0)
+        x2, x3 = tl.load(xp + 2 * D8, mask=m2, other=0.0), tl.load(xp + 3 * D8, mask=m2, other=0.0)
+        x4, x5 = tl.load(xp + 4 * D8, mask=m2, other=0.0), tl.load(xp + 5 * D8, mask=m2, other=0.0)
+        x6, x7 = tl.load(xp + 6 * D8, mask=m2, other=0.0), tl.load(xp + 7 * D8, mask=m2, other=0.0)
+        if not HALF:
+            x0, x1, x2, x3 = x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32)
+            x4, x5, x6, x7 = x4.to(tl.float32), x5.to(tl.float32), x6.to(tl.float32), x7.to(tl.float32)
     mn = tl.minimum(tl.minimum(tl.minimum(x0, x1), tl.minimum(x2, x3)), tl.minimum(tl.minimum(x4, x5), tl.minimum(x6, x7)))  # fmt: skip
     mx = tl.maximum(tl.maximum(tl.maximum(x0, x1), tl.maximum(x2, x3)), tl.maximum(tl.maximum(x4, x5), tl.maximum(x6, x7)))  # fmt: skip
-    lo = tl.min(mn, 1)
-    hi = tl.max(mx, 1)
+    lo = tl.min(mn, 1).to(tl.float32)
+    hi = tl.max(mx, 1).to(tl.float32)
     if CLIP:
         tau = _clip_threshold(tl.abs(x0), tl.abs(x1), tl.abs(x2), tl.abs(x3), tl.abs(x4), tl.abs(x5),
                               tl.abs(x6), tl.abs(x7), N_DROP, ROUNDS, TREE)  # fmt: skip
         lo = tl.minimum(tl.maximum(lo, -tau), tau)
         hi = tl.minimum(tl.maximum(hi, -tau), tau)
     s = tl.math.div_rn(tl.maximum(hi - lo, 1e-8), 3.0)
-    s = tl.maximum(s, tl.math.div_rn(tl.maximum(tl.abs(lo), tl.abs(hi)), 16384.0))
+    s = tl.maximum(s, tl.maximum(tl.abs(lo), tl.abs(hi)) * 0.00006103515625)  # exact: / 2^14
     s = tl.maximum(s, tiny)
     z = tl.math.div_rn(-lo, s)
     s_m = _to_meta(s, M.dtype.element_ty)
@@ -278,6 +296,8 @@ def _quantize_pack(X, R, C, M, n_rows, tiny, s_xr, s_rh, s_cr, s_mr,
     t1 = _threshold(_BETA1, True, sd, zd, lo, hi)
     t2 = _threshold(_BETA2, False, sd, zd, lo, hi)
     t3 = _threshold(_BETA3, False, sd, zd, lo, hi)
+    if HALF:  # compare in the rows' 16-bit dtype
+        t1, t2, t3 = _ceil16(t1, x0.dtype), _ceil16(t2, x0.dtype), _ceil16(t3, x0.dtype)
     cp = C.to(tl.pointer_type(tl.int32)) + rows[:, None] * (s_cr // 4) + tl.arange(0, D8 // 4)[None, :]
     tl.store(cp, _pack(x0, x2, x4, x6, t1, t2, t3, BLOCK_R, D8), mask=m2)
     tl.store(cp + D8 // 4, _pack(x1, x3, x5, x7, t1, t2, t3, BLOCK_R, D8), mask=m2)
@@ -333,16 +353,20 @@ def quantize_pack(rows: torch.Tensor, rotation: torch.Tensor | None, fmt: RowFor
     r = rotation.to(device=rows.device, dtype=rows.dtype).contiguous() if rotation is not None else x
     tiny = torch.finfo(meta.dtype).tiny
     heads = h if per_head else 1
-    # column pairs merged by splits before tl.reduce: in registers up to 16 bytes of a loaded piece;
-    # the MMA accumulator's pieces by tl.reduce alone (fewer instructions)
-    tree = 0 if rotation is not None else min(d // 8, 16 // x.element_size()).bit_length() - 1
-    if os.environ.get("TRITON_INTERPRET") == "1":  # its tl.reduce calls _merge6 once per element
-        tree = (d // 8).bit_length() - 1
+    rounds = -(-(n_drop + 1) // 6)
+    # HALF: not for bf16 under the interpreter, whose bf16 arithmetic works on the raw bits. TREE:
+    # in-thread pair merges for the loaded 16-bit pieces (16 bytes a thread); tl.reduce alone for
+    # fp32 and the MMA accumulator (fewer instructions, sm_90); all the way under the interpreter,
+    # whose tl.reduce calls the combine once per element
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    half = rotation is None and x.dtype in (torch.float16, torch.bfloat16) and rounds == 1
+    half = half and not (interpret and x.dtype == torch.bfloat16)
+    tree = (d // 8).bit_length() - 1 if interpret else 3 if half else 0
     grid = (triton.cdiv(n * h // heads, block_r), heads)
     _quantize_pack[grid](
         x, r, codes, meta, n * h // heads, tiny, x.stride(0), r.stride(0) if per_head else 0, d // 4, 2,
         D=d, BLOCK_R=block_r, ROTATE=rotation is not None, HEADS=heads, CLIP=fmt.clip > 0, N_DROP=n_drop,
-        ROUNDS=-(-(n_drop + 1) // 6), TREE=tree, KC=64, num_warps=NUM_WARPS if d <= 128 else 8,
+        ROUNDS=rounds, TREE=tree, KC=64, HALF=half, num_warps=NUM_WARPS if d <= 128 else 8,
     )  # fmt: skip
     return codes, meta
 
