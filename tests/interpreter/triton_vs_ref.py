@@ -20,10 +20,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
         "run through tests/test_kernels_triton.py (needs TRITON_INTERPRET=1)", allow_module_level=True
     )
 triton = pytest.importorskip("triton")
-import triton.language as tl  # noqa: E402
 
 from oscarkv.kernels import ref  # noqa: E402
-from oscarkv.kernels.triton.quantize_pack import _ceil16  # noqa: E402
 from oscarkv.quant import RowFormat  # noqa: E402
 
 torch.set_num_threads(1)
@@ -109,39 +107,6 @@ def test_quantize_pack_is_bit_exact_on_many_random_rows(tk, d, clip):
         c1, m1 = qp.quantize_pack(x, None, fmt)
         c2, m2 = ref.quantize_pack(x, None, fmt)
         assert torch.equal(c1, c2) and torch.equal(m1, m2), meta
-
-
-@triton.jit
-def _ceil16_kernel(T, OUT, N: tl.constexpr):
-    t = tl.load(T + tl.arange(0, N))
-    tl.store(OUT + tl.arange(0, N), _ceil16(t, OUT.dtype.element_ty))
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_quantize_pack_rounds_thresholds_up_to_16_bits(dtype):
-    """``_ceil16`` (the 16-bit rows' thresholds): the smallest 16-bit value ``>= t``, NaN kept."""
-    grid = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype).float()
-    grid = grid[~grid.isnan()].unique()  # sorted, +-inf included
-    fin = torch.finfo(dtype)
-    g = torch.Generator().manual_seed(0)
-    t = torch.randn(4000, generator=g) * 10.0 ** torch.randint(-9, 9, (4000,), generator=g).float()
-    t = torch.cat([t, t.to(dtype).float(), grid[torch.randint(0, grid.numel(), (2000,), generator=g)]])
-    special = [
-        0.0,
-        -0.0,
-        float("inf"),
-        -float("inf"),
-        float("nan"),
-        fin.max * 1.0001,
-        -fin.max * 1.0001,
-        1e-30,
-    ]
-    t = torch.cat([t, torch.tensor(special), -t])
-    t = torch.cat([t, torch.zeros(32768 - t.numel())])  # a power of two
-    out = torch.empty(t.numel(), dtype=dtype)
-    _ceil16_kernel[(1,)](t, out, t.numel())
-    want = grid[torch.searchsorted(grid, torch.where(t.isnan(), 0.0, t)).clamp_max(grid.numel() - 1)]
-    assert torch.equal(out.float()[~t.isnan()], want[~t.isnan()]) and out[t.isnan()].isnan().all()
 
 
 def _signed_permutation(d: int, g: torch.Generator) -> torch.Tensor:

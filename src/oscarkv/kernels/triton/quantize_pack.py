@@ -9,8 +9,9 @@ of the packed layout: byte ``j`` holds elements ``j, j+D/4, j+D/2, j+3D/4``).
 2. Clip threshold ``tau``: the ``(N_DROP+1)``-th largest ``|x|`` counting ties (the reference's
    ``⌊ratio·D⌋``-th smallest). A round finds a row's six largest values, sorted, with comparator
    networks on multisets (so ties need no care): the six largest of the eight pieces at each
-   column (a sorting network), then sorted-list merges across columns (``_merge6``), by
-   reshape/split within a thread (``TREE`` levels) and ``tl.reduce`` across lanes. Larger drop
+   column (a sorting network), then sorted-list merges across columns (``_merge6``) by
+   ``tl.reduce`` (preceded by ``TREE`` levels of reshape/split pairs under the interpreter, whose
+   generic ``tl.reduce`` calls the combine once per element). Larger drop
    counts take ``⌈(N_DROP+1)/6⌉`` rounds, each masking the values ``>=`` the last list's
    smallest entry and counting them.
 3. ``lo, hi`` of the clipped row are ``clamp(min x), clamp(max x)``; scale and zero as the
@@ -22,9 +23,6 @@ of the packed layout: byte ``j`` holds elements ``j, j+D/4, j+D/2, j+3D/4``).
    ``fl(v ⊘ s) >= U`` iff ``v >= μ·s`` (``β_k``, ``μ``: midpoints below ``W_k``, ``U``; strict
    where that tie rounds down), both exact in fp64 and rounded up to fp32. A ``t_k`` outside
    ``(lo, hi]`` becomes ``-inf`` (all) or NaN (none), so ``x`` itself is never clamped.
-
-For 16-bit rows without rotation and one round (``HALF``), steps 2-4 run in the rows' dtype
-(exact; the GPU issues pairs), the thresholds rounded up to it.
 """
 
 from __future__ import annotations
@@ -46,8 +44,8 @@ BLOCK_R = 64
 BLOCK_R_ROT = 64
 NUM_WARPS = 4
 
-# β_k: the midpoint below W_k = the smallest fp32 w with fl(w + 0.5) >= k (k = 1, 2, 3), and
-# whether u + z = β_k exactly rounds down (W_1 = 0.5 - 2^-25 is odd; 1.5 and 2.5 are even)
+# β_k: the midpoint below W_k = the smallest fp32 w with fl(w + 0.5) >= k (k = 1, 2, 3); a tie
+# u + z = β_k rounds down for k = 1 only (W_1 = 0.5 - 2^-25 is odd; 1.5 and 2.5 are even)
 _BETA1 = tl.constexpr(float.fromhex("0x1.fffffd0000000p-2"))
 _BETA2 = tl.constexpr(float.fromhex("0x1.7fffff0000000p+0"))
 _BETA3 = tl.constexpr(float.fromhex("0x1.3fffff0000000p+1"))
@@ -102,26 +100,21 @@ def _merge6(a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5):
 
 
 @triton.jit
-def _pairs(x, P: tl.constexpr):
-    """Columns ``j`` and ``j + P/2`` of each block of ``P`` columns (the TREE blocks are one
-    thread's registers; halves of 32-bit registers are paired last)."""
-    R: tl.constexpr = x.shape[0]
-    W: tl.constexpr = x.shape[1]
-    a, b = tl.split(tl.permute(tl.reshape(x, [R, W // P, 2, P // 2]), (0, 1, 3, 2)))
-    return tl.reshape(a, [R, W // 2]), tl.reshape(b, [R, W // 2])
+def _halves(x):
+    return tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
 
 
 @triton.jit
 def _row_top6(a0, a1, a2, a3, a4, a5, a6, a7, TREE: tl.constexpr):
     """The row's six largest values, sorted (``[BLOCK_R]`` each)."""
     l0, l1, l2, l3, l4, l5 = _top6_of_8(a0, a1, a2, a3, a4, a5, a6, a7)
-    for t in tl.static_range(TREE):
-        l0, m0 = _pairs(l0, 2 ** (TREE - t))
-        l1, m1 = _pairs(l1, 2 ** (TREE - t))
-        l2, m2 = _pairs(l2, 2 ** (TREE - t))
-        l3, m3 = _pairs(l3, 2 ** (TREE - t))
-        l4, m4 = _pairs(l4, 2 ** (TREE - t))
-        l5, m5 = _pairs(l5, 2 ** (TREE - t))
+    for _ in tl.static_range(TREE):
+        l0, m0 = _halves(l0)
+        l1, m1 = _halves(l1)
+        l2, m2 = _halves(l2)
+        l3, m3 = _halves(l3)
+        l4, m4 = _halves(l4)
+        l5, m5 = _halves(l5)
         l0, l1, l2, l3, l4, l5 = _merge6(l0, l1, l2, l3, l4, l5, m0, m1, m2, m3, m4, m5)
     return tl.reduce((l0, l1, l2, l3, l4, l5), 1, _merge6)
 
@@ -203,21 +196,6 @@ def _to_meta(v, ty: tl.constexpr):
 
 
 @triton.jit
-def _ceil16(t, ty: tl.constexpr):
-    """The smallest ``ty`` (bf16 or fp16) value ``>= t`` for fp32 ``t`` (``-inf`` and NaN kept):
-    for 16-bit ``x``, ``x >= t`` iff ``x >= _ceil16(t)``."""
-    if ty == tl.bfloat16:
-        b = t.to(tl.uint32, bitcast=True)
-        b = tl.where((b >> 31) == 0, b + 0xFFFF, b) >> 16  # magnitude up for t >= 0, down for t < 0
-        return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        c = t.to(tl.float16)
-        b = c.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        up = tl.where(b == 0x8000, 1, tl.where(b >= 0x8000, b - 1, b + 1))  # the next fp16 up
-        return tl.where(c.to(tl.float32) < t, up, b).to(tl.uint16).to(tl.float16, bitcast=True)
-
-
-@triton.jit
 def _code(x, t1, t2, t3, shift):
     """``code(x) << shift``: the high bit is ``x >= t2``, the low bit ``x >=`` t3 or t1."""
     h = x >= t2
@@ -252,7 +230,7 @@ def _split8(acc, BLOCK_R: tl.constexpr, D8: tl.constexpr):
 def _quantize_pack(X, R, C, M, n_rows, tiny, s_xr, s_rh, s_cr, s_mr,
                    D: tl.constexpr, BLOCK_R: tl.constexpr, ROTATE: tl.constexpr, HEADS: tl.constexpr,
                    CLIP: tl.constexpr, N_DROP: tl.constexpr, ROUNDS: tl.constexpr, TREE: tl.constexpr,
-                   KC: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+                   KC: tl.constexpr):  # fmt: skip
     # rows r·HEADS + program_id(1) for r in this program's block (HEADS = 1 unless R is per head)
     D8: tl.constexpr = D // 8
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -273,13 +251,12 @@ def _quantize_pack(X, R, C, M, n_rows, tiny, s_xr, s_rh, s_cr, s_mr,
         x2, x3 = tl.load(xp + 2 * D8, mask=m2, other=0.0), tl.load(xp + 3 * D8, mask=m2, other=0.0)
         x4, x5 = tl.load(xp + 4 * D8, mask=m2, other=0.0), tl.load(xp + 5 * D8, mask=m2, other=0.0)
         x6, x7 = tl.load(xp + 6 * D8, mask=m2, other=0.0), tl.load(xp + 7 * D8, mask=m2, other=0.0)
-        if not HALF:
-            x0, x1, x2, x3 = x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32)
-            x4, x5, x6, x7 = x4.to(tl.float32), x5.to(tl.float32), x6.to(tl.float32), x7.to(tl.float32)
+        x0, x1, x2, x3 = x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32)
+        x4, x5, x6, x7 = x4.to(tl.float32), x5.to(tl.float32), x6.to(tl.float32), x7.to(tl.float32)
     mn = tl.minimum(tl.minimum(tl.minimum(x0, x1), tl.minimum(x2, x3)), tl.minimum(tl.minimum(x4, x5), tl.minimum(x6, x7)))  # fmt: skip
     mx = tl.maximum(tl.maximum(tl.maximum(x0, x1), tl.maximum(x2, x3)), tl.maximum(tl.maximum(x4, x5), tl.maximum(x6, x7)))  # fmt: skip
-    lo = tl.min(mn, 1).to(tl.float32)
-    hi = tl.max(mx, 1).to(tl.float32)
+    lo = tl.min(mn, 1)
+    hi = tl.max(mx, 1)
     if CLIP:
         tau = _clip_threshold(tl.abs(x0), tl.abs(x1), tl.abs(x2), tl.abs(x3), tl.abs(x4), tl.abs(x5),
                               tl.abs(x6), tl.abs(x7), N_DROP, ROUNDS, TREE)  # fmt: skip
@@ -296,8 +273,6 @@ def _quantize_pack(X, R, C, M, n_rows, tiny, s_xr, s_rh, s_cr, s_mr,
     t1 = _threshold(_BETA1, True, sd, zd, lo, hi)
     t2 = _threshold(_BETA2, False, sd, zd, lo, hi)
     t3 = _threshold(_BETA3, False, sd, zd, lo, hi)
-    if HALF:  # compare in the rows' 16-bit dtype
-        t1, t2, t3 = _ceil16(t1, x0.dtype), _ceil16(t2, x0.dtype), _ceil16(t3, x0.dtype)
     cp = C.to(tl.pointer_type(tl.int32)) + rows[:, None] * (s_cr // 4) + tl.arange(0, D8 // 4)[None, :]
     tl.store(cp, _pack(x0, x2, x4, x6, t1, t2, t3, BLOCK_R, D8), mask=m2)
     tl.store(cp + D8 // 4, _pack(x1, x3, x5, x7, t1, t2, t3, BLOCK_R, D8), mask=m2)
@@ -353,20 +328,14 @@ def quantize_pack(rows: torch.Tensor, rotation: torch.Tensor | None, fmt: RowFor
     r = rotation.to(device=rows.device, dtype=rows.dtype).contiguous() if rotation is not None else x
     tiny = torch.finfo(meta.dtype).tiny
     heads = h if per_head else 1
-    rounds = -(-(n_drop + 1) // 6)
-    # HALF: not for bf16 under the interpreter, whose bf16 arithmetic works on the raw bits. TREE:
-    # in-thread pair merges for the loaded 16-bit pieces (16 bytes a thread); tl.reduce alone for
-    # fp32 and the MMA accumulator (fewer instructions, sm_90); all the way under the interpreter,
-    # whose tl.reduce calls the combine once per element
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    half = rotation is None and x.dtype in (torch.float16, torch.bfloat16) and rounds == 1
-    half = half and not (interpret and x.dtype == torch.bfloat16)
-    tree = (d // 8).bit_length() - 1 if interpret else 3 if half else 0
+    # under the interpreter, merge column pairs by splits first: its tl.reduce calls the combine once
+    # per element (on the GPU, tl.reduce alone gives the fewest instructions, sm_90)
+    tree = (d // 8).bit_length() - 1 if os.environ.get("TRITON_INTERPRET") == "1" else 0
     grid = (triton.cdiv(n * h // heads, block_r), heads)
     _quantize_pack[grid](
         x, r, codes, meta, n * h // heads, tiny, x.stride(0), r.stride(0) if per_head else 0, d // 4, 2,
         D=d, BLOCK_R=block_r, ROTATE=rotation is not None, HEADS=heads, CLIP=fmt.clip > 0, N_DROP=n_drop,
-        ROUNDS=rounds, TREE=tree, KC=64, HALF=half, num_warps=NUM_WARPS if d <= 128 else 8,
+        ROUNDS=-(-(n_drop + 1) // 6), TREE=tree, KC=64, num_warps=NUM_WARPS if d <= 128 else 8,
     )  # fmt: skip
     return codes, meta
 
