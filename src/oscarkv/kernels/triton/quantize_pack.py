@@ -9,9 +9,8 @@ of the packed layout: byte ``j`` holds elements ``j, j+D/4, j+D/2, j+3D/4``).
 2. Clip threshold ``tau``: the ``(N_DROP+1)``-th largest ``|x|`` counting ties (the reference's
    ``⌊ratio·D⌋``-th smallest). A round finds a row's six largest values, sorted, with comparator
    networks on multisets (so ties need no care): the six largest of the eight pieces at each
-   column (a sorting network), then sorted-list merges across columns (``_merge6``) by
-   ``tl.reduce`` (preceded by ``TREE`` levels of reshape/split pairs under the interpreter, whose
-   generic ``tl.reduce`` calls the combine once per element). Larger drop
+   column (a sorting network), then sorted-list merges across columns (``_merge6``): ``TREE``
+   levels of adjacent-column pairs (reshape/split, within a thread), then ``tl.reduce``. Larger drop
    counts take ``⌈(N_DROP+1)/6⌉`` rounds, each masking the values ``>=`` the last list's
    smallest entry and counting them.
 3. ``lo, hi`` of the clipped row are ``clamp(min x), clamp(max x)``; scale and zero as the
@@ -328,9 +327,13 @@ def quantize_pack(rows: torch.Tensor, rotation: torch.Tensor | None, fmt: RowFor
     r = rotation.to(device=rows.device, dtype=rows.dtype).contiguous() if rotation is not None else x
     tiny = torch.finfo(meta.dtype).tiny
     heads = h if per_head else 1
-    # under the interpreter, merge column pairs by splits first: its tl.reduce calls the combine once
-    # per element (on the GPU, tl.reduce alone gives the fewest instructions, sm_90)
-    tree = (d // 8).bit_length() - 1 if os.environ.get("TRITON_INTERPRET") == "1" else 0
+    # merge column pairs by splits before tl.reduce, within a thread's 16 loaded bytes: a balanced
+    # tree instead of tl.reduce's serial chain (measured 6% faster on the H200); the MMA
+    # accumulator by tl.reduce alone; all the way under the interpreter, whose tl.reduce calls
+    # the combine once per element
+    tree = 0 if rotation is not None else min(d // 8, 16 // x.element_size()).bit_length() - 1
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        tree = (d // 8).bit_length() - 1
     grid = (triton.cdiv(n * h // heads, block_r), heads)
     _quantize_pack[grid](
         x, r, codes, meta, n * h // heads, tiny, x.stride(0), r.stride(0) if per_head else 0, d // 4, 2,
