@@ -75,13 +75,22 @@ def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta, g
             assert _rel(got[b], want[b]) < 1e-2
 
 
-@pytest.mark.parametrize(("d", "clip"), [(64, 0.92), (128, 0.96), (128, 0.8), (256, 0.0)])
-def test_quantize_pack_is_bit_exact(d, clip):
+@pytest.mark.parametrize(
+    ("d", "clip"), [(64, 0.92), (128, 0.96), (128, 0.92), (128, 0.8), (256, 0.96), (256, 0.0)]
+)
+@pytest.mark.parametrize("meta", ["fp16", "bf16", "fp32"])
+def test_quantize_pack_is_bit_exact(d, clip, meta):
     from oscarkv.kernels.triton import quantize_pack as tqp
 
-    fmt = RowFormat(d, 2, d, clip=clip)
-    x = (torch.randn(3000, 8, d, device="cuda") * 2 + 0.2).bfloat16()
+    fmt = RowFormat(d, 2, d, clip=clip, meta_dtype=meta)
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    x = (torch.randn(3000, 8, d, device="cuda", generator=gen) * 2 + 0.2).bfloat16()
     x[0, 0, :7] = 5.0  # ties at the clip threshold
+    x[1] = torch.randint(-3, 4, (8, d), device="cuda", generator=gen).bfloat16() * 0.5  # ties everywhere
+    x[2] = x[2].abs() + 1.0  # all positive (lo > 0)
+    x[3, 0] = 0.0  # an all-zero row
+    x[3, 1] = 1.25  # a constant row
+    x[4, :, 3] = 300.0  # one huge outlier per row
     c1, m1 = tqp.quantize_pack(x, None, fmt)
     c2, m2 = ref.quantize_pack(x, None, fmt)
     assert torch.equal(c1, c2) and torch.equal(m1, m2)
@@ -97,3 +106,12 @@ def test_quantize_pack_with_rotation_matches_rotated_reference():
     c1, m1 = tqp.quantize_pack(x, r, fmt)
     c2, m2 = ref.quantize_pack(x.float() @ r.bfloat16().float(), None, fmt)
     assert _rel(ref.dequantize(c1, m1, fmt), ref.dequantize(c2, m2, fmt)) < 2e-2
+
+
+@pytest.mark.parametrize("meta", ["fp16", "fp32"])
+def test_reference_quantizer_is_the_same_on_cpu_and_gpu(meta):
+    fmt = RowFormat(128, 2, 128, clip=0.96, meta_dtype=meta)
+    x = torch.randn(20000, 1, 128, generator=torch.Generator().manual_seed(6)).bfloat16()
+    c_gpu, m_gpu = ref.quantize_pack(x.cuda(), None, fmt)
+    c_cpu, m_cpu = ref.quantize_pack(x, None, fmt)
+    assert torch.equal(c_gpu.cpu(), c_cpu) and torch.equal(m_gpu.cpu(), m_cpu)

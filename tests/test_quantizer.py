@@ -308,3 +308,14 @@ def test_row_format_validation() -> None:
         RowFormat(128, group=48)
     with pytest.raises(ValueError):
         RowFormat(12, bits=3)
+
+
+def test_asymmetric_scale_is_the_correctly_rounded_division():
+    """``s = (hi − lo) / 3`` rounded once (fp32 metadata keeps it exactly), not ``(hi − lo)·fl(1/3)``
+    as CUDA computes a division by a Python scalar; the GPU kernels divide correctly too."""
+    x = torch.randn(4096, 128, generator=torch.Generator().manual_seed(5))
+    _, meta = quantize_asymmetric(x, 2, 128, "fp32")
+    span = (x.amax(-1) - x.amin(-1)).double()
+    want = (span / 3).float()
+    assert torch.equal(meta[..., 0].reshape(-1), want)
+    assert not torch.equal(want, (span.float() * (1 / 3)).float())  # the data tells the two apart

@@ -84,6 +84,13 @@ def _finish(xg: torch.Tensor, meta: torch.Tensor, levels: int) -> torch.Tensor:
     return q.to(torch.uint8).flatten(-2)
 
 
+def _div(x: torch.Tensor, c: float) -> torch.Tensor:
+    """Correctly rounded ``x / c`` on every device (CUDA turns a division by a Python scalar into a
+    multiply by its rounded reciprocal, which differs in the last bit for ~1 row in 3 of fp32
+    metadata; dividing by a same-shaped tensor is a true division everywhere)."""
+    return x / torch.full_like(x, c)
+
+
 def quantize_asymmetric(
     x: torch.Tensor, bits: int, group: int, meta_dtype: str = "fp16"
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,7 +99,7 @@ def quantize_asymmetric(
     levels = 1 << bits
     xg = _grouped(x, group)
     lo, hi = xg.amin(-1), xg.amax(-1)
-    s = _safe_scale((hi - lo).clamp_min(1e-8) / (levels - 1), lo, hi, meta_dtype)
+    s = _safe_scale(_div(((hi - lo).clamp_min(1e-8)), levels - 1), lo, hi, meta_dtype)
     meta = _meta(s, -lo / s, meta_dtype)
     return _finish(xg, meta, levels), meta
 
@@ -106,7 +113,7 @@ def quantize_symmetric(
     half = (levels - 1) / 2
     xg = _grouped(x, group)
     amax = xg.abs().amax(-1)
-    s = _safe_scale(amax.clamp_min(1e-8) / half, amax, amax, meta_dtype)
+    s = _safe_scale(_div(amax.clamp_min(1e-8), half), amax, amax, meta_dtype)
     meta = _meta(s, torch.full_like(s, half), meta_dtype)
     return _finish(xg, meta, levels), meta
 
