@@ -334,11 +334,14 @@ def quantize_pack(rows: torch.Tensor, rotation: torch.Tensor | None, fmt: RowFor
     tree = 0 if rotation is not None else min(d // 8, 16 // x.element_size()).bit_length() - 1
     if os.environ.get("TRITON_INTERPRET") == "1":
         tree = (d // 8).bit_length() - 1
+    # with rotation one warp group (4 warps) per 64 rows, whatever NUM_WARPS says: at 64 rows, 2 or
+    # 8 warps took 1.7x / 2.2x as long on the H200
+    warps = 8 if d > 128 else max(4, block_r // 16) if rotation is not None else NUM_WARPS
     grid = (triton.cdiv(n * h // heads, block_r), heads)
     _quantize_pack[grid](
         x, r, codes, meta, n * h // heads, tiny, x.stride(0), r.stride(0) if per_head else 0, d // 4, 2,
         D=d, BLOCK_R=block_r, ROTATE=rotation is not None, HEADS=heads, CLIP=fmt.clip > 0, N_DROP=n_drop,
-        ROUNDS=-(-(n_drop + 1) // 6), TREE=tree, KC=64, num_warps=NUM_WARPS if d <= 128 else 8,
+        ROUNDS=-(-(n_drop + 1) // 6), TREE=tree, KC=64, num_warps=warps,
     )  # fmt: skip
     return codes, meta
 
