@@ -27,7 +27,6 @@ of the packed layout: byte ``j`` holds elements ``j, j+D/4, j+D/2, j+3D/4``).
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -329,10 +328,10 @@ def quantize_pack(rows: torch.Tensor, rotation: torch.Tensor | None, fmt: RowFor
     heads = h if per_head else 1
     # merge column pairs by splits before tl.reduce, within a thread's 16 loaded bytes: a balanced
     # tree instead of tl.reduce's serial chain (measured 6% faster on the H200); the MMA
-    # accumulator by tl.reduce alone; all the way under the interpreter, whose tl.reduce calls
-    # the combine once per element
+    # accumulator by tl.reduce alone; all the way under the interpreter (CPU tensors), whose
+    # tl.reduce calls the combine once per element
     tree = 0 if rotation is not None else min(d // 8, 16 // x.element_size()).bit_length() - 1
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if not x.is_cuda:
         tree = (d // 8).bit_length() - 1
     # with rotation one warp group (4 warps) per 64 rows, whatever NUM_WARPS says: at 64 rows, 2 or
     # 8 warps took 1.7x / 2.2x as long on the H200
