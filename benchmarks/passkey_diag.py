@@ -26,7 +26,7 @@ from oscarkv.cli import load_model
 from oscarkv.config import CalibrationConfig, EvalConfig
 from oscarkv.eval.methods import RECIPES, CacheMethod, get_method
 from oscarkv.eval.report import paired_difference
-from oscarkv.eval.runner import _at_context
+from oscarkv.eval.runner import passkey_at_context_cases
 from oscarkv.eval.tasks.attn_error import attention_metrics
 from oscarkv.eval.tasks.needle import run_cases
 from oscarkv.eval.tasks.ppl import continuation_nll
@@ -69,7 +69,7 @@ def main() -> None:
     rots = {"oscar": oscarkv.calibrate(model, tok, CalibrationConfig(granularity="kv_head")),
             "hadamard": oscarkv.calibrate(model, tok, CalibrationConfig(method="hadamard"))}  # fmt: skip
     ecfg = EvalConfig(passkey_at_context=args.n)
-    cases = _at_context(tok, ecfg)
+    cases = passkey_at_context_cases(tok, ecfg)
     seqs = eval_sequences(tok, args.seqs, 3072, 0)
     errseqs = eval_sequences(tok, 4, 2048, 1)
 

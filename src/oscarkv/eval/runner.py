@@ -13,7 +13,7 @@ from .tasks.attn_error import attention_metrics, hidden_state_errors
 from .tasks.needle import build_cases, run_cases
 from .tasks.ppl import continuation_nll, perplexity
 
-__all__ = ["run_eval"]
+__all__ = ["passkey_at_context_cases", "run_eval"]
 
 
 def _depths(n: int) -> list[float]:
@@ -75,7 +75,7 @@ def run_eval(
             needles,
             seed=cfg.seed + needles,
         )
-        extra = _at_context(tokenizer, cfg) if task == "passkey" else []
+        extra = passkey_at_context_cases(tokenizer, cfg) if task == "passkey" else []
         for name, m in methods.items():
             say(f"{task}: {name} ({len(grid) + len(extra)} prompts)")
             cells: dict[tuple[int, float], list[bool]] = {}
@@ -118,7 +118,7 @@ def run_eval(
     return rows
 
 
-def _at_context(tokenizer: Any, cfg: EvalConfig) -> list[Any]:
+def passkey_at_context_cases(tokenizer: Any, cfg: EvalConfig) -> list[Any]:
     """``passkey_at_context`` single-needle prompts at the full context, depths uniform in
     [0.05, 0.95] (past the sink; with the default windows at 3K, ~96% of them in the INT2 tier)."""
     rng = random.Random(cfg.seed + 7)
