@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from oscarkv.eval.report import paired_difference
 from oscarkv.eval.runner import passkey_at_context_cases
 from oscarkv.eval.tasks.attn_error import attention_metrics
 from oscarkv.eval.tasks.needle import run_cases
-from oscarkv.eval.tasks.ppl import continuation_nll
+from oscarkv.eval.tasks.ppl import batched_nll, perplexity
 from oscarkv.hf import OscarCache
 
 VARIANTS = {
@@ -74,8 +73,7 @@ def main() -> None:
     errseqs = eval_sequences(tok, 4, 2048, 1)
 
     def ppl(m) -> float:
-        res = [continuation_nll(model, m, seqs[j : j + 16], 3072 - 512, 32) for j in range(0, len(seqs), 16)]
-        return math.exp(sum(a for a, _ in res) / sum(b for _, b in res))
+        return perplexity(*batched_nll(model, m, seqs, 3072 - 512, 32, 16))
 
     bf16 = get_method("bf16", None, cfg)
     base, ref = ppl(bf16), run_cases(model, tok, bf16, cases, 16)

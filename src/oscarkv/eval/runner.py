@@ -11,7 +11,7 @@ from ..rotation import RotationSet, model_head_dim
 from .methods import get_method
 from .tasks.attn_error import attention_metrics, hidden_state_errors
 from .tasks.needle import build_cases, run_cases
-from .tasks.ppl import continuation_nll, perplexity
+from .tasks.ppl import batched_nll, perplexity
 
 __all__ = ["passkey_at_context_cases", "run_eval"]
 
@@ -57,10 +57,7 @@ def run_eval(
         ctx = cfg.context - cfg.ppl_continuation
         for name, m in methods.items():
             say(f"ppl: {name}")
-            nll = n = 0
-            for j in range(0, len(seqs), cfg.batch_size):
-                a, b = continuation_nll(model, m, seqs[j : j + cfg.batch_size], ctx, cfg.ppl_chunk)
-                nll, n = nll + a, n + b
+            nll, n = batched_nll(model, m, seqs, ctx, cfg.ppl_chunk, cfg.batch_size)
             row(
                 name, "ppl", "ppl", perplexity(nll, n), context_len=cfg.context, tokens=n, chunk=cfg.ppl_chunk
             )

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["continuation_nll"]
+__all__ = ["batched_nll", "continuation_nll", "perplexity"]
 
 
 @torch.inference_mode()
@@ -34,6 +34,17 @@ def continuation_nll(
     target = seq[:, context:]
     nll = -lp.gather(-1, target[..., None]).sum()
     return float(nll), target.numel()
+
+
+def batched_nll(
+    model: Any, method: Any, seqs: torch.Tensor, context: int, chunk: int, batch_size: int
+) -> tuple[float, int]:
+    """:func:`continuation_nll` summed over ``seqs [N, L]``, ``batch_size`` sequences at a time."""
+    nll = n = 0
+    for j in range(0, len(seqs), batch_size):
+        a, b = continuation_nll(model, method, seqs[j : j + batch_size], context, chunk)
+        nll, n = nll + a, n + b
+    return nll, n
 
 
 def perplexity(nll: float, n: int) -> float:
