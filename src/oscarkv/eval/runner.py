@@ -11,7 +11,7 @@ from ..rotation import RotationSet, model_head_dim
 from .methods import get_method
 from .tasks.attn_error import attention_metrics, hidden_state_errors
 from .tasks.needle import build_cases, run_cases
-from .tasks.ppl import batched_nll, perplexity
+from .tasks.ppl import batched_sequence_nlls, perplexity
 
 __all__ = ["passkey_at_context_cases", "run_eval"]
 
@@ -57,9 +57,17 @@ def run_eval(
         ctx = cfg.context - cfg.ppl_continuation
         for name, m in methods.items():
             say(f"ppl: {name}")
-            nll, n = batched_nll(model, m, seqs, ctx, cfg.ppl_chunk, cfg.batch_size)
+            nll, n = batched_sequence_nlls(model, m, seqs, ctx, cfg.ppl_chunk, cfg.batch_size)
             row(
-                name, "ppl", "ppl", perplexity(nll, n), context_len=cfg.context, tokens=n, chunk=cfg.ppl_chunk
+                name,
+                "ppl",
+                "ppl",
+                perplexity(sum(nll), sum(n)),
+                context_len=cfg.context,
+                tokens=sum(n),
+                chunk=cfg.ppl_chunk,
+                seq_nll=nll,  # per sequence (summed NLL, scored tokens); same sequences for every method
+                seq_tokens=n,
             )
     for task, needles in (("passkey", 1), ("niah", cfg.niah_needles)):
         if task not in tasks:

@@ -11,14 +11,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["batched_nll", "continuation_nll", "perplexity"]
+__all__ = ["batched_nll", "batched_sequence_nlls", "continuation_nll", "perplexity", "sequence_nlls"]
 
 
 @torch.inference_mode()
-def continuation_nll(
+def sequence_nlls(
     model: Any, method: Any, seq: torch.Tensor, context: int, chunk: int
-) -> tuple[float, int]:
-    """Summed negative log-likelihood of ``seq[..., context:]`` and the number of scored tokens.
+) -> tuple[list[float], int]:
+    """Summed negative log-likelihood of ``seq[..., context:]``, one sum per sequence, and the
+    number of scored tokens per sequence.
 
     ``seq``: LongTensor ``[L]`` or a batch ``[B, L]`` (scored together, no padding); the first
     ``context`` tokens are prefilled in one forward.
@@ -32,19 +33,38 @@ def continuation_nll(
         logits.append(model(input_ids=ids, past_key_values=cache, use_cache=True).logits)
     lp = torch.cat(logits, 1).float().log_softmax(-1)
     target = seq[:, context:]
-    nll = -lp.gather(-1, target[..., None]).sum()
-    return float(nll), target.numel()
+    nll = -lp.gather(-1, target[..., None])[..., 0].double().sum(-1)
+    return [float(x) for x in nll], target.shape[1]
+
+
+def continuation_nll(
+    model: Any, method: Any, seq: torch.Tensor, context: int, chunk: int
+) -> tuple[float, int]:
+    """Summed negative log-likelihood of ``seq[..., context:]`` and the number of scored tokens
+    (over the whole batch; see :func:`sequence_nlls`)."""
+    nll, n = sequence_nlls(model, method, seq, context, chunk)
+    return sum(nll), n * len(nll)
+
+
+def batched_sequence_nlls(
+    model: Any, method: Any, seqs: torch.Tensor, context: int, chunk: int, batch_size: int
+) -> tuple[list[float], list[int]]:
+    """:func:`sequence_nlls` over ``seqs [N, L]``, ``batch_size`` sequences at a time: the summed
+    NLL and the scored-token count of each sequence, in order (for paired per-sequence statistics)."""
+    nll: list[float] = []
+    n: list[int] = []
+    for j in range(0, len(seqs), batch_size):
+        a, b = sequence_nlls(model, method, seqs[j : j + batch_size], context, chunk)
+        nll, n = nll + a, n + [b] * len(a)
+    return nll, n
 
 
 def batched_nll(
     model: Any, method: Any, seqs: torch.Tensor, context: int, chunk: int, batch_size: int
 ) -> tuple[float, int]:
     """:func:`continuation_nll` summed over ``seqs [N, L]``, ``batch_size`` sequences at a time."""
-    nll = n = 0
-    for j in range(0, len(seqs), batch_size):
-        a, b = continuation_nll(model, method, seqs[j : j + batch_size], context, chunk)
-        nll, n = nll + a, n + b
-    return nll, n
+    nll, n = batched_sequence_nlls(model, method, seqs, context, chunk, batch_size)
+    return sum(nll), sum(n)
 
 
 def perplexity(nll: float, n: int) -> float:
