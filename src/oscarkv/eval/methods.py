@@ -32,7 +32,7 @@ from ..quant import RowFormat
 from ..rotation import LayerRotation, Provenance, RotationSet, rotate_heads
 from .kivi import KiviCache, kivi_bits_per_element, kivi_fake_kv
 
-__all__ = ["METHODS", "KVMethod", "get_method", "method_names"]
+__all__ = ["INT2_METHODS", "METHODS", "KVMethod", "get_method", "method_names"]
 
 
 class KVMethod(Protocol):
@@ -183,6 +183,8 @@ class Kivi2Method:
 
 
 METHODS = ("bf16", "oscar", *[n for n in RECIPES if n != "oscar"], "kivi2")
+# the 2-bit methods OSCAR is compared with pairwise in the report (OSCAR itself included)
+INT2_METHODS = (*[n for n, r in RECIPES.items() if r.bits == 2], "kivi2")
 
 
 def method_names() -> tuple[str, ...]:

@@ -3,37 +3,75 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["paired_difference", "summary", "summary_markdown", "write_report"]
+from .methods import INT2_METHODS
+
+__all__ = ["log_ppl_difference", "paired_difference", "summary", "summary_markdown", "write_report"]
 
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def paired_difference(a: list[int], b: list[int]) -> tuple[float, float]:
-    """Mean of ``a − b`` over the same prompts and its standard error (paired: prompts both
-    methods get right or both get wrong add no noise)."""
+def paired_difference(a: list[float], b: list[float]) -> tuple[float, float]:
+    """Mean of ``a − b`` over the same units (prompts, sequences) and its standard error, the
+    sample standard deviation of the differences over sqrt(n) (paired: prompts both methods get
+    right or both get wrong add no noise). With one unit the standard error is undefined: NaN."""
     if len(a) != len(b) or not a:
-        raise ValueError(f"paired hits need equal, non-empty lists; got {len(a)} and {len(b)}")
+        raise ValueError(f"paired values need equal, non-empty lists; got {len(a)} and {len(b)}")
     d = [x - y for x, y in zip(a, b, strict=True)]
     m = sum(d) / len(d)
-    var = sum((x - m) ** 2 for x in d) / max(len(d) - 1, 1)
+    if len(d) == 1:
+        return m, math.nan
+    var = sum((x - m) ** 2 for x in d) / (len(d) - 1)
     return m, (var / len(d)) ** 0.5
 
 
+def _pair(d: tuple[float, float]) -> tuple[float, float | None]:
+    """A paired difference for results.json: an undefined standard error (one unit) as null."""
+    return d[0], None if math.isnan(d[1]) else d[1]
+
+
+def log_ppl_difference(
+    nll_a: list[float], tokens_a: list[int], nll_b: list[float], tokens_b: list[int]
+) -> tuple[float, float]:
+    """Paired difference in log-perplexity of method a minus method b on the same sequences: the
+    mean over sequences of ``nll_a[i] / tokens[i] − nll_b[i] / tokens[i]`` (per-sequence mean NLL,
+    nats per token) and its standard error over sequences. With equal token counts per sequence
+    the mean is exactly ``log(ppl_a / ppl_b)``."""
+    if list(tokens_a) != list(tokens_b):
+        raise ValueError("paired perplexity needs the same sequences (per-sequence token counts differ)")
+    if any(n <= 0 for n in tokens_a):
+        raise ValueError("every sequence needs at least one scored token")
+    return paired_difference(
+        [x / n for x, n in zip(nll_a, tokens_a, strict=True)],
+        [x / n for x, n in zip(nll_b, tokens_b, strict=True)],
+    )
+
+
+def _ppl_diff(a: dict[str, Any] | None, b: dict[str, Any] | None) -> tuple[float, float] | None:
+    if not a or not b or "seq_nll" not in a or "seq_nll" not in b:
+        return None
+    return log_ppl_difference(a["seq_nll"], a["seq_tokens"], b["seq_nll"], b["seq_tokens"])
+
+
 def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per method: BPE, perplexity (and ratio to BF16), needle accuracies (with the paired
-    passkey difference to BF16 and its standard error), mean errors."""
+    """One row per method: BPE, perplexity (and ratio to BF16, with the paired per-sequence
+    log-perplexity difference to BF16 and its standard error), needle accuracies (with the paired
+    passkey difference to BF16 and its standard error), mean errors. The other INT2 methods'
+    rows also hold OSCAR's paired differences to them (``oscar_*_vs_this``, OSCAR minus this)."""
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    ppl = {r["method"]: r["value"] for r in rows if r["task"] == "ppl"}
-    ref_hits = next(
-        (r.get("hits") for r in rows if r["method"] == "bf16" and r["metric"] == "accuracy_at_context"
-         and r["task"] == "passkey"),
-        None,
-    )  # fmt: skip
+    ppl_rows = {r["method"]: r for r in rows if r["task"] == "ppl"}
+    ppl = {m: r["value"] for m, r in ppl_rows.items()}
+    hits = {
+        r["method"]: r["hits"]
+        for r in rows
+        if r["task"] == "passkey" and r["metric"] == "accuracy_at_context" and r.get("hits")
+    }
+    ref_hits = hits.get("bf16")
     out = []
     for m in methods:
         mine = [r for r in rows if r["method"] == m]
@@ -45,6 +83,9 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             s["ppl"] = ppl[m]
             if "bf16" in ppl:
                 s["ppl_ratio"] = ppl[m] / ppl["bf16"]
+            d = _ppl_diff(ppl_rows[m], ppl_rows.get("bf16")) if m != "bf16" else None
+            if d:
+                s["ppl_dlog_vs_bf16"], s["ppl_dlog_vs_bf16_se"] = _pair(d)
         for task in ("passkey", "niah"):
             grid = [r for r in mine if r["task"] == task and r["metric"] == "accuracy"]
             if grid:
@@ -54,22 +95,37 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 s[f"{task}_at_context"] = at[0]["value"]
                 s[f"{task}_n"] = at[0]["n"]
                 if task == "passkey" and ref_hits and at[0].get("hits") and m != "bf16":
-                    s["passkey_vs_bf16"], s["passkey_vs_bf16_se"] = paired_difference(at[0]["hits"], ref_hits)
+                    s["passkey_vs_bf16"], s["passkey_vs_bf16_se"] = _pair(
+                        paired_difference(at[0]["hits"], ref_hits)
+                    )
         for metric in ("attn_kl", "attn_out_err", "hidden_err"):
             vals = [r["value"] for r in mine if r["task"] == "attn-error" and r["metric"] == metric]
             if vals:
                 s[metric] = _mean(vals)
+        if m != "oscar" and m in INT2_METHODS:
+            d = _ppl_diff(ppl_rows.get("oscar"), ppl_rows.get(m))
+            if d:
+                s["oscar_ppl_dlog_vs_this"], s["oscar_ppl_dlog_vs_this_se"] = _pair(d)
+            if "oscar" in hits and m in hits:
+                s["oscar_passkey_vs_this"], s["oscar_passkey_vs_this_se"] = _pair(
+                    paired_difference(hits["oscar"], hits[m])
+                )
         out.append(s)
     return out
 
 
-COLUMNS = [
+# a (value format, SE format) pair: a paired difference, with its standard error in key + "_se"
+PAIRED = ("{:+.3f}", "{:.3f}")
+PAIRED_LOG = ("{:+.4f}", "{:.4f}")
+
+COLUMNS: list[tuple[str, str, str | tuple[str, str]]] = [
     ("method", "method", "{}"),
     ("bits_per_element", "bits/elem", "{:.2f}"),
     ("ppl", "ppl", "{:.3f}"),
     ("ppl_ratio", "ppl / BF16", "{:.4f}"),
+    ("ppl_dlog_vs_bf16", "ppl Δlog vs BF16 (± SE)", PAIRED_LOG),
     ("passkey_at_context", "passkey @ctx", "{:.2f}"),
-    ("passkey_vs_bf16", "Δ vs BF16 (± SE)", None),
+    ("passkey_vs_bf16", "Δ vs BF16 (± SE)", PAIRED),
     ("passkey_grid", "passkey grid", "{:.2f}"),
     ("niah_grid", "multi-needle grid", "{:.2f}"),
     ("attn_kl", "attn KL", "{:.2e}"),
@@ -78,13 +134,38 @@ COLUMNS = [
 ]
 
 
-def _cell(s: dict[str, Any], col: tuple[str, str, str | None]) -> str:
+def _cell(s: dict[str, Any], col: tuple[str, str, str | tuple[str, str]]) -> str:
     key, _, fmt = col
     if key not in s:
         return "-"
-    if fmt is None:  # a paired difference with its standard error
-        return f"{s[key]:+.3f} ± {s[key + '_se']:.3f}"
+    if isinstance(fmt, tuple):  # a paired difference with its standard error (None: one unit)
+        se = s.get(key + "_se")
+        return f"{fmt[0].format(s[key])} ± {'n/a' if se is None else fmt[1].format(se)}"
     return fmt.format(s[key])
+
+
+def oscar_vs_baselines_markdown(summ: list[dict[str, Any]]) -> str:
+    """The "OSCAR vs baselines" section: OSCAR minus each other INT2 method, paired (empty if
+    there is nothing to compare)."""
+    cols = [
+        ("method", "baseline", "{}"),
+        ("oscar_ppl_dlog_vs_this", "ppl Δlog, OSCAR − baseline (± SE)", PAIRED_LOG),
+        ("oscar_passkey_vs_this", "passkey Δ, OSCAR − baseline (± SE)", PAIRED),
+    ]
+    base = [s for s in summ if any(c[0] in s for c in cols[1:])]
+    if not base:
+        return ""
+    lines = ["## OSCAR vs baselines (paired, per sequence)", ""]
+    lines += ["| " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_cell(s, c) for c in cols) + " |" for s in base]
+    lines += [
+        "",
+        "_ppl Δlog: mean over the perplexity sequences of the per-sequence difference in mean NLL "
+        "(nats/token; negative = OSCAR better); passkey Δ: mean over the same prompts of the "
+        "per-prompt hit difference (positive = OSCAR better); ± one standard error of the mean "
+        "paired difference (sequences / prompts are the unit)._",
+    ]
+    return "\n".join(lines)
 
 
 def summary_markdown(rows: list[dict[str, Any]], settings: dict[str, Any] | None = None) -> str:
@@ -96,10 +177,19 @@ def summary_markdown(rows: list[dict[str, Any]], settings: dict[str, Any] | None
     if settings:
         n = next((s.get("passkey_n") for s in summ if s.get("passkey_n")), None)
         notes = f"context {settings.get('context')} tokens"
+        n_seq = next((len(r["seq_nll"]) for r in rows if r["task"] == "ppl" and "seq_nll" in r), None)
+        if n_seq:
+            notes += (
+                f"; ppl over {n_seq} sequences (Δlog: mean per-sequence difference in mean NLL, "
+                "nats/token, ± SE over sequences)"
+            )
         if n:
             notes += f"; passkey @ctx over n = {n} prompts (Δ: paired difference on the same prompts)"
         lines.append("")
         lines.append(f"_{notes}; attn/hidden errors are means over layers (relative; KL in nats)._")
+    section = oscar_vs_baselines_markdown(summ)
+    if section:
+        lines += ["", section]
     return "\n".join(lines)
 
 
