@@ -133,6 +133,23 @@ def test_quantize_pack_with_exact_rotations_is_bit_exact(tk, d, clip):
         assert torch.equal(c1, c2) and torch.equal(m1, m2), r.shape
 
 
+@pytest.mark.parametrize("per_sm", [1, 2])
+def test_quantize_pack_with_rotation_loops_over_row_blocks(tk, per_sm, monkeypatch):
+    """With rotation a program takes every ``programs``-th block of rows (R loaded once): several
+    blocks per program, a partial last block, per layer and per head, stay bit-exact."""
+    qp, _ = tk
+    monkeypatch.setattr(qp, "ROT_PER_SM", per_sm)  # the interpreter counts one SM
+    g = torch.Generator().manual_seed(per_sm)
+    d = 64
+    fmt = RowFormat(d, 2, d, clip=0.92)
+    x = torch.randint(-8, 9, (301, 2, d), generator=g).float()  # 602 rows: 10 blocks, 5 per head
+    per_head = torch.stack([_signed_permutation(d, g), _signed_permutation(d, g)])
+    for r in (_signed_permutation(d, g), per_head):
+        c1, m1 = qp.quantize_pack(x, r, fmt)
+        c2, m2 = ref.quantize_pack(x, r, fmt)
+        assert torch.equal(c1, c2) and torch.equal(m1, m2), r.shape
+
+
 def test_triton_refuses_formats_it_does_not_implement(tk):
     qp, _ = tk
     with pytest.raises(ValueError, match="backend='torch'"):

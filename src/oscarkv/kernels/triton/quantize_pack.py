@@ -37,10 +37,16 @@ from ...quant.quantizer import META_TORCH_DTYPES, clip_index
 
 __all__ = ["dequantize", "quantize_pack"]
 
-# Tuning (set by benchmarks/gpu_check.py's sweep; see its saved results)
+# Tuning (set by benchmarks/gpu_check.py's sweep; see its saved results). With rotation a program
+# loops over row blocks (R stays in shared memory, the next block's rows are prefetched):
+# ROT_PER_SM programs per SM (0: one block per program), ROT_STAGES-deep prefetch, ROT_MAXNREG
+# registers per thread (0: no cap; 128 lets 4 programs of 4 warps share an SM)
 BLOCK_R = 64
-BLOCK_R_ROT = 64
 NUM_WARPS = 4
+BLOCK_R_ROT = 64
+ROT_STAGES = 2
+ROT_PER_SM = 3
+ROT_MAXNREG = 128
 
 # β_k: the midpoint below W_k = the smallest fp32 w with fl(w + 0.5) >= k (k = 1, 2, 3); a tie
 # u + z = β_k rounds down for k = 1 only (W_1 = 0.5 - 2^-25 is odd; 1.5 and 2.5 are even)
@@ -225,32 +231,10 @@ def _split8(acc, BLOCK_R: tl.constexpr, D8: tl.constexpr):
 
 
 @triton.jit
-def _quantize_pack(X, R, C, M, n_rows, tiny, s_xr, s_rh, s_cr, s_mr,
-                   D: tl.constexpr, BLOCK_R: tl.constexpr, ROTATE: tl.constexpr, HEADS: tl.constexpr,
-                   CLIP: tl.constexpr, N_DROP: tl.constexpr, ROUNDS: tl.constexpr, TREE: tl.constexpr,
-                   KC: tl.constexpr):  # fmt: skip
-    # rows r·HEADS + program_id(1) for r in this program's block (HEADS = 1 unless R is per head)
-    D8: tl.constexpr = D // 8
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < n_rows
-    rows = rows * HEADS + tl.program_id(1)
-    xp = X + rows[:, None] * s_xr + tl.arange(0, D8)[None, :]
-    m2 = rmask[:, None]
-    if ROTATE:
-        acc = tl.zeros([BLOCK_R, D], tl.float32)
-        kc = tl.arange(0, KC)
-        for k0 in tl.static_range(0, D, KC):
-            xk = tl.load(X + rows[:, None] * s_xr + (k0 + kc)[None, :], mask=m2, other=0.0)
-            rk = tl.load(R + tl.program_id(1) * s_rh + (k0 + kc)[:, None] * D + tl.arange(0, D)[None, :])
-            acc += tl.dot(xk.to(rk.dtype), rk)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _split8(acc, BLOCK_R, D8)
-    else:
-        x0, x1 = tl.load(xp, mask=m2, other=0.0), tl.load(xp + D8, mask=m2, other=0.0)
-        x2, x3 = tl.load(xp + 2 * D8, mask=m2, other=0.0), tl.load(xp + 3 * D8, mask=m2, other=0.0)
-        x4, x5 = tl.load(xp + 4 * D8, mask=m2, other=0.0), tl.load(xp + 5 * D8, mask=m2, other=0.0)
-        x6, x7 = tl.load(xp + 6 * D8, mask=m2, other=0.0), tl.load(xp + 7 * D8, mask=m2, other=0.0)
-        x0, x1, x2, x3 = x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32)
-        x4, x5, x6, x7 = x4.to(tl.float32), x5.to(tl.float32), x6.to(tl.float32), x7.to(tl.float32)
+def _finish(x0, x1, x2, x3, x4, x5, x6, x7, rows, rmask, C, M, tiny, s_cr, s_mr, BLOCK_R: tl.constexpr,
+            D8: tl.constexpr, CLIP: tl.constexpr, N_DROP: tl.constexpr, ROUNDS: tl.constexpr,
+            TREE: tl.constexpr):  # fmt: skip
+    """Clip, quantize and pack a block of rows held as eight fp32 column pieces; store."""
     mn = tl.minimum(tl.minimum(tl.minimum(x0, x1), tl.minimum(x2, x3)), tl.minimum(tl.minimum(x4, x5), tl.minimum(x6, x7)))  # fmt: skip
     mx = tl.maximum(tl.maximum(tl.maximum(x0, x1), tl.maximum(x2, x3)), tl.maximum(tl.maximum(x4, x5), tl.maximum(x6, x7)))  # fmt: skip
     lo = tl.min(mn, 1)
@@ -271,11 +255,62 @@ def _quantize_pack(X, R, C, M, n_rows, tiny, s_xr, s_rh, s_cr, s_mr,
     t1 = _threshold(_BETA1, True, sd, zd, lo, hi)
     t2 = _threshold(_BETA2, False, sd, zd, lo, hi)
     t3 = _threshold(_BETA3, False, sd, zd, lo, hi)
+    m2 = rmask[:, None]
     cp = C.to(tl.pointer_type(tl.int32)) + rows[:, None] * (s_cr // 4) + tl.arange(0, D8 // 4)[None, :]
     tl.store(cp, _pack(x0, x2, x4, x6, t1, t2, t3, BLOCK_R, D8), mask=m2)
     tl.store(cp + D8 // 4, _pack(x1, x3, x5, x7, t1, t2, t3, BLOCK_R, D8), mask=m2)
     tl.store(M + rows * s_mr, s_m, mask=rmask)
     tl.store(M + rows * s_mr + 1, z_m, mask=rmask)
+
+
+@triton.jit
+def _block_rows(blk, n_rows, BLOCK_R: tl.constexpr, HEADS: tl.constexpr):
+    """Row ids ``r·HEADS + program_id(1)`` of block ``blk`` and their mask."""
+    rows = blk * BLOCK_R + tl.arange(0, BLOCK_R)
+    return rows * HEADS + tl.program_id(1), rows < n_rows
+
+
+@triton.jit
+def _quantize_pack(X, R, C, M, n_rows, tiny, s_xr, s_rh, s_cr, s_mr,
+                   D: tl.constexpr, BLOCK_R: tl.constexpr, ROTATE: tl.constexpr, HEADS: tl.constexpr,
+                   CLIP: tl.constexpr, N_DROP: tl.constexpr, ROUNDS: tl.constexpr, TREE: tl.constexpr,
+                   KC: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+    # blocks of rows of head program_id(1) (HEADS = 1 unless R is per head). With rotation and
+    # KC == D a program loops over blocks program_id(0) + i·num_programs(0): R is loaded once and
+    # stays in shared memory, the next block's rows are prefetched (STAGES); otherwise one block
+    D8: tl.constexpr = D // 8
+    Rh = R + tl.program_id(1) * s_rh
+    if ROTATE and KC == D:
+        rk = tl.load(Rh + tl.arange(0, D)[:, None] * D + tl.arange(0, D)[None, :])
+        n_blocks = tl.cdiv(n_rows, BLOCK_R)
+        for blk in tl.range(tl.program_id(0), n_blocks, tl.num_programs(0), num_stages=STAGES):
+            rows, rmask = _block_rows(blk, n_rows, BLOCK_R, HEADS)
+            xp = X + rows[:, None] * s_xr + tl.arange(0, D)[None, :]
+            acc = tl.dot(tl.load(xp, mask=rmask[:, None], other=0.0).to(rk.dtype), rk)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _split8(acc, BLOCK_R, D8)
+            _finish(x0, x1, x2, x3, x4, x5, x6, x7, rows, rmask, C, M, tiny, s_cr, s_mr, BLOCK_R, D8,
+                    CLIP, N_DROP, ROUNDS, TREE)  # fmt: skip
+    else:
+        rows, rmask = _block_rows(tl.program_id(0), n_rows, BLOCK_R, HEADS)
+        m2 = rmask[:, None]
+        if ROTATE:  # d=256: R (128 KB) in KC-row chunks
+            acc = tl.zeros([BLOCK_R, D], tl.float32)
+            kc = tl.arange(0, KC)
+            for k0 in tl.static_range(0, D, KC):
+                xk = tl.load(X + rows[:, None] * s_xr + (k0 + kc)[None, :], mask=m2, other=0.0)
+                rc = tl.load(Rh + (k0 + kc)[:, None] * D + tl.arange(0, D)[None, :])
+                acc += tl.dot(xk.to(rc.dtype), rc)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _split8(acc, BLOCK_R, D8)
+        else:
+            xp = X + rows[:, None] * s_xr + tl.arange(0, D8)[None, :]
+            x0, x1 = tl.load(xp, mask=m2, other=0.0), tl.load(xp + D8, mask=m2, other=0.0)
+            x2, x3 = tl.load(xp + 2 * D8, mask=m2, other=0.0), tl.load(xp + 3 * D8, mask=m2, other=0.0)
+            x4, x5 = tl.load(xp + 4 * D8, mask=m2, other=0.0), tl.load(xp + 5 * D8, mask=m2, other=0.0)
+            x6, x7 = tl.load(xp + 6 * D8, mask=m2, other=0.0), tl.load(xp + 7 * D8, mask=m2, other=0.0)
+            x0, x1, x2, x3 = x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32)
+            x4, x5, x6, x7 = x4.to(tl.float32), x5.to(tl.float32), x6.to(tl.float32), x7.to(tl.float32)
+        _finish(x0, x1, x2, x3, x4, x5, x6, x7, rows, rmask, C, M, tiny, s_cr, s_mr, BLOCK_R, D8,
+                CLIP, N_DROP, ROUNDS, TREE)  # fmt: skip
 
 
 @triton.jit
@@ -326,21 +361,31 @@ def quantize_pack(rows: torch.Tensor, rotation: torch.Tensor | None, fmt: RowFor
     r = rotation.to(device=rows.device, dtype=rows.dtype).contiguous() if rotation is not None else x
     tiny = torch.finfo(meta.dtype).tiny
     heads = h if per_head else 1
+    n_blocks = triton.cdiv(n * h // heads, block_r)
     # merge column pairs by splits before tl.reduce, within a thread's 16 loaded bytes: a balanced
     # tree instead of tl.reduce's serial chain (measured 6% faster on the H200); the MMA
-    # accumulator by tl.reduce alone; all the way under the interpreter (CPU tensors), whose
-    # tl.reduce calls the combine once per element
+    # accumulator by tl.reduce alone (a level of pairs adds shuffles at clip 0.92 in its layout);
+    # all the way under the interpreter (CPU tensors), whose tl.reduce calls the combine once per
+    # element
     tree = 0 if rotation is not None else min(d // 8, 16 // x.element_size()).bit_length() - 1
+    opts, kc, stages = {}, d if d <= 128 else 64, ROT_STAGES
+    if rotation is None:
+        warps, programs = NUM_WARPS, n_blocks
+    else:
+        # one warp group (4 warps) per 64 rows: at 64 rows, 2 or 8 warps took 1.7x / 2.2x as long
+        warps = 8 if d > 128 else max(4, block_r // 16)
+        sms = torch.cuda.get_device_properties(rows.device).multi_processor_count if x.is_cuda else 1
+        programs = min(n_blocks, max(1, sms * ROT_PER_SM // heads)) if ROT_PER_SM else n_blocks
+        if d > 128:  # R in 64-row chunks per block, one block per program (as before the loop)
+            programs, stages = n_blocks, 1
+        elif x.is_cuda and ROT_MAXNREG:
+            opts["maxnreg"] = ROT_MAXNREG
     if not x.is_cuda:
         tree = (d // 8).bit_length() - 1
-    # with rotation one warp group (4 warps) per 64 rows, whatever NUM_WARPS says: at 64 rows, 2 or
-    # 8 warps took 1.7x / 2.2x as long on the H200
-    warps = 8 if d > 128 else max(4, block_r // 16) if rotation is not None else NUM_WARPS
-    grid = (triton.cdiv(n * h // heads, block_r), heads)
-    _quantize_pack[grid](
+    _quantize_pack[(programs, heads)](
         x, r, codes, meta, n * h // heads, tiny, x.stride(0), r.stride(0) if per_head else 0, d // 4, 2,
         D=d, BLOCK_R=block_r, ROTATE=rotation is not None, HEADS=heads, CLIP=fmt.clip > 0, N_DROP=n_drop,
-        ROUNDS=-(-(n_drop + 1) // 6), TREE=tree, KC=64, num_warps=warps,
+        ROUNDS=-(-(n_drop + 1) // 6), TREE=tree, KC=kc, STAGES=stages, num_warps=warps, **opts,
     )  # fmt: skip
     return codes, meta
 
