@@ -1,0 +1,130 @@
+"""quantize_pack: a previous version of the Triton kernel against the current one, side by side.
+
+Same inputs, same machine, same run: the codes and metadata of both must be identical (with
+rotation too), then both are timed from CUDA graphs (device time; TB/s on the input bytes, d=128,
+bf16 rows ``[N, 8, 128]``). ``--sweep`` also times the rotation path's tunables of the current
+kernel (rows per program, prefetch depth, programs per SM, register cap) and reports the best.
+
+The previous kernel is a copy of the module at another commit, loaded from a file, e.g.
+
+    git show <rev>:src/oscarkv/kernels/triton/quantize_pack.py > out/qp_old.py
+    python benchmarks/quantize_pack_ab.py --old out/qp_old.py [--sweep] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import env_info
+
+from oscarkv.kernels.triton import quantize_pack as new
+from oscarkv.quant import RowFormat
+
+DEV = torch.device("cuda")
+
+
+def load_old(path: str):
+    src = Path(path).read_text().replace("from ...quant", "from oscarkv.quant")
+    tmp = Path("/tmp/_quantize_pack_old.py")
+    tmp.write_text(src)
+    spec = importlib.util.spec_from_file_location("_quantize_pack_old", tmp)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def timed(fn) -> float:
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+
+
+def inputs(n_rows: int, rot: str):
+    g = torch.Generator(device=DEV).manual_seed(n_rows)
+    x = (torch.randn(n_rows // 8, 8, 128, device=DEV, generator=g) * 2 + 0.2).bfloat16()
+    if rot == "none":
+        return x, None
+    shape = (8, 128, 128) if rot == "per-head" else (128, 128)
+    r = torch.linalg.qr(torch.randn(*shape, device=DEV, dtype=torch.float64, generator=g))[0].float()
+    return x, r
+
+
+def compare(old, n_rows: int, clip: float, rot: str) -> dict:
+    fmt = RowFormat(128, 2, 128, clip=clip)
+    x, r = inputs(n_rows, rot)
+    c0, m0 = old.quantize_pack(x, r, fmt)
+    c1, m1 = new.quantize_pack(x, r, fmt)
+    same = torch.equal(c0, c1) and torch.equal(m0, m1)
+    t0 = timed(lambda: old.quantize_pack(x, r, fmt))
+    t1 = timed(lambda: new.quantize_pack(x, r, fmt))
+    tb = x.numel() * 2 / 1e9
+    row = {"rows": n_rows, "clip": clip, "rotate": rot, "identical": same,
+           "codes_equal": float((c0 == c1).float().mean()), "old_ms": t0, "new_ms": t1,
+           "old_TBps": tb / t0, "new_TBps": tb / t1}  # fmt: skip
+    print(f"| {n_rows} | {clip} | {rot} | {same} | {t0:.4f} | {t1:.4f} | {tb / t0:.2f} | {tb / t1:.2f} "
+          f"| {t0 / t1:.2f}x |", flush=True)  # fmt: skip
+    return row
+
+
+def sweep() -> list[dict]:
+    fmt = RowFormat(128, 2, 128, clip=0.96)
+    cases = [inputs(n, "layer") for n in (65536, 1048576)]
+    base = (new.BLOCK_R_ROT, new.ROT_STAGES, new.ROT_PER_SM, new.ROT_MAXNREG)
+    configs = [(64, st, ps, mr) for st, ps, mr in itertools.product((1, 2, 3), (2, 3, 4), (128, 0))]
+    configs += [(64, 1, 0, 128), (64, 1, 0, 0)]  # one block per program (the loop runs once)
+    configs += [(128, st, ps, 128) for st, ps in itertools.product((1, 2), (1, 2))]
+    rows = []
+    for cfg in configs:
+        new.BLOCK_R_ROT, new.ROT_STAGES, new.ROT_PER_SM, new.ROT_MAXNREG = cfg
+        try:
+            ts = [timed(lambda x=x, r=r: new.quantize_pack(x, r, fmt)) for x, r in cases]
+        except Exception as e:  # e.g. out of shared memory
+            rows.append({"config": cfg, "error": str(e)[-300:]})
+            print("config failed:", cfg, str(e)[-300:], flush=True)
+            continue
+        tbs = [x.numel() * 2 / 1e9 / t for (x, _), t in zip(cases, ts, strict=True)]
+        rows.append({"config": cfg, "ms": ts, "TBps": tbs})
+        print(f"sweep block_r {cfg[0]} stages {cfg[1]} per_sm {cfg[2]} maxnreg {cfg[3]}: "
+              f"64K {ts[0]:.4f} ms ({tbs[0]:.2f} TB/s), 1M {ts[1]:.4f} ms ({tbs[1]:.2f} TB/s)", flush=True)  # fmt: skip
+    ok = [r for r in rows if "ms" in r]
+    best = min(ok, key=lambda r: (r["ms"][0] * r["ms"][1]) ** 0.5)
+    print("best (geometric mean of 64K and 1M):", best["config"], "module default:", base, flush=True)
+    new.BLOCK_R_ROT, new.ROT_STAGES, new.ROT_PER_SM, new.ROT_MAXNREG = base
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--old", required=True, help="file holding the previous quantize_pack.py")
+    ap.add_argument("--sweep", action="store_true", help="also sweep the rotation path's tunables")
+    ap.add_argument("--out", default=None, help="directory for quantize_pack_ab.json")
+    args = ap.parse_args()
+    t = time.time()
+    old = load_old(args.old)
+    print(torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(), flush=True)
+    print("| rows | clip | rotate | identical | old ms | new ms | old TB/s | new TB/s | speed-up |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for n_rows, clip, rot in [(n, c, r) for n in (65536, 262144, 1048576) for c in (0.96, 0.92, 0.0)
+                              for r in ("none", "layer")] + [(262144, 0.96, "per-head")]:  # fmt: skip
+        rows.append(compare(old, n_rows, clip, rot))
+    swept = sweep() if args.sweep else []
+    bad = [r for r in rows if not r["identical"]]
+    print(f"{len(rows)} cases, {len(bad)} not identical ({time.time() - t:.0f} s)", flush=True)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        res = {"env": env_info(), "cases": rows, "sweep": swept}
+        (out / "quantize_pack_ab.json").write_text(json.dumps(res, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
