@@ -14,9 +14,9 @@ from oscarkv.calibration.fit import fixed_layer
 from oscarkv.config import EvalConfig, QuantSpec, SpecError
 from oscarkv.eval import METHODS, get_method, run_eval, write_report
 from oscarkv.eval.kivi import RESIDUAL, kivi_bits_per_element, kivi_fake_kv
-from oscarkv.eval.report import paired_difference
+from oscarkv.eval.report import log_ppl_difference, paired_difference, summary, summary_markdown
 from oscarkv.eval.tasks.needle import build_cases, generate_answers
-from oscarkv.eval.tasks.ppl import continuation_nll
+from oscarkv.eval.tasks.ppl import batched_nll, batched_sequence_nlls, continuation_nll, perplexity
 from oscarkv.rotation import LayerRotation, RotationSet
 
 SPEC = QuantSpec(sink_tokens=4, recent_tokens=16)
@@ -83,6 +83,10 @@ def test_every_method_runs_through_its_cache(model, rotations, name):
     both, n2 = continuation_nll(model, m, seqs, context=100, chunk=16)
     second, _ = continuation_nll(model, m, seqs[1], context=100, chunk=16)
     assert n2 == 120 and both == pytest.approx(nll + second, rel=1e-4)
+    # per-sequence sums, batched 1 at a time or together, are each sequence's own NLL
+    per, counts = batched_sequence_nlls(model, m, seqs, context=100, chunk=16, batch_size=2)
+    assert counts == [60, 60] and per == pytest.approx([nll, second], rel=1e-4)
+    assert batched_nll(model, m, seqs, 100, 16, 1) == (pytest.approx(nll + second, rel=1e-4), 120)
 
 
 def test_bits_per_element_of_the_baselines(model, rotations):
@@ -308,6 +312,100 @@ def test_run_eval_rows_and_report(model, rotations, tmp_path, monkeypatch):
     naive = next(s for s in data["summary"] if s["method"] == "naive-int2")
     assert naive["passkey_vs_bf16"] == (sum(at["naive-int2"]["hits"]) - sum(at["bf16"]["hits"])) / 2
     assert "Δ vs BF16" in (tmp_path / "results.md").read_text()
+    # ppl rows carry each sequence's summed NLL and token count; they add up to the perplexity
+    ppl = {r["method"]: r for r in rows if r["task"] == "ppl"}
+    for name, r in ppl.items():
+        assert r["seq_tokens"] == [64, 64] and len(r["seq_nll"]) == 2 and r["tokens"] == 128
+        assert r["value"] == pytest.approx(math.exp(sum(r["seq_nll"]) / sum(r["seq_tokens"])), rel=1e-9)
+        # and each is that sequence's own NLL, scored alone
+        alone, _ = continuation_nll(model, get_method(name, rotations, model.config), seqs[1], 336, 32)
+        assert r["seq_nll"][1] == pytest.approx(alone, rel=1e-4)
+    summ = {s["method"]: s for s in data["summary"]}
+    for name in ("oscar", "naive-int2", "kivi2"):
+        d = [(a - b) / 64 for a, b in zip(ppl[name]["seq_nll"], ppl["bf16"]["seq_nll"], strict=True)]
+        assert summ[name]["ppl_dlog_vs_bf16"] == pytest.approx(sum(d) / 2)
+        assert summ[name]["ppl_dlog_vs_bf16_se"] == pytest.approx(abs(d[0] - d[1]) / 2)
+        # equal token counts: the mean log difference is the log of the ppl ratio
+        assert math.exp(summ[name]["ppl_dlog_vs_bf16"]) == pytest.approx(summ[name]["ppl_ratio"])
+    assert "ppl_dlog_vs_bf16" not in summ["bf16"] and "oscar_ppl_dlog_vs_this" not in summ["oscar"]
+    for name in ("naive-int2", "kivi2"):
+        assert summ[name]["oscar_ppl_dlog_vs_this"] == pytest.approx(
+            summ["oscar"]["ppl_dlog_vs_bf16"] - summ[name]["ppl_dlog_vs_bf16"]
+        )
+        assert summ[name]["oscar_passkey_vs_this"] == (sum(at["oscar"]["hits"]) - sum(at[name]["hits"])) / 2
+    md = (tmp_path / "results.md").read_text()
+    assert "ppl Δlog vs BF16 (± SE)" in md and "OSCAR vs baselines (paired, per sequence)" in md
+
+
+def test_log_ppl_difference():
+    # per-sequence mean NLLs a = 1.1, 1.2, 2.0 and b = 1.0, 1.0, 1.8: differences 0.1, 0.2, 0.2
+    a, b, n = [4.4, 6.0, 20.0], [4.0, 5.0, 18.0], [4, 5, 10]
+    m, se = log_ppl_difference(a, n, b, n)
+    # mean 1/6; deviations -1/15, 1/30, 1/30 -> sample variance (1/225 + 2/900) / 2 = 1/300
+    assert m == pytest.approx(1 / 6) and se == pytest.approx((1 / 300 / 3) ** 0.5) == pytest.approx(1 / 30)
+    # sequences are the unit: not the pooled log ratio (a long sequence does not weigh more)
+    assert m != pytest.approx((sum(a) - sum(b)) / sum(n), rel=1e-3)
+    m, se = log_ppl_difference(b, n, a, n)
+    assert m == pytest.approx(-1 / 6) and se == pytest.approx(1 / 30)  # negative: the first is better
+    # equal token counts: the mean is the log of the perplexity ratio
+    m, _ = log_ppl_difference(a, [8, 8, 8], b, [8, 8, 8])
+    assert math.exp(m) == pytest.approx(perplexity(sum(a), 24) / perplexity(sum(b), 24))
+    with pytest.raises(ValueError, match="same sequences"):
+        log_ppl_difference(a, n, b, [4, 5, 11])
+    # one sequence: no standard error
+    m, se = log_ppl_difference([2.0], [2], [1.0], [2])
+    assert m == 0.5 and math.isnan(se)
+
+
+def _ppl_row(method, seq_nll, n=10):
+    return {
+        "method": method, "task": "ppl", "metric": "ppl", "bits_per_element": 2.0, "context_len": 100,
+        "value": perplexity(sum(seq_nll), n * len(seq_nll)), "seq_nll": seq_nll, "seq_tokens": [n] * len(seq_nll),
+    }  # fmt: skip
+
+
+def _hits_row(method, hits):
+    return {
+        "method": method, "task": "passkey", "metric": "accuracy_at_context", "bits_per_element": 2.0,
+        "context_len": 100, "value": sum(hits) / len(hits), "n": len(hits), "hits": hits,
+    }  # fmt: skip
+
+
+def test_summary_pairs_oscar_with_the_other_int2_methods():
+    rows = [
+        _ppl_row("bf16", [10.0, 20.0, 30.0]),
+        _ppl_row("oscar", [11.0, 20.5, 31.0]),  # per token +0.1, +0.05, +0.1 vs BF16
+        _ppl_row("hadamard-int2", [11.2, 20.4, 31.3]),  # OSCAR - this: -0.02, +0.01, -0.03
+        _ppl_row("int4", [10.1, 20.1, 30.1]),  # not INT2: no OSCAR comparison
+        _hits_row("bf16", [1, 1, 1, 0]),
+        _hits_row("oscar", [1, 0, 1, 0]),
+        _hits_row("hadamard-int2", [0, 0, 1, 1]),
+        _hits_row("int4", [1, 1, 1, 0]),
+    ]
+    s = {x["method"]: x for x in summary(rows)}
+    assert s["oscar"]["ppl_dlog_vs_bf16"] == pytest.approx(0.25 / 3)
+    assert s["oscar"]["ppl_dlog_vs_bf16_se"] == pytest.approx((0.05**2 * 2 / 3 / 2 / 3) ** 0.5)
+    h = s["hadamard-int2"]
+    assert h["oscar_ppl_dlog_vs_this"] == pytest.approx(-0.04 / 3)
+    # per token: d = -0.02, 0.01, -0.03, mean -0.04/3, SE 0.0120
+    d = [-0.02, 0.01, -0.03]
+    var = sum((x + 0.04 / 3) ** 2 for x in d) / 2
+    assert h["oscar_ppl_dlog_vs_this_se"] == pytest.approx((var / 3) ** 0.5)
+    assert h["oscar_passkey_vs_this"] == 0.0 and h["oscar_passkey_vs_this_se"] == pytest.approx(
+        (2 / 3 / 4) ** 0.5
+    )
+    assert not any(k.startswith("oscar_") for k in s["int4"]) and not any(
+        k.startswith("oscar_") for k in s["oscar"]
+    )
+    md = summary_markdown(rows, {"context": 100})
+    section = md.split("## OSCAR vs baselines (paired, per sequence)")[1]
+    assert "| hadamard-int2 | -0.0133 ± 0.0120 | +0.000 ± 0.408 |" in section and "int4" not in section
+    assert "ppl over 3 sequences" in md
+    # rows without per-sequence sums (older results.json) still summarise, without the new fields
+    old = [{k: v for k, v in r.items() if k not in ("seq_nll", "seq_tokens")} for r in rows]
+    s = {x["method"]: x for x in summary(old)}
+    assert "ppl_dlog_vs_bf16" not in s["oscar"] and "oscar_ppl_dlog_vs_this" not in s["hadamard-int2"]
+    assert "oscar_passkey_vs_this" in s["hadamard-int2"]
 
 
 def test_paired_difference():
