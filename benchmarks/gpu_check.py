@@ -213,24 +213,32 @@ def sweep_quantize() -> list[dict]:
     x = torch.randn(131072, 8, 128, device=DEV, dtype=torch.bfloat16)
     r = torch.linalg.qr(torch.randn(128, 128, device=DEV))[0]
     rows, best = [], {}
-    for rot in (False, True):
-        for br in (16, 32, 64) if not rot else (32, 64, 128):
-            for warps in (2, 4, 8):
-                tqp.NUM_WARPS = warps
-                if rot:
-                    tqp.BLOCK_R_ROT = br
-                else:
-                    tqp.BLOCK_R = br
-                try:
-                    ms = bench(lambda rot=rot: tqp.quantize_pack(x, r if rot else None, fmt), 30)
-                except Exception as e:
-                    rows.append({"rotate": rot, "block_r": br, "warps": warps, "error": str(e)[:80]})
-                    continue
-                rows.append({"rotate": rot, "block_r": br, "warps": warps, "ms": ms})
-                if ms < best.get(rot, (float("inf"),))[0]:
-                    best[rot] = (ms, br, warps)
-    tqp.BLOCK_R, tqp.BLOCK_R_ROT = best[False][1], best[True][1]
-    tqp.NUM_WARPS = best[False][2]
+    for br in (16, 32, 64):
+        for warps in (2, 4, 8):
+            tqp.BLOCK_R, tqp.NUM_WARPS = br, warps
+            try:
+                ms = bench(lambda: tqp.quantize_pack(x, None, fmt), 30)
+            except Exception as e:
+                rows.append({"rotate": False, "block_r": br, "warps": warps, "error": str(e)[:80]})
+                continue
+            rows.append({"rotate": False, "block_r": br, "warps": warps, "ms": ms})
+            if ms < best.get(False, (float("inf"),))[0]:
+                best[False] = (ms, br, warps)
+    # rotation: rows per program (4 warps per 64 rows), prefetch depth, programs per SM (0: one
+    # block per program), register cap
+    rot_cfgs = [(64, st, ps, 128) for st in (1, 2, 3) for ps in (2, 3, 4)] + [(64, 2, 3, 0), (128, 2, 2, 128)]
+    for cfg in rot_cfgs:
+        tqp.BLOCK_R_ROT, tqp.ROT_STAGES, tqp.ROT_PER_SM, tqp.ROT_MAXNREG = cfg
+        try:
+            ms = bench_graph(lambda: tqp.quantize_pack(x, r, fmt), 30)
+        except Exception as e:
+            rows.append({"rotate": True, "config": cfg, "error": str(e)[:80]})
+            continue
+        rows.append({"rotate": True, "config": cfg, "ms": ms})
+        if ms < best.get(True, (float("inf"),))[0]:
+            best[True] = (ms, cfg)
+    tqp.BLOCK_R, tqp.NUM_WARPS = best[False][1], best[False][2]
+    tqp.BLOCK_R_ROT, tqp.ROT_STAGES, tqp.ROT_PER_SM, tqp.ROT_MAXNREG = best[True][1]
     return rows
 
 
@@ -306,7 +314,17 @@ def main() -> None:
     print(md)
     payload = {
         "copy_TBps": copy_tbps,
-        "config": {"decode": dict(tda.CONFIG), "quantize": [tqp.BLOCK_R, tqp.BLOCK_R_ROT, tqp.NUM_WARPS]},
+        "config": {
+            "decode": dict(tda.CONFIG),
+            "quantize": [
+                tqp.BLOCK_R,
+                tqp.NUM_WARPS,
+                tqp.BLOCK_R_ROT,
+                tqp.ROT_STAGES,
+                tqp.ROT_PER_SM,
+                tqp.ROT_MAXNREG,
+            ],
+        },
         "sweep": swept,
         "checks": checks,
         "quantize": qb,
