@@ -182,14 +182,10 @@ def sweep_decode() -> list[dict]:
         cases.append(
             (torch.randn(b, hq, d, device=DEV, dtype=torch.bfloat16), pools, (L - SINK_RECENT, SINK_RECENT))
         )
-    # rows 16: the 4 query heads of 4 KV heads fill the MMA's 16 rows; rows 4: one KV head per
-    # program (its 4 query heads padded to 16 rows, the previous design), side by side
-    configs = [dict(block_n=bn, num_warps=4, num_stages=st, min_split=ms, programs=pr, rows=16)
-               for bn, st, ms, pr in ((64, 2, 256, 1024), (128, 2, 256, 1024), (128, 3, 256, 1024),
-                                      (64, 2, 512, 1024), (64, 2, 256, 2048), (128, 3, 256, 2048),
-                                      (128, 3, 512, 512))]  # fmt: skip
-    configs += [dict(block_n=bn, num_warps=4, num_stages=st, min_split=256, programs=1024, rows=4)
-                for bn, st in ((128, 2), (64, 2), (128, 3))]  # fmt: skip
+    # one-warp programs around the module defaults (decode_variants.py sweeps the wider space)
+    configs = [dict(block_n=bn, block_n_grouped=bg, num_warps=1, num_stages=st, programs=pr, programs_few=pf)
+               for bn, bg, st, pr, pf in ((64, 32, 3, 3072, 1024), (64, 32, 4, 3072, 1024), (64, 32, 3, 2048, 1024),
+                                          (64, 32, 3, 3072, 2048), (32, 32, 3, 3072, 1024), (64, 64, 3, 3072, 1024))]  # fmt: skip
     rows = []
     for cfg in configs:
         tda.CONFIG.update(cfg)

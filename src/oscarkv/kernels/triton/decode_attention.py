@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from ...quant import RowFormat
-from .decode_tiles import hp_split, int2_split
+from .decode_tiles import hp_split, int2_split_bytes
+from .decode_words import int2_split_words
 
 __all__ = ["decode_attention", "heads_per_program", "num_splits"]
 
@@ -39,14 +40,18 @@ LOG2E = 1.4426950408889634
 def _stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale, split_q, split_h,
             n_q_splits, total, HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr,
             G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-            ASM: tl.constexpr, META: tl.constexpr):  # fmt: skip
+            ASM: tl.constexpr, META: tl.constexpr, WORDS: tl.constexpr):  # fmt: skip
     # axis 0 is the group of HPB KV heads, so that programs reading the same tokens run together
     hg = tl.program_id(0)
     sp = tl.program_id(1)
     b = tl.program_id(2)
     if sp < n_q_splits:
-        int2_split(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
-                    HKV, G, HPB, R_PAD, D, BLOCK_N, ASM, META)  # fmt: skip
+        if WORDS:  # codes read as int16 words (head dim >= 128)
+            int2_split_words(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
+                             HKV, G, HPB, R_PAD, D, BLOCK_N, ASM, META)  # fmt: skip
+        else:
+            int2_split_bytes(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
+                             HKV, G, HPB, R_PAD, D, BLOCK_N, ASM, META)  # fmt: skip
     else:
         for j in tl.static_range(HPB):  # the 16-bit tier is short (sink + recent): one head at a time
             hp_split(Q, HK, HV, HPTR, HIDX, O, LSE, qk_scale, split_h, total, hg * HPB + j, sp, b,
@@ -77,12 +82,19 @@ def _merge(O, LSE, OUT, total, S_BLOCK: tl.constexpr, D: tl.constexpr):
     tl.store(OUT + row * D + offs_d, (acc / tl.where(den > 0, den, 1.0)).to(OUT.dtype.element_ty))
 
 
-# Tuning (set by benchmarks/gpu_check.py's sweep; see its saved results)
+# Tuning, from the H200 sweeps of benchmarks/decode_variants.py (results/decode_variants_w1.md):
+# one-warp programs (no CTA barriers in the tile loop) beat 4-warp ones at every shape; tiles of
+# 64 tokens for one KV head per program, 32 when a program takes several KV heads; about 3072
+# programs, but 1024 when there are at most ``few_units`` (sequence, head group) pairs, whose
+# splits would otherwise get too short (batch 1 / 128K: 2.5x vs 2.0x SDPA; batch 8 / 128K: 3.3x vs 2.8x)
 CONFIG = {
-    "block_n": 128,
-    "num_warps": 4,
+    "block_n": 64,
+    "block_n_grouped": 32,
+    "num_warps": 1,
     "num_stages": 3,
-    "programs": 1024,
+    "programs": 3072,
+    "programs_few": 1024,
+    "few_units": 16,
     "min_split": 256,
     "rows": 16,
     "group_tokens": 262144,
@@ -107,10 +119,12 @@ def heads_per_program(g: int, kv_heads: int, tokens: int | None = None) -> int:
 
 def num_splits(batch: int, kv_heads: int, max_len: int) -> int:
     """Splits per sequence: about ``CONFIG['programs']`` programs in flight (latency hiding for
-    the gathered loads), each split at least ``CONFIG['min_split']`` tokens."""
+    the gathered loads; ``CONFIG['programs_few']`` when ``batch · kv_heads`` — the head groups —
+    is at most ``CONFIG['few_units']``), each split at least ``CONFIG['min_split']`` tokens."""
     if max_len <= 0:
         return 1
-    want = max(1, CONFIG["programs"] // max(1, batch * kv_heads))
+    units = max(1, batch * kv_heads)
+    want = max(1, CONFIG["programs_few" if units <= CONFIG["few_units"] else "programs"] // units)
     return max(1, min(want, math.ceil(max_len / CONFIG["min_split"])))
 
 
@@ -173,12 +187,14 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     # 16-bit queries: the model's bf16/fp16 as they are; anything else (fp32 on the CPU) as fp16
     q = q_rot.contiguous() if q_rot.dtype in (torch.bfloat16, torch.float16) else q_rot.half().contiguous()
     word, meta_id = _META_WORDS[k_meta.dtype]
+    words = d >= 128  # int16 code words need K = d/8 >= 16 per tl.dot (decode_words.py)
+    kc, vc = (k_codes.view(torch.int16), v_codes.view(torch.int16)) if words else (k_codes, v_codes)
     _stage1[(hkv // hpb, total, bsz)](
-        q, k_codes, k_meta.view(word), v_codes, v_meta.view(word), hp_k, hp_v, int2_indptr, int2_indices, hp_indptr, hp_indices,
+        q, kc, k_meta.view(word), vc, v_meta.view(word), hp_k, hp_v, int2_indptr, int2_indices, hp_indptr, hp_indices,
         o_part, lse, sm_scale * LOG2E, split_q, HP_SPLIT, sq, total,
         HKV=hkv, G=g, HPB=hpb, R_PAD=max(16, triton.next_power_of_2(hpb * g)), G_PAD=max(16, triton.next_power_of_2(g)),
-        D=d, BLOCK_N=CONFIG["block_n"],
-        BLOCK_H=HP_BLOCK, ASM=q.is_cuda, META=meta_id, num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
+        D=d, BLOCK_N=CONFIG["block_n"] if hpb == 1 else CONFIG["block_n_grouped"],
+        BLOCK_H=HP_BLOCK, ASM=q.is_cuda, META=meta_id, WORDS=words, num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
     )  # fmt: skip
     out = torch.empty_like(q_rot)
     _merge[(bsz * hq,)](o_part, lse, out, total, S_BLOCK=min(64, max(2, triton.next_power_of_2(total))), D=d)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["hp_split", "int2_split"]
+__all__ = ["hp_split", "int2_split_bytes"]
 
 #: 2**24: an fp16 word holding the bits ``c`` is worth ``c * 2**-24``
 SUBNORMAL = tl.constexpr(16777216.0)
@@ -25,7 +25,7 @@ SUBNORMAL = tl.constexpr(16777216.0)
 # four code bytes in one register -> the four 2-bit planes as pairs of fp16 subnormals: two byte
 # permutes spread the bytes over 16-bit lanes, then one mask per plane and pair of codes (plane
 # ``i`` keeps its bits in place, so it holds ``c·4^i``; the caller scales by ``4^-i``)
-_PLANES_PTX = tl.constexpr("""{
+_BYTE_PLANES_PTX = tl.constexpr("""{
 .reg .b32 lo, hi;
 prmt.b32 lo, $8, 0, 0x4140;
 prmt.b32 hi, $8, 0, 0x4342;
@@ -41,11 +41,11 @@ and.b32 $7, hi, 0x00c000c0;
 
 
 @triton.jit
-def _planes(c, ASM: tl.constexpr):
+def _byte_planes(c, ASM: tl.constexpr):
     """uint8 codes -> four fp16 tensors, plane ``i`` holding the exact subnormal ``c_i·4^i·2⁻²⁴``."""
     if ASM:
         p0, p1, p2, p3 = tl.inline_asm_elementwise(
-            _PLANES_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [c],
+            _BYTE_PLANES_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [c],
             dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4,
         )  # fmt: skip
     else:
@@ -128,7 +128,7 @@ def _meta_rows(M, sh, nmask, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.const
 
 
 @triton.jit
-def int2_split(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, total, hg, sp, b,
+def int2_split_bytes(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, total, hg, sp, b,
                 HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr,
                 BLOCK_N: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr):  # fmt: skip
     D4: tl.constexpr = D // 4
@@ -164,7 +164,7 @@ def int2_split(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, tot
         for j in tl.static_range(HPB):
             # K codes loaded transposed, [D4, BLOCK_N], so the planes are dot operands as they are
             kc = tl.load(KC + (sh + j)[None, :] * D4 + offs_d[:, None], mask=nmask[None, :], other=0)
-            k0, k1, k2, k3 = _planes(kc, ASM)
+            k0, k1, k2, k3 = _byte_planes(kc, ASM)
             t = tl.dot(q0, k0)
             t = tl.dot(q1, k1, t)
             t = tl.dot(q2, k2, t)
@@ -190,7 +190,7 @@ def int2_split(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, tot
         pw = ps.to(tl.float16)
         for j in tl.static_range(HPB):
             vc = tl.load(VC + (sh + j)[:, None] * D4 + offs_d[None, :], mask=nmask[:, None], other=0)
-            v0, v1, v2, v3 = _planes(vc, ASM)
+            v0, v1, v2, v3 = _byte_planes(vc, ASM)
             pj = pw if HPB == 1 else tl.where(rhead[:, None] == j, pw, 0.0).to(tl.float16)
             a0 = tl.dot(pj, v0, a0)
             a1 = tl.dot(pj, v1, a1)

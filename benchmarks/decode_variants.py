@@ -1,0 +1,138 @@
+"""Side-by-side timing of decode-attention kernel versions and launch configs on one GPU.
+
+Times the package's Triton decode kernel and, with ``--baseline NAME=DIR``, other versions of it
+(a directory holding copies of ``decode_attention.py`` and ``decode_tiles.py``, e.g. from an
+earlier commit), each over a grid of ``(block_n, num_warps, num_stages, programs)`` configs, next
+to the best BF16 SDPA on the same shapes (Qwen3-8B: 32/8 heads, d 128), all graph-timed in one
+run. Every (version, config) is first checked against the fp32 torch reference.
+
+    python benchmarks/decode_variants.py --baseline v0=benchmarks/baseline_kernels/v0
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+import math
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import save
+from gpu_check import SINK_RECENT, bench_graph, make_pools, rel, sdpa_best
+
+import oscarkv.kernels.triton.decode_attention as tda
+from oscarkv.kernels import ref
+from oscarkv.quant import RowFormat
+
+
+def load_version(name: str, src: Path, tmp: Path):
+    """Import a copy of a kernel version from ``src`` as a stand-alone module."""
+    tag = f"dv_{name}"
+    attn = (src / "decode_attention.py").read_text()
+    attn = attn.replace("from ...quant import", "from oscarkv.quant import")
+    attn = attn.replace("from .decode_tiles import", f"from {tag}_tiles import")
+    (tmp / f"{tag}_attn.py").write_text(attn)
+    shutil.copy(src / "decode_tiles.py", tmp / f"{tag}_tiles.py")
+    return importlib.import_module(f"{tag}_attn")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--baseline", action="append", default=[], help="NAME=DIR of another kernel version")
+    ap.add_argument("--shapes", default="1x131072,8x32768,8x131072,32x32768,32x131072")
+    ap.add_argument("--block-n", default="32,64,128")
+    ap.add_argument("--warps", default="1,2,4")
+    ap.add_argument("--stages", default="3")
+    ap.add_argument("--programs", default="1024")
+    ap.add_argument(
+        "--group-tokens", default="262144", help="CONFIG['group_tokens'] values (heads per program)"
+    )
+    ap.add_argument("--name", default="decode_variants")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp())
+    sys.path.insert(0, str(tmp))
+    versions = {"current": tda}
+    for spec in args.baseline:
+        name, path = spec.split("=", 1)
+        versions[name] = load_version(name, Path(path), tmp)
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    grid = list(
+        itertools.product(
+            ints(args.block_n),
+            ints(args.warps),
+            ints(args.stages),
+            ints(args.programs),
+            ints(args.group_tokens),
+        )
+    )
+    hq, hkv, d = 32, 8, 128
+    fmt = RowFormat(d, 2, d)
+    rows = []
+    for shape in args.shapes.split(","):
+        b, L = (int(x) for x in shape.split("x"))
+        lq = L - SINK_RECENT
+        q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
+        pools = make_pools(b, lq, SINK_RECENT, hkv, d, fmt)
+        nbytes = b * hkv * (lq * 2 * (d // 4 + 4) + SINK_RECENT * 2 * d * 2)
+        want = ref.decode_attention(q, *pools, 1 / math.sqrt(d), fmt, fmt) if b * L <= 1 << 20 else None
+        for (vname, mod), (bn, w, st, progs, gt) in itertools.product(versions.items(), grid):
+            saved = dict(mod.CONFIG)
+            mod.CONFIG.update(block_n=bn, num_warps=w, num_stages=st, programs=progs, group_tokens=gt)
+
+            def fn(mod=mod, q=q, pools=pools, lq=lq):
+                return mod.decode_attention(
+                    q, *pools, 1 / math.sqrt(d), fmt, fmt, lens_hint=(lq, SINK_RECENT)
+                )
+
+            row = {
+                "batch": b,
+                "len": L,
+                "version": vname,
+                "block_n": bn,
+                "warps": w,
+                "stages": st,
+                "programs": progs,
+                "group_tokens": gt,
+            }
+            try:
+                err = rel(fn(), want) if want is not None else float("nan")
+                ms = bench_graph(fn)
+                row.update(
+                    ms=ms,
+                    TBps=nbytes / ms / 1e9,
+                    rel_err=err,
+                    hpb=mod.heads_per_program(hq // hkv, hkv, b * lq),
+                )
+            except Exception as e:  # a config that does not compile (registers, shared memory)
+                row["error"] = str(e).splitlines()[-1][:120] if str(e) else type(e).__name__
+            mod.CONFIG.clear(), mod.CONFIG.update(saved)
+            rows.append(row)
+            print(row, flush=True)
+        del pools
+        torch.cuda.empty_cache()
+        k = torch.randn(b, hkv, L, d, device="cuda", dtype=torch.bfloat16)
+        ms_sdpa, be = sdpa_best(q[:, :, None], k, torch.randn_like(k), bench_graph)
+        del k
+        torch.cuda.empty_cache()
+        for r in rows:
+            if (r["batch"], r["len"]) == (b, L):
+                r.update(sdpa_ms=ms_sdpa, sdpa_backend=be, speedup=ms_sdpa / r["ms"] if "ms" in r else None)
+    md = ["| batch | length | version | block_n | warps | stages | programs | group tokens | heads/prog | ms | speedup vs SDPA | TB/s | rel err |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        cfg = f"| {r['batch']} | {r['len']} | {r['version']} | {r['block_n']} | {r['warps']} | {r['stages']} | {r['programs']} | {r['group_tokens']} |"
+        md.append(cfg + (f" {r['hpb']} | {r['ms']:.4f} | {r['speedup']:.2f}x | {r['TBps']:.2f} | {r['rel_err']:.1e} |"
+                         if "ms" in r else f" - | {r['error']} | | | |"))  # fmt: skip
+    print("\n".join(md))
+    save(args.name, {"rows": rows}, "\n".join(md))
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    main()

@@ -1,0 +1,175 @@
+"""INT2 tile loop of the Triton decode attention over 16-bit code words (head dims 128 and 256).
+
+Same algebra as :func:`.decode_tiles.int2_split_bytes` (see that module), but the codes are read
+as int16 words, two bytes each, and every word yields eight fp16 planes ``(i, e)``: plane ``i``
+(bits ``2i, 2i + 1``) of byte ``e`` of the word, i.e. the code of dim ``D/4·i + 2m + e`` for word
+``m``. The queries are split the same way, so ``q·c`` is eight ``tl.dot``s with K = D/8. Built from
+16-bit elements, the dot operands have Triton's native 16-bit operand width (kWidth 2), so the
+probabilities feed ``p·V`` from registers and the queries are not re-read from shared memory each
+tile, which the byte planes (kWidth 4) forced. ``tl.dot`` needs K ≥ 16, so head dim 64 (K = 8)
+keeps the byte planes.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .decode_tiles import SUBNORMAL, _inv, _meta_rows, _rows, _split_range, _store_lse
+
+__all__ = ["int2_split_words"]
+
+# two 16-bit code words in one register -> the eight planes ``(i, e)`` (plane ``i`` of byte ``e`` of
+# each word) as pairs of fp16 subnormals: two byte permutes put byte ``e`` of both words into the
+# two 16-bit lanes, then one mask per plane (plane ``i`` keeps its bits in place, so it holds
+# ``c·4^i``; the caller scales by ``4^-i``)
+_PLANES_PTX = tl.constexpr("""{
+.reg .b32 lo, hi;
+prmt.b32 lo, $8, 0, 0x4240;
+prmt.b32 hi, $8, 0, 0x4341;
+and.b32 $0, lo, 0x00030003;
+and.b32 $1, hi, 0x00030003;
+and.b32 $2, lo, 0x000c000c;
+and.b32 $3, hi, 0x000c000c;
+and.b32 $4, lo, 0x00300030;
+and.b32 $5, hi, 0x00300030;
+and.b32 $6, lo, 0x00c000c0;
+and.b32 $7, hi, 0x00c000c0;
+}""")
+
+
+@triton.jit
+def _planes(c, ASM: tl.constexpr):
+    """int16 code words (bytes ``2m``, ``2m + 1`` of a row) -> eight fp16 tensors: plane ``(i, e)``
+    holds the exact subnormal ``c·4^i·2⁻²⁴`` of the code of dim ``D/4·i + 2m + e``."""
+    if ASM:
+        p00, p01, p10, p11, p20, p21, p30, p31 = tl.inline_asm_elementwise(
+            _PLANES_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [c],
+            dtype=(tl.float16,) * 8, is_pure=True, pack=2,
+        )  # fmt: skip
+    else:
+        b0 = c & 255
+        b1 = (c >> 8) & 255
+        p00 = (b0 & 3).to(tl.float16, bitcast=True)
+        p01 = (b1 & 3).to(tl.float16, bitcast=True)
+        p10 = (b0 & 12).to(tl.float16, bitcast=True)
+        p11 = (b1 & 12).to(tl.float16, bitcast=True)
+        p20 = (b0 & 48).to(tl.float16, bitcast=True)
+        p21 = (b1 & 48).to(tl.float16, bitcast=True)
+        p30 = (b0 & 192).to(tl.float16, bitcast=True)
+        p31 = (b1 & 192).to(tl.float16, bitcast=True)
+    return p00, p01, p10, p11, p20, p21, p30, p31
+
+
+@triton.jit
+def _qpart(qp, i: tl.constexpr, e: tl.constexpr, rmask, D4: tl.constexpr):
+    """Query dims ``D4·i + 2m + e`` (the dims of code plane ``(i, e)``) as fp32 ``[R_PAD, D/8]``."""
+    return tl.load(qp + D4 * i + e, mask=rmask[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def int2_split_words(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, total, hg, sp, b,
+                HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr,
+                BLOCK_N: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr):  # fmt: skip
+    D4: tl.constexpr = D // 4
+    D8: tl.constexpr = D // 8  # 16-bit code words per row: word m holds bytes 2m and 2m + 1
+    h0 = hg * HPB
+    lo, hi = _split_range(INDPTR, b, sp, split_size)
+    row, rmask = _rows(b, h0, sp, total, G, HPB, R_PAD, HKV * G)
+    offs_r = tl.arange(0, R_PAD)
+    rhead = offs_r // G  # KV head of each row within the group (>= HPB on padding rows)
+    offs_m = tl.arange(0, D8)
+    qp = Q + (b * HKV * G + h0 * G + offs_r)[:, None] * D + 2 * offs_m[None, :]
+    # plane (i, e) holds c·4^i for dims D4·i + 2m + e: scale those query dims by 4^-i (exact)
+    q00 = _qpart(qp, 0, 0, rmask, D4)
+    q01 = _qpart(qp, 0, 1, rmask, D4)
+    q10 = _qpart(qp, 1, 0, rmask, D4)
+    q11 = _qpart(qp, 1, 1, rmask, D4)
+    q20 = _qpart(qp, 2, 0, rmask, D4)
+    q21 = _qpart(qp, 2, 1, rmask, D4)
+    q30 = _qpart(qp, 3, 0, rmask, D4)
+    q31 = _qpart(qp, 3, 1, rmask, D4)
+    qsum = tl.sum(q00 + q01 + q10 + q11 + q20 + q21 + q30 + q31, 1)
+    q00, q01 = q00.to(tl.float16), q01.to(tl.float16)
+    q10, q11 = (q10 * 0.25).to(tl.float16), (q11 * 0.25).to(tl.float16)
+    q20, q21 = (q20 * 0.0625).to(tl.float16), (q21 * 0.0625).to(tl.float16)
+    q30, q31 = (q30 * 0.015625).to(tl.float16), (q31 * 0.015625).to(tl.float16)
+    m_i = tl.full([R_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([R_PAD], tl.float32)
+    zacc = tl.zeros([R_PAD], tl.float32)
+    a00 = tl.zeros([R_PAD, D8], tl.float32)
+    a01 = tl.zeros([R_PAD, D8], tl.float32)
+    a10 = tl.zeros([R_PAD, D8], tl.float32)
+    a11 = tl.zeros([R_PAD, D8], tl.float32)
+    a20 = tl.zeros([R_PAD, D8], tl.float32)
+    a21 = tl.zeros([R_PAD, D8], tl.float32)
+    a30 = tl.zeros([R_PAD, D8], tl.float32)
+    a31 = tl.zeros([R_PAD, D8], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        nmask = offs_n < hi
+        sh = tl.load(IDX + offs_n, mask=nmask, other=0).to(tl.int64) * HKV + h0  # (slot, first head) row
+        ks, kz = _meta_rows(KM, sh, nmask, G, HPB, R_PAD, META)
+        qc = tl.zeros([R_PAD, BLOCK_N], tl.float32)
+        for j in tl.static_range(HPB):
+            # K code words loaded transposed, [D8, BLOCK_N], so the planes are dot operands as they are
+            kc = tl.load(KC + (sh + j)[None, :] * D8 + offs_m[:, None], mask=nmask[None, :], other=0)
+            k00, k01, k10, k11, k20, k21, k30, k31 = _planes(kc, ASM)
+            t = tl.dot(q00, k00)
+            t = tl.dot(q01, k01, t)
+            t = tl.dot(q10, k10, t)
+            t = tl.dot(q11, k11, t)
+            t = tl.dot(q20, k20, t)
+            t = tl.dot(q21, k21, t)
+            t = tl.dot(q30, k30, t)
+            t = tl.dot(q31, k31, t)
+            qc = t if HPB == 1 else tl.where(rhead[:, None] == j, t, qc)
+        s = qc * ks * (qk_scale * SUBNORMAL) - qsum[:, None] * (ks * kz * qk_scale)
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if tl.max(m_new - m_i, 0) > 8.0:  # rescale only when a row's max grew by more than 2^8
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            zacc = zacc * alpha
+            a00, a01 = a00 * alpha[:, None], a01 * alpha[:, None]
+            a10, a11 = a10 * alpha[:, None], a11 * alpha[:, None]
+            a20, a21 = a20 * alpha[:, None], a21 * alpha[:, None]
+            a30, a31 = a30 * alpha[:, None], a31 * alpha[:, None]
+            m_i = m_new
+        p = tl.exp2(s - m_i[:, None])
+        l_i = l_i + tl.sum(p, 1)
+        vs, vz = _meta_rows(VM, sh, nmask, G, HPB, R_PAD, META)
+        ps = p * vs
+        zacc = zacc + tl.sum(ps * vz, 1)
+        pw = ps.to(tl.float16)
+        for j in tl.static_range(HPB):
+            vc = tl.load(VC + (sh + j)[:, None] * D8 + offs_m[None, :], mask=nmask[:, None], other=0)
+            v00, v01, v10, v11, v20, v21, v30, v31 = _planes(vc, ASM)
+            pj = pw if HPB == 1 else tl.where(rhead[:, None] == j, pw, 0.0).to(tl.float16)
+            a00 = tl.dot(pj, v00, a00)
+            a01 = tl.dot(pj, v01, a01)
+            a10 = tl.dot(pj, v10, a10)
+            a11 = tl.dot(pj, v11, a11)
+            a20 = tl.dot(pj, v20, a20)
+            a21 = tl.dot(pj, v21, a21)
+            a30 = tl.dot(pj, v30, a30)
+            a31 = tl.dot(pj, v31, a31)
+    inv = _inv(l_i)
+    z = zacc * inv
+    op = O + row[:, None] * D + 2 * offs_m[None, :]
+    _store_part(op, 0, 0, a00, inv, z, rmask, D4)
+    _store_part(op, 0, 1, a01, inv, z, rmask, D4)
+    _store_part(op, 1, 0, a10, inv, z, rmask, D4)
+    _store_part(op, 1, 1, a11, inv, z, rmask, D4)
+    _store_part(op, 2, 0, a20, inv, z, rmask, D4)
+    _store_part(op, 2, 1, a21, inv, z, rmask, D4)
+    _store_part(op, 3, 0, a30, inv, z, rmask, D4)
+    _store_part(op, 3, 1, a31, inv, z, rmask, D4)
+    _store_lse(LSE, row, rmask, m_i, l_i)
+
+
+@triton.jit
+def _store_part(op, i: tl.constexpr, e: tl.constexpr, acc, inv, z, rmask, D4: tl.constexpr):
+    """Output dims ``D4·i + 2m + e`` from the accumulator of plane ``(i, e)`` (worth ``c·4^i·2⁻²⁴``)."""
+    scale = SUBNORMAL / (4.0**i)
+    tl.store(op + D4 * i + e, acc * (inv * scale)[:, None] - z[:, None], mask=rmask[:, None])
