@@ -41,14 +41,16 @@ from .quantize_nets import _clip_threshold, _threshold
 __all__ = ["dequantize", "quantize_pack"]
 
 # Tuning (set by benchmarks/gpu_check.py's sweep; see its saved results). With rotation a program
-# loops over row blocks (R stays in shared memory, the next block's rows are prefetched):
+# can loop over row blocks (R stays in shared memory, the next block's rows are prefetched):
 # ROT_PER_SM programs per SM (0: one block per program), ROT_STAGES-deep prefetch, ROT_MAXNREG
-# registers per thread (0: no cap; 128 lets 4 programs of 4 warps share an SM)
+# registers per thread (0: no cap). On the H200 the loop measured slower than one block per
+# program (0.87-0.94x, benchmarks/results/quantize_pack_ab_h200.md), so the defaults keep one
+# block per program, no prefetch and the 128-register cap (1.20 vs 1.16 TB/s at 1M rows)
 BLOCK_R = 64
 NUM_WARPS = 4
 BLOCK_R_ROT = 64
-ROT_STAGES = 2
-ROT_PER_SM = 3
+ROT_STAGES = 1
+ROT_PER_SM = 0
 ROT_MAXNREG = 128
 
 # β_k: the midpoint below W_k = the smallest fp32 w with fl(w + 0.5) >= k (k = 1, 2, 3); a tie
