@@ -53,6 +53,9 @@ def main() -> None:
     ap.add_argument(
         "--group-tokens", default="262144", help="CONFIG['group_tokens'] values (heads per program)"
     )
+    ap.add_argument(
+        "--min-split", default="256", help="CONFIG['min_split'] values (tokens per split, at least)"
+    )
     ap.add_argument("--name", default="decode_variants")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
@@ -69,6 +72,7 @@ def main() -> None:
             ints(args.stages),
             ints(args.programs),
             ints(args.group_tokens),
+            ints(args.min_split),
         )
     )
     hq, hkv, d = 32, 8, 128
@@ -81,9 +85,11 @@ def main() -> None:
         pools = make_pools(b, lq, SINK_RECENT, hkv, d, fmt)
         nbytes = b * hkv * (lq * 2 * (d // 4 + 4) + SINK_RECENT * 2 * d * 2)
         want = ref.decode_attention(q, *pools, 1 / math.sqrt(d), fmt, fmt) if b * L <= 1 << 20 else None
-        for (vname, mod), (bn, w, st, progs, gt) in itertools.product(versions.items(), grid):
+        for (vname, mod), (bn, w, st, progs, gt, ms) in itertools.product(versions.items(), grid):
             saved = dict(mod.CONFIG)
-            mod.CONFIG.update(block_n=bn, num_warps=w, num_stages=st, programs=progs, group_tokens=gt)
+            mod.CONFIG.update(
+                block_n=bn, num_warps=w, num_stages=st, programs=progs, group_tokens=gt, min_split=ms
+            )
 
             def fn(mod=mod, q=q, pools=pools, lq=lq):
                 return mod.decode_attention(
@@ -99,6 +105,7 @@ def main() -> None:
                 "stages": st,
                 "programs": progs,
                 "group_tokens": gt,
+                "min_split": ms,
             }
             try:
                 err = rel(fn(), want) if want is not None else float("nan")
@@ -123,10 +130,10 @@ def main() -> None:
         for r in rows:
             if (r["batch"], r["len"]) == (b, L):
                 r.update(sdpa_ms=ms_sdpa, sdpa_backend=be, speedup=ms_sdpa / r["ms"] if "ms" in r else None)
-    md = ["| batch | length | version | block_n | warps | stages | programs | group tokens | heads/prog | ms | speedup vs SDPA | TB/s | rel err |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    md = ["| batch | length | version | block_n | warps | stages | programs | group tokens | min split | heads/prog | ms | speedup vs SDPA | TB/s | rel err |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        cfg = f"| {r['batch']} | {r['len']} | {r['version']} | {r['block_n']} | {r['warps']} | {r['stages']} | {r['programs']} | {r['group_tokens']} |"
+        cfg = f"| {r['batch']} | {r['len']} | {r['version']} | {r['block_n']} | {r['warps']} | {r['stages']} | {r['programs']} | {r['group_tokens']} | {r['min_split']} |"
         md.append(cfg + (f" {r['hpb']} | {r['ms']:.4f} | {r['speedup']:.2f}x | {r['TBps']:.2f} | {r['rel_err']:.1e} |"
                          if "ms" in r else f" - | {r['error']} | | | |"))  # fmt: skip
     print("\n".join(md))

@@ -47,11 +47,16 @@ def _lists(lens: list[int], device: str, shuffle: bool) -> tuple[torch.Tensor, t
 )
 @pytest.mark.parametrize("meta", ["fp16", "bf16"])
 @pytest.mark.parametrize("grouped", [False, True], ids=["auto-heads", "grouped-heads"])
-def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta, grouped, monkeypatch):
+@pytest.mark.parametrize("planes", ["auto", "words"])
+def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta, grouped, planes, monkeypatch):
     from oscarkv.kernels.triton import decode_attention as tda
 
     if grouped:  # several KV heads per program at any size (normally only for large batches)
         monkeypatch.setitem(tda.CONFIG, "group_tokens", 0)
+    if planes == "words":  # the int16-word loop at every size (head dim >= 128; 64 keeps bytes)
+        if d < 128:
+            pytest.skip("head dim 64 always uses the byte planes")
+        monkeypatch.setitem(tda.CONFIG, "small_tokens", 0)
 
     dev = "cuda"
     fmt = RowFormat(d, 2, d, meta_dtype=meta)

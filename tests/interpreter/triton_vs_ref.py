@@ -186,6 +186,36 @@ def test_decode_attention_matches_reference(tk, lens_q, lens_h, hq, hkv, d, meta
     _, da = tk
     if grouped:  # several KV heads per program at any size (normally only for large batches)
         monkeypatch.setitem(da.CONFIG, "group_tokens", 0)
+    _check_decode(da, lens_q, lens_h, hq, hkv, d, meta)
+
+
+@pytest.mark.parametrize(
+    ("lens_q", "lens_h", "hq", "hkv", "d", "meta"),
+    [
+        ([1], [1], 4, 4, 128, "fp16"),  # a single token per tier, MHA
+        ([70, 0, 129], [5, 9, 0], 8, 2, 128, "fp16"),  # empty tiers, lengths not multiples of the block
+        ([300], [20], 8, 2, 128, "fp16"),  # several splits
+        ([90, 40], [7, 2], 8, 2, 128, "bf16"),
+        ([90, 40], [7, 2], 8, 2, 128, "fp32"),
+        ([200, 33], [4, 0], 32, 8, 128, "fp16"),  # Qwen3-8B's GQA
+        ([70], [2], 12, 4, 128, "fp16"),  # g = 3
+        ([50], [3], 4, 4, 256, "fp16"),  # head dim 256
+    ],
+)
+@pytest.mark.parametrize("grouped", [False, True], ids=["auto-heads", "grouped-heads"])
+def test_decode_attention_word_planes_match_reference(
+    tk, lens_q, lens_h, hq, hkv, d, meta, grouped, monkeypatch
+):
+    """The int16-word tile loop (decode_words.py), which the launch takes for head dim >= 128 from
+    ``CONFIG['small_tokens']`` quantized tokens on, forced at these small sizes."""
+    _, da = tk
+    monkeypatch.setitem(da.CONFIG, "small_tokens", 0)
+    if grouped:
+        monkeypatch.setitem(da.CONFIG, "group_tokens", 0)
+    _check_decode(da, lens_q, lens_h, hq, hkv, d, meta)
+
+
+def _check_decode(da, lens_q, lens_h, hq, hkv, d, meta) -> None:
     fmt = RowFormat(d, 2, d, meta_dtype=meta)
     nq, nh = sum(lens_q), sum(lens_h)
     kc, km, vc, vm, hk, hv = _pools(nq, nh, hkv, d, fmt)

@@ -98,6 +98,11 @@ CONFIG = {
     "min_split": 256,
     "rows": 16,
     "group_tokens": 262144,
+    # below ``small_tokens`` quantized tokens (batch x longest list), and for head dim 64, the byte
+    # planes of decode_tiles.py with their own launch (4 warps, 128-token tiles): at batch 1 and
+    # 4K-16K they measured 1.05-1.55x SDPA against 0.78-1.43x for the word planes
+    "small_tokens": 24576,
+    "bytes": {"block_n": 128, "num_warps": 4},
 }
 #: 16-bit tier: tokens per split and per tile (it holds at most sink + recent + 7 = 327 by default)
 HP_SPLIT, HP_BLOCK = 128, 32
@@ -178,7 +183,15 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     max_q, max_h = max(int(lens_hint[0]), 1), max(int(lens_hint[1]), 1)
     hpb = heads_per_program(g, hkv, bsz * max_q)
     sq = num_splits(bsz, hkv // hpb, max_q)
-    split_q = math.ceil(max_q / sq / 256) * 256  # a multiple of every BLOCK_N the sweep tries
+    # int16 code words need K = d/8 >= 16 per tl.dot (decode_words.py)
+    words = d >= 128 and bsz * max_q >= CONFIG["small_tokens"]
+    if words:
+        block_n, warps = (CONFIG["block_n"] if hpb == 1 else CONFIG["block_n_grouped"]), CONFIG["num_warps"]
+    else:
+        block_n, warps = CONFIG["bytes"]["block_n"], CONFIG["bytes"]["num_warps"]
+    # splits are whole tiles: multiples of 256 tokens (of every tile size), of the tile below that
+    gran = 256 if max_q >= 256 * sq else block_n
+    split_q = math.ceil(max_q / sq / gran) * gran
     sq = math.ceil(max_q / split_q)
     sh = math.ceil(max_h / HP_SPLIT)
     total = sq + sh
@@ -187,14 +200,13 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     # 16-bit queries: the model's bf16/fp16 as they are; anything else (fp32 on the CPU) as fp16
     q = q_rot.contiguous() if q_rot.dtype in (torch.bfloat16, torch.float16) else q_rot.half().contiguous()
     word, meta_id = _META_WORDS[k_meta.dtype]
-    words = d >= 128  # int16 code words need K = d/8 >= 16 per tl.dot (decode_words.py)
     kc, vc = (k_codes.view(torch.int16), v_codes.view(torch.int16)) if words else (k_codes, v_codes)
     _stage1[(hkv // hpb, total, bsz)](
         q, kc, k_meta.view(word), vc, v_meta.view(word), hp_k, hp_v, int2_indptr, int2_indices, hp_indptr, hp_indices,
         o_part, lse, sm_scale * LOG2E, split_q, HP_SPLIT, sq, total,
         HKV=hkv, G=g, HPB=hpb, R_PAD=max(16, triton.next_power_of_2(hpb * g)), G_PAD=max(16, triton.next_power_of_2(g)),
-        D=d, BLOCK_N=CONFIG["block_n"] if hpb == 1 else CONFIG["block_n_grouped"],
-        BLOCK_H=HP_BLOCK, ASM=q.is_cuda, META=meta_id, WORDS=words, num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
+        D=d, BLOCK_N=block_n,
+        BLOCK_H=HP_BLOCK, ASM=q.is_cuda, META=meta_id, WORDS=words, num_warps=warps, num_stages=CONFIG["num_stages"],
     )  # fmt: skip
     out = torch.empty_like(q_rot)
     _merge[(bsz * hq,)](o_part, lse, out, total, S_BLOCK=min(64, max(2, triton.next_power_of_2(total))), D=d)
