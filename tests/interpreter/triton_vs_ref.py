@@ -275,3 +275,44 @@ def test_heads_per_program_fills_sixteen_rows_with_a_divisor_of_the_kv_heads(g, 
 
     assert heads_per_program(g, hkv) == want
     assert heads_per_program(g, hkv, tokens=1000) == 1  # small batches: one KV head per program
+
+
+def test_decode_attention_refuses_head_dims_it_does_not_implement(tk):
+    """d = 192 passed the old ``d % 64`` check and then failed inside Triton (no 48-wide arange)."""
+    _, da = tk
+    fmt = RowFormat(192, 2, 192)
+    (kc, km, vc, vm, hk, hv), (ip, idx, hp, hidx) = _one_sequence(fmt)
+    with pytest.raises(ValueError, match="head_dim must be 64, 128 or 256"):
+        da.decode_attention(torch.randn(1, 4, 192), kc, km, vc, vm, hk, hv, ip, idx, hp, hidx, 0.1, fmt, fmt)
+
+
+def test_decode_attention_refuses_pools_of_the_wrong_shape(tk):
+    """Strides come from ``d`` and ``hp_k``'s head count: a code pool of another row width or head
+    count would be read out of bounds, so it is refused."""
+    _, da = tk
+    fmt = RowFormat(128, 2, 128)
+    (kc, km, vc, vm, hk, hv), (ip, idx, hp, hidx) = _one_sequence(fmt)
+    q = torch.randn(1, 4, 128)
+    for bad in (kc[:, :, :16].contiguous(), kc[:, :1].contiguous(), kc.view(torch.int8)):
+        with pytest.raises(ValueError, match="k_codes must be uint8"):
+            da.decode_attention(q, bad, km, vc, vm, hk, hv, ip, idx, hp, hidx, 0.1, fmt, fmt)
+
+
+@pytest.mark.parametrize("small_tokens", [0, 1 << 30], ids=["word-planes", "byte-planes"])
+def test_decode_attention_refuses_pools_off_their_word_boundary(tk, small_tokens, monkeypatch):
+    """Head dim >= 128 reads the codes as int16 words and every (scale, zero) pair as one word: a
+    pool that is a view at an odd byte offset is refused with a clear error, whichever tile loop
+    the problem size picks (it used to fail in ``Tensor.view`` only on the word path)."""
+    _, da = tk
+    monkeypatch.setitem(da.CONFIG, "small_tokens", small_tokens)
+    fmt = RowFormat(128, 2, 128)
+    (kc, km, vc, vm, hk, hv), (ip, idx, hp, hidx) = _one_sequence(fmt)
+    q = torch.randn(1, 4, 128)
+    odd = torch.empty(kc.numel() + 1, dtype=torch.uint8)[1:].view(kc.shape)
+    odd.copy_(kc)
+    with pytest.raises(ValueError, match="v_codes must start at a multiple of 2 bytes"):
+        da.decode_attention(q, kc, km, odd, vm, hk, hv, ip, idx, hp, hidx, 0.1, fmt, fmt)
+    odd_meta = torch.empty(km.numel() + 1, dtype=km.dtype)[1:].view(km.shape)
+    odd_meta.copy_(km)
+    with pytest.raises(ValueError, match="k_meta must start at a multiple of 4 bytes"):
+        da.decode_attention(q, kc, odd_meta, vc, vm, hk, hv, ip, idx, hp, hidx, 0.1, fmt, fmt)

@@ -149,12 +149,32 @@ _META_WORDS = {
 }
 
 
-def _check_layout(**tensors: torch.Tensor) -> None:
+def _check_layout(d: int, hkv: int, meta_word: torch.dtype, **tensors: torch.Tensor) -> None:
+    """Strides are derived from ``d``, ``hkv`` and the contiguous layouts, and the codes (head dim
+    >= 128, whichever tile loop the size picks) and the ``(scale, zero)`` pairs are read as words:
+    refuse pools that would be read out of bounds or off a word boundary."""
+    # per pool: (dtype or None for any, shape after the slot dim, bytes of the word it is read in)
+    kinds = {
+        "codes": (torch.uint8, (hkv, d // 4), 2 if d >= 128 else 1),
+        "meta": (None, (hkv, 1, 2), meta_word.itemsize),
+        "hp": (None, (hkv, d), 1),
+    }
     for name, t in tensors.items():
+        dtype, rows, size = kinds["hp" if name.startswith("hp") else name[2:]]
         if not t.is_contiguous():
             raise ValueError(
                 f"decode_attention: {name} must be contiguous (shape {tuple(t.shape)}, stride "
                 f"{t.stride()}); the kernel derives its strides from the pool layout"
+            )
+        if dtype not in (None, t.dtype) or tuple(t.shape[1:]) != rows:
+            raise ValueError(
+                f"decode_attention: {name} must be {str(dtype or t.dtype)[6:]} [N, {', '.join(map(str, rows))}]; "
+                f"got {t.dtype} {tuple(t.shape)}"
+            )
+        if t.data_ptr() % size:
+            raise ValueError(
+                f"decode_attention: {name} must start at a multiple of {size} bytes (it is read as "
+                f"{size}-byte words); got a view at byte offset {t.storage_offset() * t.element_size()}"
             )
 
 
@@ -166,15 +186,18 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     bsz, hq, d = q_rot.shape
     hkv = hp_k.shape[1]
     g = hq // hkv
-    if d % 64 or d > 256 or hq % hkv:
+    if d not in (64, 128, 256) or hq % hkv:
         raise ValueError(f"head_dim must be 64, 128 or 256 and Hq a multiple of Hkv; got d={d}, {hq}/{hkv}")
-    _check_layout(k_codes=k_codes, k_meta=k_meta, v_codes=v_codes, v_meta=v_meta, hp_k=hp_k, hp_v=hp_v)
     if k_meta.dtype != v_meta.dtype or k_meta.dtype not in _META_WORDS or k_meta.shape[-2:] != (1, 2):
         raise ValueError(
             f"decode_attention: k_meta/v_meta must both be [N, Hkv, 1, 2] fp16/bf16/fp32 (one scale/zero "
             f"pair per row, as quantize_pack writes); got {k_meta.dtype} {tuple(k_meta.shape)} and "
             f"{v_meta.dtype} {tuple(v_meta.shape)} (use backend='torch' for grouped formats)"
         )
+    word, meta_id = _META_WORDS[k_meta.dtype]
+    _check_layout(
+        d, hkv, word, k_codes=k_codes, k_meta=k_meta, v_codes=v_codes, v_meta=v_meta, hp_k=hp_k, hp_v=hp_v
+    )
     if lens_hint is None:
         lens = torch.stack(
             [(int2_indptr[1:] - int2_indptr[:-1]).max(), (hp_indptr[1:] - hp_indptr[:-1]).max()]
@@ -199,7 +222,6 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     lse = torch.empty(bsz, hq, total, device=q_rot.device, dtype=torch.float32)
     # 16-bit queries: the model's bf16/fp16 as they are; anything else (fp32 on the CPU) as fp16
     q = q_rot.contiguous() if q_rot.dtype in (torch.bfloat16, torch.float16) else q_rot.half().contiguous()
-    word, meta_id = _META_WORDS[k_meta.dtype]
     kc, vc = (k_codes.view(torch.int16), v_codes.view(torch.int16)) if words else (k_codes, v_codes)
     _stage1[(hkv // hpb, total, bsz)](
         q, kc, k_meta.view(word), vc, v_meta.view(word), hp_k, hp_v, int2_indptr, int2_indices, hp_indptr, hp_indices,
