@@ -15,8 +15,10 @@ programs to fill the GPU (measured faster there). The accumulators are rescaled 
 running maximum grows by more than 2⁸ (the probabilities then stay ≤ 256, well inside fp16),
 which skips the rescale on almost every tile.
 
-The per-tier tile loops live in :mod:`.decode_tiles`. Strides are derived from the (validated)
-contiguous layouts, which keeps the launch short.
+The INT2 tile loops live in :mod:`.decode_words` (codes read as int16 words: head dim >= 128 from
+``CONFIG['small_tokens']`` quantized tokens) and :mod:`.decode_tiles` (codes read as bytes; it
+also holds the 16-bit tier's loop and the helpers both INT2 loops share). Strides are derived
+from the (validated) contiguous layouts, which keeps the launch short.
 """
 
 from __future__ import annotations

@@ -128,26 +128,110 @@ def _meta_rows(M, sh, nmask, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.const
 
 
 @triton.jit
-def int2_split_bytes(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, total, hg, sp, b,
-                HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr,
-                BLOCK_N: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr):  # fmt: skip
-    D4: tl.constexpr = D // 4
+def _int2_setup(INDPTR, b, hg, sp, split_size, total, HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr,
+                R_PAD: tl.constexpr):  # fmt: skip
+    """First KV head ``h0`` of head group ``hg``, the split's slot range ``[lo, hi)``, the partial-state
+    rows and their mask, each row's KV head within the group (``>= HPB`` on padding rows) and the
+    rows' query rows."""
     h0 = hg * HPB
     lo, hi = _split_range(INDPTR, b, sp, split_size)
     row, rmask = _rows(b, h0, sp, total, G, HPB, R_PAD, HKV * G)
     offs_r = tl.arange(0, R_PAD)
-    rhead = offs_r // G  # KV head of each row within the group (>= HPB on padding rows)
+    return h0, lo, hi, row, rmask, offs_r // G, b * HKV * G + h0 * G + offs_r
+
+
+@triton.jit
+def _qpart(qp, i: tl.constexpr, e: tl.constexpr, rmask, D4: tl.constexpr):
+    """Query dims ``D4·i + e`` onwards from ``qp`` (the dims of code plane ``i``) as fp32."""
+    return tl.load(qp + D4 * i + e, mask=rmask[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _qscale(q, i: tl.constexpr):
+    """Query part for code plane ``i`` (worth ``c·4^i``) as an fp16 operand: scaled by ``4^-i`` (exact)."""
+    return q.to(tl.float16) if i == 0 else (q * (0.25**i)).to(tl.float16)
+
+
+@triton.jit
+def _int2_tile(IDX, KM, n0, hi, h0, HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr,
+               BLOCK_N: tl.constexpr, META: tl.constexpr):  # fmt: skip
+    """Tile at slot-list position ``n0``: its mask, the ``(slot, first head)`` rows and the K metadata."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    nmask = offs_n < hi
+    sh = tl.load(IDX + offs_n, mask=nmask, other=0).to(tl.int64) * HKV + h0
+    ks, kz = _meta_rows(KM, sh, nmask, G, HPB, R_PAD, META)
+    return nmask, sh, ks, kz
+
+
+@triton.jit
+def _keep_head(t, qc, rhead, j: tl.constexpr, HPB: tl.constexpr):
+    """Scores of KV head ``j`` (``t``, computed for every row) kept on that head's rows of ``qc``."""
+    return t if HPB == 1 else tl.where(rhead[:, None] == j, t, qc)
+
+
+@triton.jit
+def _head_rows(pw, rhead, j: tl.constexpr, HPB: tl.constexpr):
+    """``p`` with the rows of the group's other KV heads zeroed, for KV head ``j``'s ``p·V``."""
+    return pw if HPB == 1 else tl.where(rhead[:, None] == j, pw, 0.0).to(tl.float16)
+
+
+@triton.jit
+def _scores(qc, qsum, ks, kz, qk_scale, nmask, m_i):
+    """Scores (base 2) ``s·(q·c) − s·z·Σq`` of a tile, masked columns ``-inf``, and the new row max."""
+    s = qc * ks * (qk_scale * SUBNORMAL) - qsum[:, None] * (ks * kz * qk_scale)
+    s = tl.where(nmask[None, :], s, float("-inf"))
+    return s, tl.maximum(m_i, tl.max(s, 1))
+
+
+@triton.jit
+def _must_rescale(m_i, m_new):
+    """Lazy rescale: only when some row's max grew by more than 2^8 (``p`` then stays <= 256)."""
+    return tl.max(m_new - m_i, 0) > 8.0
+
+
+@triton.jit
+def _rescale(m_i, m_new, l_i, zacc):
+    """The old state's factor ``alpha`` and the rescaled ``(sum, Σ p∘s∘z)``."""
+    alpha = tl.exp2(m_i - m_new)
+    return alpha, l_i * alpha, zacc * alpha
+
+
+@triton.jit
+def _probs(s, m_i, l_i, zacc, VM, sh, nmask, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr,
+           META: tl.constexpr):  # fmt: skip
+    """Probabilities against the (lazy) max ``m_i``; returns ``p∘s`` (V scales) as the fp16 operand of
+    ``p·V`` and the updated ``(sum, Σ p∘s∘z)``."""
+    p = tl.exp2(s - m_i[:, None])
+    l_i = l_i + tl.sum(p, 1)
+    vs, vz = _meta_rows(VM, sh, nmask, G, HPB, R_PAD, META)
+    ps = p * vs
+    zacc = zacc + tl.sum(ps * vz, 1)
+    return ps.to(tl.float16), l_i, zacc
+
+
+@triton.jit
+def _store_part(op, i: tl.constexpr, e: tl.constexpr, acc, inv, z, rmask, D4: tl.constexpr):
+    """Output dims ``D4·i + e`` onwards from the accumulator of code plane ``i`` (worth ``c·4^i·2⁻²⁴``)."""
+    scale = SUBNORMAL / (4.0**i)
+    tl.store(op + D4 * i + e, acc * (inv * scale)[:, None] - z[:, None], mask=rmask[:, None])
+
+
+@triton.jit
+def int2_split_bytes(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, total, hg, sp, b,
+                HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr,
+                BLOCK_N: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr):  # fmt: skip
+    D4: tl.constexpr = D // 4
+    h0, lo, hi, row, rmask, rhead, qrow = _int2_setup(
+        INDPTR, b, hg, sp, split_size, total, HKV, G, HPB, R_PAD
+    )
     offs_d = tl.arange(0, D4)
-    qp = Q + (b * HKV * G + h0 * G + offs_r)[:, None] * D + offs_d[None, :]
+    qp = Q + qrow[:, None] * D + offs_d[None, :]
     q0 = tl.load(qp, mask=rmask[:, None], other=0.0).to(tl.float16)
-    q1 = tl.load(qp + D4, mask=rmask[:, None], other=0.0).to(tl.float32)
-    q2 = tl.load(qp + 2 * D4, mask=rmask[:, None], other=0.0).to(tl.float32)
-    q3 = tl.load(qp + 3 * D4, mask=rmask[:, None], other=0.0).to(tl.float32)
+    q1 = _qpart(qp, 1, 0, rmask, D4)
+    q2 = _qpart(qp, 2, 0, rmask, D4)
+    q3 = _qpart(qp, 3, 0, rmask, D4)
     qsum = tl.sum(q0.to(tl.float32) + q1 + q2 + q3, 1)
-    # plane i holds c·4^i: scale query quarter i by 4^-i (exact, powers of two)
-    q1 = (q1 * 0.25).to(tl.float16)
-    q2 = (q2 * 0.0625).to(tl.float16)
-    q3 = (q3 * 0.015625).to(tl.float16)
+    q1, q2, q3 = _qscale(q1, 1), _qscale(q2, 2), _qscale(q3, 3)
     m_i = tl.full([R_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([R_PAD], tl.float32)
     zacc = tl.zeros([R_PAD], tl.float32)
@@ -156,10 +240,7 @@ def int2_split_bytes(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_siz
     a2 = tl.zeros([R_PAD, D4], tl.float32)
     a3 = tl.zeros([R_PAD, D4], tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        nmask = offs_n < hi
-        sh = tl.load(IDX + offs_n, mask=nmask, other=0).to(tl.int64) * HKV + h0  # (slot, first head) row
-        ks, kz = _meta_rows(KM, sh, nmask, G, HPB, R_PAD, META)
+        nmask, sh, ks, kz = _int2_tile(IDX, KM, n0, hi, h0, HKV, G, HPB, R_PAD, BLOCK_N, META)
         qc = tl.zeros([R_PAD, BLOCK_N], tl.float32)
         for j in tl.static_range(HPB):
             # K codes loaded transposed, [D4, BLOCK_N], so the planes are dot operands as they are
@@ -169,29 +250,20 @@ def int2_split_bytes(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_siz
             t = tl.dot(q1, k1, t)
             t = tl.dot(q2, k2, t)
             t = tl.dot(q3, k3, t)
-            qc = t if HPB == 1 else tl.where(rhead[:, None] == j, t, qc)
-        s = qc * ks * (qk_scale * SUBNORMAL) - qsum[:, None] * (ks * kz * qk_scale)
-        s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if tl.max(m_new - m_i, 0) > 8.0:  # rescale only when a row's max grew by more than 2^8
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha
-            zacc = zacc * alpha
+            qc = _keep_head(t, qc, rhead, j, HPB)
+        s, m_new = _scores(qc, qsum, ks, kz, qk_scale, nmask, m_i)
+        if _must_rescale(m_i, m_new):
+            alpha, l_i, zacc = _rescale(m_i, m_new, l_i, zacc)
             a0 = a0 * alpha[:, None]
             a1 = a1 * alpha[:, None]
             a2 = a2 * alpha[:, None]
             a3 = a3 * alpha[:, None]
             m_i = m_new
-        p = tl.exp2(s - m_i[:, None])
-        l_i = l_i + tl.sum(p, 1)
-        vs, vz = _meta_rows(VM, sh, nmask, G, HPB, R_PAD, META)
-        ps = p * vs
-        zacc = zacc + tl.sum(ps * vz, 1)
-        pw = ps.to(tl.float16)
+        pw, l_i, zacc = _probs(s, m_i, l_i, zacc, VM, sh, nmask, G, HPB, R_PAD, META)
         for j in tl.static_range(HPB):
             vc = tl.load(VC + (sh + j)[:, None] * D4 + offs_d[None, :], mask=nmask[:, None], other=0)
             v0, v1, v2, v3 = _byte_planes(vc, ASM)
-            pj = pw if HPB == 1 else tl.where(rhead[:, None] == j, pw, 0.0).to(tl.float16)
+            pj = _head_rows(pw, rhead, j, HPB)
             a0 = tl.dot(pj, v0, a0)
             a1 = tl.dot(pj, v1, a1)
             a2 = tl.dot(pj, v2, a2)
@@ -199,10 +271,10 @@ def int2_split_bytes(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_siz
     inv = _inv(l_i)
     z = zacc * inv
     op = O + row[:, None] * D + offs_d[None, :]
-    tl.store(op, a0 * (inv * SUBNORMAL)[:, None] - z[:, None], mask=rmask[:, None])
-    tl.store(op + D4, a1 * (inv * SUBNORMAL / 4)[:, None] - z[:, None], mask=rmask[:, None])
-    tl.store(op + 2 * D4, a2 * (inv * SUBNORMAL / 16)[:, None] - z[:, None], mask=rmask[:, None])
-    tl.store(op + 3 * D4, a3 * (inv * SUBNORMAL / 64)[:, None] - z[:, None], mask=rmask[:, None])
+    _store_part(op, 0, 0, a0, inv, z, rmask, D4)
+    _store_part(op, 1, 0, a1, inv, z, rmask, D4)
+    _store_part(op, 2, 0, a2, inv, z, rmask, D4)
+    _store_part(op, 3, 0, a3, inv, z, rmask, D4)
     _store_lse(LSE, row, rmask, m_i, l_i)
 
 

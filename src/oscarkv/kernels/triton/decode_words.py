@@ -15,7 +15,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode_tiles import SUBNORMAL, _inv, _meta_rows, _rows, _split_range, _store_lse
+from .decode_tiles import (
+    _head_rows,
+    _int2_setup,
+    _int2_tile,
+    _inv,
+    _keep_head,
+    _must_rescale,
+    _probs,
+    _qpart,
+    _qscale,
+    _rescale,
+    _scores,
+    _store_lse,
+    _store_part,
+)
 
 __all__ = ["int2_split_words"]
 
@@ -62,24 +76,16 @@ def _planes(c, ASM: tl.constexpr):
 
 
 @triton.jit
-def _qpart(qp, i: tl.constexpr, e: tl.constexpr, rmask, D4: tl.constexpr):
-    """Query dims ``D4·i + 2m + e`` (the dims of code plane ``(i, e)``) as fp32 ``[R_PAD, D/8]``."""
-    return tl.load(qp + D4 * i + e, mask=rmask[:, None], other=0.0).to(tl.float32)
-
-
-@triton.jit
 def int2_split_words(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, total, hg, sp, b,
                 HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr,
                 BLOCK_N: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr):  # fmt: skip
     D4: tl.constexpr = D // 4
     D8: tl.constexpr = D // 8  # 16-bit code words per row: word m holds bytes 2m and 2m + 1
-    h0 = hg * HPB
-    lo, hi = _split_range(INDPTR, b, sp, split_size)
-    row, rmask = _rows(b, h0, sp, total, G, HPB, R_PAD, HKV * G)
-    offs_r = tl.arange(0, R_PAD)
-    rhead = offs_r // G  # KV head of each row within the group (>= HPB on padding rows)
+    h0, lo, hi, row, rmask, rhead, qrow = _int2_setup(
+        INDPTR, b, hg, sp, split_size, total, HKV, G, HPB, R_PAD
+    )
     offs_m = tl.arange(0, D8)
-    qp = Q + (b * HKV * G + h0 * G + offs_r)[:, None] * D + 2 * offs_m[None, :]
+    qp = Q + qrow[:, None] * D + 2 * offs_m[None, :]
     # plane (i, e) holds c·4^i for dims D4·i + 2m + e: scale those query dims by 4^-i (exact)
     q00 = _qpart(qp, 0, 0, rmask, D4)
     q01 = _qpart(qp, 0, 1, rmask, D4)
@@ -90,10 +96,8 @@ def int2_split_words(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_siz
     q30 = _qpart(qp, 3, 0, rmask, D4)
     q31 = _qpart(qp, 3, 1, rmask, D4)
     qsum = tl.sum(q00 + q01 + q10 + q11 + q20 + q21 + q30 + q31, 1)
-    q00, q01 = q00.to(tl.float16), q01.to(tl.float16)
-    q10, q11 = (q10 * 0.25).to(tl.float16), (q11 * 0.25).to(tl.float16)
-    q20, q21 = (q20 * 0.0625).to(tl.float16), (q21 * 0.0625).to(tl.float16)
-    q30, q31 = (q30 * 0.015625).to(tl.float16), (q31 * 0.015625).to(tl.float16)
+    q00, q01, q10, q11 = _qscale(q00, 0), _qscale(q01, 0), _qscale(q10, 1), _qscale(q11, 1)
+    q20, q21, q30, q31 = _qscale(q20, 2), _qscale(q21, 2), _qscale(q30, 3), _qscale(q31, 3)
     m_i = tl.full([R_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([R_PAD], tl.float32)
     zacc = tl.zeros([R_PAD], tl.float32)
@@ -106,10 +110,7 @@ def int2_split_words(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_siz
     a30 = tl.zeros([R_PAD, D8], tl.float32)
     a31 = tl.zeros([R_PAD, D8], tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        nmask = offs_n < hi
-        sh = tl.load(IDX + offs_n, mask=nmask, other=0).to(tl.int64) * HKV + h0  # (slot, first head) row
-        ks, kz = _meta_rows(KM, sh, nmask, G, HPB, R_PAD, META)
+        nmask, sh, ks, kz = _int2_tile(IDX, KM, n0, hi, h0, HKV, G, HPB, R_PAD, BLOCK_N, META)
         qc = tl.zeros([R_PAD, BLOCK_N], tl.float32)
         for j in tl.static_range(HPB):
             # K code words loaded transposed, [D8, BLOCK_N], so the planes are dot operands as they are
@@ -123,29 +124,20 @@ def int2_split_words(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_siz
             t = tl.dot(q21, k21, t)
             t = tl.dot(q30, k30, t)
             t = tl.dot(q31, k31, t)
-            qc = t if HPB == 1 else tl.where(rhead[:, None] == j, t, qc)
-        s = qc * ks * (qk_scale * SUBNORMAL) - qsum[:, None] * (ks * kz * qk_scale)
-        s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if tl.max(m_new - m_i, 0) > 8.0:  # rescale only when a row's max grew by more than 2^8
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha
-            zacc = zacc * alpha
+            qc = _keep_head(t, qc, rhead, j, HPB)
+        s, m_new = _scores(qc, qsum, ks, kz, qk_scale, nmask, m_i)
+        if _must_rescale(m_i, m_new):
+            alpha, l_i, zacc = _rescale(m_i, m_new, l_i, zacc)
             a00, a01 = a00 * alpha[:, None], a01 * alpha[:, None]
             a10, a11 = a10 * alpha[:, None], a11 * alpha[:, None]
             a20, a21 = a20 * alpha[:, None], a21 * alpha[:, None]
             a30, a31 = a30 * alpha[:, None], a31 * alpha[:, None]
             m_i = m_new
-        p = tl.exp2(s - m_i[:, None])
-        l_i = l_i + tl.sum(p, 1)
-        vs, vz = _meta_rows(VM, sh, nmask, G, HPB, R_PAD, META)
-        ps = p * vs
-        zacc = zacc + tl.sum(ps * vz, 1)
-        pw = ps.to(tl.float16)
+        pw, l_i, zacc = _probs(s, m_i, l_i, zacc, VM, sh, nmask, G, HPB, R_PAD, META)
         for j in tl.static_range(HPB):
             vc = tl.load(VC + (sh + j)[:, None] * D8 + offs_m[None, :], mask=nmask[:, None], other=0)
             v00, v01, v10, v11, v20, v21, v30, v31 = _planes(vc, ASM)
-            pj = pw if HPB == 1 else tl.where(rhead[:, None] == j, pw, 0.0).to(tl.float16)
+            pj = _head_rows(pw, rhead, j, HPB)
             a00 = tl.dot(pj, v00, a00)
             a01 = tl.dot(pj, v01, a01)
             a10 = tl.dot(pj, v10, a10)
@@ -166,10 +158,3 @@ def int2_split_words(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_siz
     _store_part(op, 3, 0, a30, inv, z, rmask, D4)
     _store_part(op, 3, 1, a31, inv, z, rmask, D4)
     _store_lse(LSE, row, rmask, m_i, l_i)
-
-
-@triton.jit
-def _store_part(op, i: tl.constexpr, e: tl.constexpr, acc, inv, z, rmask, D4: tl.constexpr):
-    """Output dims ``D4·i + 2m + e`` from the accumulator of plane ``(i, e)`` (worth ``c·4^i·2⁻²⁴``)."""
-    scale = SUBNORMAL / (4.0**i)
-    tl.store(op + D4 * i + e, acc * (inv * scale)[:, None] - z[:, None], mask=rmask[:, None])
