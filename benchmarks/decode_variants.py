@@ -15,7 +15,6 @@ import argparse
 import importlib
 import itertools
 import math
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -32,14 +31,14 @@ from oscarkv.quant import RowFormat
 
 
 def load_version(name: str, src: Path, tmp: Path):
-    """Import a copy of a kernel version from ``src`` as a stand-alone module."""
-    tag = f"dv_{name}"
-    attn = (src / "decode_attention.py").read_text()
-    attn = attn.replace("from ...quant import", "from oscarkv.quant import")
-    attn = attn.replace("from .decode_tiles import", f"from {tag}_tiles import")
-    (tmp / f"{tag}_attn.py").write_text(attn)
-    shutil.copy(src / "decode_tiles.py", tmp / f"{tag}_tiles.py")
-    return importlib.import_module(f"{tag}_attn")
+    """Import a copy of a kernel version (every ``decode_*.py`` in ``src``) as a stand-alone package
+    ``dv_<name>``; its relative imports of the package's ``quant`` module point at oscarkv's."""
+    pkg = tmp / f"dv_{name}"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    for f in src.glob("decode_*.py"):
+        (pkg / f.name).write_text(f.read_text().replace("from ...quant import", "from oscarkv.quant import"))
+    return importlib.import_module(f"dv_{name}.decode_attention")
 
 
 def main() -> None:
@@ -85,11 +84,12 @@ def main() -> None:
         pools = make_pools(b, lq, SINK_RECENT, hkv, d, fmt)
         nbytes = b * hkv * (lq * 2 * (d // 4 + 4) + SINK_RECENT * 2 * d * 2)
         want = ref.decode_attention(q, *pools, 1 / math.sqrt(d), fmt, fmt) if b * L <= 1 << 20 else None
-        for (vname, mod), (bn, w, st, progs, gt, ms) in itertools.product(versions.items(), grid):
+        for (vname, mod), (bn, w, st, progs, gt, msplit) in itertools.product(versions.items(), grid):
             saved = dict(mod.CONFIG)
-            mod.CONFIG.update(
-                block_n=bn, num_warps=w, num_stages=st, programs=progs, group_tokens=gt, min_split=ms
-            )
+            # one tile size and one program count for every case (grouped heads, few head groups);
+            # versions that lack those keys ignore them
+            mod.CONFIG.update(block_n=bn, block_n_grouped=bn, num_warps=w, num_stages=st, programs=progs,
+                              programs_few=progs, group_tokens=gt, min_split=msplit)  # fmt: skip
 
             def fn(mod=mod, q=q, pools=pools, lq=lq):
                 return mod.decode_attention(
@@ -105,7 +105,9 @@ def main() -> None:
                 "stages": st,
                 "programs": progs,
                 "group_tokens": gt,
-                "min_split": ms,
+                "min_split": msplit,
+                # below CONFIG['small_tokens'] the launch takes the byte planes with their own config
+                "path": "bytes" if b * lq < mod.CONFIG.get("small_tokens", 0) else "main",
             }
             try:
                 err = rel(fn(), want) if want is not None else float("nan")
@@ -130,10 +132,10 @@ def main() -> None:
         for r in rows:
             if (r["batch"], r["len"]) == (b, L):
                 r.update(sdpa_ms=ms_sdpa, sdpa_backend=be, speedup=ms_sdpa / r["ms"] if "ms" in r else None)
-    md = ["| batch | length | version | block_n | warps | stages | programs | group tokens | min split | heads/prog | ms | speedup vs SDPA | TB/s | rel err |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    md = ["| batch | length | version | path | block_n | warps | stages | programs | group tokens | min split | heads/prog | ms | speedup vs SDPA | TB/s | rel err |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        cfg = f"| {r['batch']} | {r['len']} | {r['version']} | {r['block_n']} | {r['warps']} | {r['stages']} | {r['programs']} | {r['group_tokens']} | {r['min_split']} |"
+        cfg = f"| {r['batch']} | {r['len']} | {r['version']} | {r['path']} | {r['block_n']} | {r['warps']} | {r['stages']} | {r['programs']} | {r['group_tokens']} | {r['min_split']} |"
         md.append(cfg + (f" {r['hpb']} | {r['ms']:.4f} | {r['speedup']:.2f}x | {r['TBps']:.2f} | {r['rel_err']:.1e} |"
                          if "ms" in r else f" - | {r['error']} | | | |"))  # fmt: skip
     print("\n".join(md))
