@@ -55,6 +55,11 @@ def main() -> None:
     ap.add_argument(
         "--min-split", default="256", help="CONFIG['min_split'] values (tokens per split, at least)"
     )
+    ap.add_argument(
+        "--token-groups",
+        default="0",
+        help="CONFIG['token_groups'] values (0,1): the token-group loop for one KV head per program",
+    )
     ap.add_argument("--name", default="decode_variants")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
@@ -72,6 +77,7 @@ def main() -> None:
             ints(args.programs),
             ints(args.group_tokens),
             ints(args.min_split),
+            ints(args.token_groups),
         )
     )
     hq, hkv, d = 32, 8, 128
@@ -84,12 +90,14 @@ def main() -> None:
         pools = make_pools(b, lq, SINK_RECENT, hkv, d, fmt)
         nbytes = b * hkv * (lq * 2 * (d // 4 + 4) + SINK_RECENT * 2 * d * 2)
         want = ref.decode_attention(q, *pools, 1 / math.sqrt(d), fmt, fmt) if b * L <= 1 << 20 else None
-        for (vname, mod), (bn, w, st, progs, gt, msplit) in itertools.product(versions.items(), grid):
+        for (vname, mod), (bn, w, st, progs, gt, msplit, tg) in itertools.product(versions.items(), grid):
             saved = dict(mod.CONFIG)
+            if tg and "token_groups" not in saved:
+                continue  # a version without the token-group loop
             # one tile size and one program count for every case (grouped heads, few head groups);
             # versions that lack those keys ignore them
             mod.CONFIG.update(block_n=bn, block_n_grouped=bn, num_warps=w, num_stages=st, programs=progs,
-                              programs_few=progs, group_tokens=gt, min_split=msplit)  # fmt: skip
+                              programs_few=progs, group_tokens=gt, min_split=msplit, token_groups=bool(tg))  # fmt: skip
 
             def fn(mod=mod, q=q, pools=pools, lq=lq):
                 return mod.decode_attention(
@@ -106,6 +114,7 @@ def main() -> None:
                 "programs": progs,
                 "group_tokens": gt,
                 "min_split": msplit,
+                "token_groups": tg,
                 # below CONFIG['small_tokens'] the launch takes the byte planes with their own config
                 "path": "bytes" if b * lq < mod.CONFIG.get("small_tokens", 0) else "main",
             }
@@ -118,6 +127,8 @@ def main() -> None:
                     rel_err=err,
                     hpb=mod.heads_per_program(hq // hkv, hkv, b * lq),
                 )
+                if tg:  # groups per tile the launch took (0: the padded loop, e.g. grouped heads)
+                    row["groups"] = mod.token_groups(hq // hkv, row["hpb"], bn)
             except Exception as e:  # a config that does not compile (registers, shared memory)
                 row["error"] = str(e).splitlines()[-1][:120] if str(e) else type(e).__name__
             mod.CONFIG.clear(), mod.CONFIG.update(saved)

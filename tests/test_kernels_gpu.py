@@ -47,7 +47,7 @@ def _lists(lens: list[int], device: str, shuffle: bool) -> tuple[torch.Tensor, t
 )
 @pytest.mark.parametrize("meta", ["fp16", "bf16"])
 @pytest.mark.parametrize("grouped", [False, True], ids=["auto-heads", "grouped-heads"])
-@pytest.mark.parametrize("planes", ["auto", "words"])
+@pytest.mark.parametrize("planes", ["auto", "words", "groups"])
 def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta, grouped, planes, monkeypatch):
     from oscarkv.kernels.triton import decode_attention as tda
 
@@ -57,6 +57,11 @@ def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta, g
         if d < 128:
             pytest.skip("head dim 64 always uses the byte planes")
         monkeypatch.setitem(tda.CONFIG, "small_tokens", 0)
+    if planes == "groups":  # the opt-in token-group loop (one KV head per program, word planes)
+        if d < 128 or grouped:
+            pytest.skip("token groups need the word planes and one KV head per program")
+        monkeypatch.setitem(tda.CONFIG, "small_tokens", 0)
+        monkeypatch.setitem(tda.CONFIG, "token_groups", True)
 
     dev = "cuda"
     fmt = RowFormat(d, 2, d, meta_dtype=meta)

@@ -215,6 +215,35 @@ def test_decode_attention_word_planes_match_reference(
     _check_decode(da, lens_q, lens_h, hq, hkv, d, meta)
 
 
+@pytest.mark.parametrize(
+    ("lens_q", "lens_h", "hq", "hkv", "d", "meta", "block_n", "groups"),
+    [
+        ([70, 0, 129], [5, 9, 0], 8, 2, 128, "fp16", 64, 4),  # empty tiers, tiles and groups not full
+        ([300], [20], 8, 2, 128, "fp16", 64, 4),  # several splits
+        ([90, 40], [7, 2], 8, 2, 128, "bf16", 64, 4),
+        ([90, 40], [7, 2], 8, 2, 128, "fp32", 64, 4),
+        ([200, 33], [4, 0], 32, 8, 128, "fp16", 64, 4),  # Qwen3-8B's GQA
+        ([50, 3], [3, 1], 16, 4, 256, "fp16", 64, 4),  # head dim 256
+        ([150, 7], [2, 3], 16, 8, 128, "fp16", 128, 8),  # g = 2: 8 groups of 16 tokens
+        ([100], [2], 16, 2, 128, "fp32", 64, 2),  # g = 8: 2 groups of 32 tokens
+        ([300, 5], [1, 0], 4, 4, 128, "fp16", 256, 16),  # g = 1 (MHA): 16 groups of 16 tokens
+        ([70, 20], [2, 5], 16, 8, 128, "fp16", 64, 0),  # g = 2 with 64-token tiles: padded loop
+        ([70], [2], 12, 4, 128, "fp16", 64, 0),  # g = 3: padded loop
+    ],
+)
+def test_decode_attention_token_groups_match_reference(
+    tk, lens_q, lens_h, hq, hkv, d, meta, block_n, groups, monkeypatch
+):
+    """The opt-in token-group loop (decode_groups.py, ``CONFIG['token_groups']``): one KV head per
+    program, each tile split into 16 / g groups of tokens so that the 16 MMA rows carry no padding."""
+    _, da = tk
+    monkeypatch.setitem(da.CONFIG, "small_tokens", 0)
+    monkeypatch.setitem(da.CONFIG, "token_groups", True)
+    monkeypatch.setitem(da.CONFIG, "block_n", block_n)
+    assert da.token_groups(hq // hkv, 1, block_n) == groups
+    _check_decode(da, lens_q, lens_h, hq, hkv, d, meta)
+
+
 def _check_decode(da, lens_q, lens_h, hq, hkv, d, meta) -> None:
     fmt = RowFormat(d, 2, d, meta_dtype=meta)
     nq, nh = sum(lens_q), sum(lens_h)

@@ -17,7 +17,9 @@ which skips the rescale on almost every tile.
 
 The INT2 tile loops live in :mod:`.decode_words` (codes read as int16 words: head dim >= 128 from
 ``CONFIG['small_tokens']`` quantized tokens) and :mod:`.decode_tiles` (codes read as bytes; it
-also holds the 16-bit tier's loop and the helpers both INT2 loops share). Strides are derived
+also holds the 16-bit tier's loop and the helpers both INT2 loops share); :mod:`.decode_groups` is
+an opt-in word loop without padding rows for one KV head per program (``CONFIG['token_groups']``,
+not yet timed on a GPU). Strides are derived
 from the (validated) contiguous layouts, which keeps the launch short.
 """
 
@@ -30,10 +32,11 @@ import triton
 import triton.language as tl
 
 from ...quant import RowFormat
+from .decode_groups import int2_split_groups
 from .decode_tiles import hp_split, int2_split_bytes
 from .decode_words import int2_split_words
 
-__all__ = ["decode_attention", "heads_per_program", "num_splits"]
+__all__ = ["decode_attention", "heads_per_program", "num_splits", "token_groups"]
 
 LOG2E = 1.4426950408889634
 
@@ -42,13 +45,16 @@ LOG2E = 1.4426950408889634
 def _stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale, split_q, split_h,
             n_q_splits, total, HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr,
             G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-            ASM: tl.constexpr, META: tl.constexpr, WORDS: tl.constexpr):  # fmt: skip
+            ASM: tl.constexpr, META: tl.constexpr, WORDS: tl.constexpr, TG: tl.constexpr = 0):  # fmt: skip
     # axis 0 is the group of HPB KV heads, so that programs reading the same tokens run together
     hg = tl.program_id(0)
     sp = tl.program_id(1)
     b = tl.program_id(2)
     if sp < n_q_splits:
-        if WORDS:  # codes read as int16 words (head dim >= 128)
+        if TG > 1:  # opt-in: one KV head's g rows times TG token groups fill the MMA rows
+            int2_split_groups(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
+                              HKV, G, R_PAD, D, BLOCK_N, TG, ASM, META)  # fmt: skip
+        elif WORDS:  # codes read as int16 words (head dim >= 128)
             int2_split_words(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
                              HKV, G, HPB, R_PAD, D, BLOCK_N, ASM, META)  # fmt: skip
         else:
@@ -105,6 +111,10 @@ CONFIG = {
     # 4K-16K they measured 1.05-1.55x SDPA against 0.78-1.43x for the word planes
     "small_tokens": 24576,
     "bytes": {"block_n": 128, "num_warps": 4},
+    # opt-in, not yet timed on a GPU: with one KV head per program, split each word-plane tile into
+    # 16 / g token groups so that the 16 MMA rows are (group, query head) pairs, no padding rows
+    # (decode_groups.py); taken for g <= 8 (power of two) when a group still has >= 16 tokens
+    "token_groups": False,
 }
 #: 16-bit tier: tokens per split and per tile (it holds at most sink + recent + 7 = 327 by default)
 HP_SPLIT, HP_BLOCK = 128, 32
@@ -122,6 +132,16 @@ def heads_per_program(g: int, kv_heads: int, tokens: int | None = None) -> int:
     while kv_heads % hpb:
         hpb -= 1
     return hpb
+
+
+def token_groups(g: int, hpb: int, block_n: int) -> int:
+    """Token groups per word-plane tile (decode_groups.py), 0 for the padded loop: only with
+    ``CONFIG['token_groups']``, one KV head per program, ``g <= 8`` a power of two (``16 / g``
+    groups fill the 16 MMA rows) and at least 16 tokens per group (``tl.dot``'s minimum N)."""
+    if not CONFIG["token_groups"] or hpb != 1 or g > 8 or g & (g - 1):
+        return 0
+    t = CONFIG["rows"] // g
+    return t if t > 1 and block_n // t >= 16 else 0
 
 
 def num_splits(batch: int, kv_heads: int, max_len: int) -> int:
@@ -214,6 +234,7 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
         block_n, warps = (CONFIG["block_n"] if hpb == 1 else CONFIG["block_n_grouped"]), CONFIG["num_warps"]
     else:
         block_n, warps = CONFIG["bytes"]["block_n"], CONFIG["bytes"]["num_warps"]
+    tg = token_groups(g, hpb, block_n) if words else 0
     # splits are whole tiles: multiples of 256 tokens (of every tile size), of the tile below that
     gran = 256 if max_q >= 256 * sq else block_n
     split_q = math.ceil(max_q / sq / gran) * gran
@@ -230,7 +251,7 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
         o_part, lse, sm_scale * LOG2E, split_q, HP_SPLIT, sq, total,
         HKV=hkv, G=g, HPB=hpb, R_PAD=max(16, triton.next_power_of_2(hpb * g)), G_PAD=max(16, triton.next_power_of_2(g)),
         D=d, BLOCK_N=block_n,
-        BLOCK_H=HP_BLOCK, ASM=q.is_cuda, META=meta_id, WORDS=words, num_warps=warps, num_stages=CONFIG["num_stages"],
+        BLOCK_H=HP_BLOCK, ASM=q.is_cuda, META=meta_id, WORDS=words, TG=tg, num_warps=warps, num_stages=CONFIG["num_stages"],
     )  # fmt: skip
     out = torch.empty_like(q_rot)
     _merge[(bsz * hq,)](o_part, lse, out, total, S_BLOCK=min(64, max(2, triton.next_power_of_2(total))), D=d)
