@@ -35,7 +35,7 @@ from .decode_tiles import (
     _split_range,
     _store_lse,
 )
-from .decode_words import _planes
+from .decode_words import _planes, _pv8, _qc8, _scale8, _zeros8
 
 __all__ = ["int2_split_groups"]
 
@@ -105,14 +105,7 @@ def int2_split_groups(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_si
     m_i = tl.full([R_PAD], M_FLOOR, tl.float32)
     l_i = tl.zeros([R_PAD], tl.float32)
     zacc = tl.zeros([R_PAD], tl.float32)
-    a00 = tl.zeros([R_PAD, D8], tl.float32)
-    a01 = tl.zeros([R_PAD, D8], tl.float32)
-    a10 = tl.zeros([R_PAD, D8], tl.float32)
-    a11 = tl.zeros([R_PAD, D8], tl.float32)
-    a20 = tl.zeros([R_PAD, D8], tl.float32)
-    a21 = tl.zeros([R_PAD, D8], tl.float32)
-    a30 = tl.zeros([R_PAD, D8], tl.float32)
-    a31 = tl.zeros([R_PAD, D8], tl.float32)
+    a00, a01, a10, a11, a20, a21, a30, a31 = _zeros8(R_PAD, D8)
     for n0 in range(lo, hi, BLOCK_N):
         # the tile's slot ids as [T, NT]: group grp holds tokens n0 + grp·NT ..
         offs_n = n0 + offs_t[:, None] * NT + offs_j[None, :]
@@ -123,24 +116,16 @@ def int2_split_groups(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_si
         kmask = tl.reshape(tl.broadcast_to(nmask[:, None, :], (T, D8, NT)), (KB, NT))
         kc = tl.load(KC + kp, mask=kmask, other=0)
         k00, k01, k10, k11, k20, k21, k30, k31 = _planes(kc, ASM)
-        qc = tl.dot(q00, k00)
-        qc = tl.dot(q01, k01, qc)
-        qc = tl.dot(q10, k10, qc)
-        qc = tl.dot(q11, k11, qc)
-        qc = tl.dot(q20, k20, qc)
-        qc = tl.dot(q21, k21, qc)
-        qc = tl.dot(q30, k30, qc)
-        qc = tl.dot(q31, k31, qc)  # [R_PAD, NT]: q_h · c of token grp·NT + n'
+        qc = _qc8(
+            q00, q01, q10, q11, q20, q21, q30, q31, k00, k01, k10, k11, k20, k21, k30, k31
+        )  # [R_PAD, NT]: q_h · c of token grp·NT + n'
         ks, kz = _meta(_spread(tl.load(KM + sh, mask=nmask, other=0), G, T), META)
         s = qc * ks * (qk_scale * SUBNORMAL) - qsum[:, None] * (ks * kz * qk_scale)
         s = tl.where(_spread(nmask, G, T), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         if _must_rescale(m_i, m_new):
             alpha, l_i, zacc = _rescale(m_i, m_new, l_i, zacc)
-            a00, a01 = a00 * alpha[:, None], a01 * alpha[:, None]
-            a10, a11 = a10 * alpha[:, None], a11 * alpha[:, None]
-            a20, a21 = a20 * alpha[:, None], a21 * alpha[:, None]
-            a30, a31 = a30 * alpha[:, None], a31 * alpha[:, None]
+            a00, a01, a10, a11, a20, a21, a30, a31 = _scale8(a00, a01, a10, a11, a20, a21, a30, a31, alpha)
             m_i = m_new
         p = tl.exp2(s - m_i[:, None])
         l_i = l_i + tl.sum(p, 1)
@@ -152,14 +137,9 @@ def int2_split_groups(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_si
         vsh, vmask = tl.reshape(sh, (BLOCK_N,)), tl.reshape(nmask, (BLOCK_N,))
         vc = tl.load(VC + vsh[:, None] * D8 + offs_m[None, :], mask=vmask[:, None], other=0)
         v00, v01, v10, v11, v20, v21, v30, v31 = _planes(vc, ASM)
-        a00 = tl.dot(pw, v00, a00)
-        a01 = tl.dot(pw, v01, a01)
-        a10 = tl.dot(pw, v10, a10)
-        a11 = tl.dot(pw, v11, a11)
-        a20 = tl.dot(pw, v20, a20)
-        a21 = tl.dot(pw, v21, a21)
-        a30 = tl.dot(pw, v30, a30)
-        a31 = tl.dot(pw, v31, a31)
+        a00, a01, a10, a11, a20, a21, a30, a31 = _pv8(
+            pw, v00, v01, v10, v11, v20, v21, v30, v31, a00, a01, a10, a11, a20, a21, a30, a31
+        )
     # merge the T rows (grp, h) of each head by log-sum-exp: one row per query head
     mg = tl.reshape(m_i, (T, G))
     m_h = tl.max(mg, 0)

@@ -76,6 +76,40 @@ def _planes(c, ASM: tl.constexpr):
 
 
 @triton.jit
+def _zeros8(R_PAD: tl.constexpr, D8: tl.constexpr):
+    """Eight fp32 ``[R_PAD, D8]`` accumulators, one per plane ``(i, e)``."""
+    z = tl.zeros([R_PAD, D8], tl.float32)
+    return z, z, z, z, z, z, z, z
+
+
+@triton.jit
+def _qc8(q00, q01, q10, q11, q20, q21, q30, q31, k00, k01, k10, k11, k20, k21, k30, k31):
+    """``Σ_(i,e) q_(i,e) · plane_(i,e)``: eight ``tl.dot``s into one fp32 score tile."""
+    t = tl.dot(q00, k00)
+    t = tl.dot(q01, k01, t)
+    t = tl.dot(q10, k10, t)
+    t = tl.dot(q11, k11, t)
+    t = tl.dot(q20, k20, t)
+    t = tl.dot(q21, k21, t)
+    t = tl.dot(q30, k30, t)
+    return tl.dot(q31, k31, t)
+
+
+@triton.jit
+def _scale8(a00, a01, a10, a11, a20, a21, a30, a31, alpha):
+    """The eight accumulators times the per-row ``alpha``."""
+    al = alpha[:, None]
+    return a00 * al, a01 * al, a10 * al, a11 * al, a20 * al, a21 * al, a30 * al, a31 * al
+
+
+@triton.jit
+def _pv8(p, v00, v01, v10, v11, v20, v21, v30, v31, a00, a01, a10, a11, a20, a21, a30, a31):
+    """``a_(i,e) += p · plane_(i,e)`` for the eight value planes."""
+    return (tl.dot(p, v00, a00), tl.dot(p, v01, a01), tl.dot(p, v10, a10), tl.dot(p, v11, a11),
+            tl.dot(p, v20, a20), tl.dot(p, v21, a21), tl.dot(p, v30, a30), tl.dot(p, v31, a31))  # fmt: skip
+
+
+@triton.jit
 def int2_split_words(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, total, hg, sp, b,
                 HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr,
                 BLOCK_N: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr):  # fmt: skip
@@ -101,14 +135,7 @@ def int2_split_words(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_siz
     m_i = tl.full([R_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([R_PAD], tl.float32)
     zacc = tl.zeros([R_PAD], tl.float32)
-    a00 = tl.zeros([R_PAD, D8], tl.float32)
-    a01 = tl.zeros([R_PAD, D8], tl.float32)
-    a10 = tl.zeros([R_PAD, D8], tl.float32)
-    a11 = tl.zeros([R_PAD, D8], tl.float32)
-    a20 = tl.zeros([R_PAD, D8], tl.float32)
-    a21 = tl.zeros([R_PAD, D8], tl.float32)
-    a30 = tl.zeros([R_PAD, D8], tl.float32)
-    a31 = tl.zeros([R_PAD, D8], tl.float32)
+    a00, a01, a10, a11, a20, a21, a30, a31 = _zeros8(R_PAD, D8)
     for n0 in range(lo, hi, BLOCK_N):
         nmask, sh, ks, kz = _int2_tile(IDX, KM, n0, hi, h0, HKV, G, HPB, R_PAD, BLOCK_N, META)
         qc = tl.zeros([R_PAD, BLOCK_N], tl.float32)
@@ -116,36 +143,21 @@ def int2_split_words(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_siz
             # K code words loaded transposed, [D8, BLOCK_N], so the planes are dot operands as they are
             kc = tl.load(KC + (sh + j)[None, :] * D8 + offs_m[:, None], mask=nmask[None, :], other=0)
             k00, k01, k10, k11, k20, k21, k30, k31 = _planes(kc, ASM)
-            t = tl.dot(q00, k00)
-            t = tl.dot(q01, k01, t)
-            t = tl.dot(q10, k10, t)
-            t = tl.dot(q11, k11, t)
-            t = tl.dot(q20, k20, t)
-            t = tl.dot(q21, k21, t)
-            t = tl.dot(q30, k30, t)
-            t = tl.dot(q31, k31, t)
+            t = _qc8(q00, q01, q10, q11, q20, q21, q30, q31, k00, k01, k10, k11, k20, k21, k30, k31)
             qc = _keep_head(t, qc, rhead, j, HPB)
         s, m_new = _scores(qc, qsum, ks, kz, qk_scale, nmask, m_i)
         if _must_rescale(m_i, m_new):
             alpha, l_i, zacc = _rescale(m_i, m_new, l_i, zacc)
-            a00, a01 = a00 * alpha[:, None], a01 * alpha[:, None]
-            a10, a11 = a10 * alpha[:, None], a11 * alpha[:, None]
-            a20, a21 = a20 * alpha[:, None], a21 * alpha[:, None]
-            a30, a31 = a30 * alpha[:, None], a31 * alpha[:, None]
+            a00, a01, a10, a11, a20, a21, a30, a31 = _scale8(a00, a01, a10, a11, a20, a21, a30, a31, alpha)
             m_i = m_new
         pw, l_i, zacc = _probs(s, m_i, l_i, zacc, VM, sh, nmask, G, HPB, R_PAD, META)
         for j in tl.static_range(HPB):
             vc = tl.load(VC + (sh + j)[:, None] * D8 + offs_m[None, :], mask=nmask[:, None], other=0)
             v00, v01, v10, v11, v20, v21, v30, v31 = _planes(vc, ASM)
             pj = _head_rows(pw, rhead, j, HPB)
-            a00 = tl.dot(pj, v00, a00)
-            a01 = tl.dot(pj, v01, a01)
-            a10 = tl.dot(pj, v10, a10)
-            a11 = tl.dot(pj, v11, a11)
-            a20 = tl.dot(pj, v20, a20)
-            a21 = tl.dot(pj, v21, a21)
-            a30 = tl.dot(pj, v30, a30)
-            a31 = tl.dot(pj, v31, a31)
+            a00, a01, a10, a11, a20, a21, a30, a31 = _pv8(
+                pj, v00, v01, v10, v11, v20, v21, v30, v31, a00, a01, a10, a11, a20, a21, a30, a31
+            )
     inv = _inv(l_i)
     z = zacc * inv
     op = O + row[:, None] * D + 2 * offs_m[None, :]
