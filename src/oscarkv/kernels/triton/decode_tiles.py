@@ -22,22 +22,21 @@ __all__ = ["hp_split", "int2_split_bytes"]
 #: 2**24: an fp16 word holding the bits ``c`` is worth ``c * 2**-24``
 SUBNORMAL = tl.constexpr(16777216.0)
 
-# four code bytes in one register -> the four 2-bit planes as pairs of fp16 subnormals: two byte
-# permutes spread the bytes over 16-bit lanes, then one mask per plane and pair of codes (plane
-# ``i`` keeps its bits in place, so it holds ``c·4^i``; the caller scales by ``4^-i``)
-_BYTE_PLANES_PTX = tl.constexpr("""{
-.reg .b32 lo, hi;
-prmt.b32 lo, $8, 0, 0x4140;
-prmt.b32 hi, $8, 0, 0x4342;
-and.b32 $0, lo, 0x00030003;
-and.b32 $1, hi, 0x00030003;
-and.b32 $2, lo, 0x000c000c;
-and.b32 $3, hi, 0x000c000c;
-and.b32 $4, lo, 0x00300030;
-and.b32 $5, hi, 0x00300030;
-and.b32 $6, lo, 0x00c000c0;
-and.b32 $7, hi, 0x00c000c0;
-}""")
+
+def _planes_ptx(lo: str, hi: str) -> str:
+    """PTX that turns one 32-bit register of codes into eight registers of fp16-subnormal pairs:
+    two byte permutes (selectors ``lo``, ``hi``) spread bytes over 16-bit lanes, then one mask per
+    2-bit plane (plane ``i`` keeps its bits in place, so it holds ``c·4^i``; callers scale by
+    ``4^-i``). Outputs ``$2i`` / ``$2i+1`` are plane ``i`` of the ``lo`` / ``hi`` spread."""
+    ands = "".join(
+        f"and.b32 ${2 * i}, lo, 0x{m:08x};\nand.b32 ${2 * i + 1}, hi, 0x{m:08x};\n"
+        for i, m in enumerate((0x00030003, 0x000C000C, 0x00300030, 0x00C000C0))
+    )
+    return f"{{\n.reg .b32 lo, hi;\nprmt.b32 lo, $8, 0, {lo};\nprmt.b32 hi, $8, 0, {hi};\n{ands}}}"
+
+
+# four code bytes in one register -> their four planes, bytes (0, 1) in ``lo`` and (2, 3) in ``hi``
+_BYTE_PLANES_PTX = tl.constexpr(_planes_ptx("0x4140", "0x4342"))
 
 
 @triton.jit

@@ -22,6 +22,7 @@ from .decode_tiles import (
     _inv,
     _keep_head,
     _must_rescale,
+    _planes_ptx,
     _probs,
     _qpart,
     _qscale,
@@ -34,22 +35,8 @@ from .decode_tiles import (
 __all__ = ["int2_split_words"]
 
 # two 16-bit code words in one register -> the eight planes ``(i, e)`` (plane ``i`` of byte ``e`` of
-# each word) as pairs of fp16 subnormals: two byte permutes put byte ``e`` of both words into the
-# two 16-bit lanes, then one mask per plane (plane ``i`` keeps its bits in place, so it holds
-# ``c·4^i``; the caller scales by ``4^-i``)
-_PLANES_PTX = tl.constexpr("""{
-.reg .b32 lo, hi;
-prmt.b32 lo, $8, 0, 0x4240;
-prmt.b32 hi, $8, 0, 0x4341;
-and.b32 $0, lo, 0x00030003;
-and.b32 $1, hi, 0x00030003;
-and.b32 $2, lo, 0x000c000c;
-and.b32 $3, hi, 0x000c000c;
-and.b32 $4, lo, 0x00300030;
-and.b32 $5, hi, 0x00300030;
-and.b32 $6, lo, 0x00c000c0;
-and.b32 $7, hi, 0x00c000c0;
-}""")
+# each word): byte 0 of both words in ``lo``, byte 1 in ``hi``
+_PLANES_PTX = tl.constexpr(_planes_ptx("0x4240", "0x4341"))
 
 
 @triton.jit
