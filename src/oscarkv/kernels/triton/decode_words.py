@@ -5,9 +5,9 @@ as int16 words, two bytes each, and every word yields eight fp16 planes ``(i, e)
 (bits ``2i, 2i + 1``) of byte ``e`` of the word, i.e. the code of dim ``D/4·i + 2m + e`` for word
 ``m``. The queries are split the same way, so ``q·c`` is eight ``tl.dot``s with K = D/8. Built from
 16-bit elements, the dot operands have Triton's native 16-bit operand width (kWidth 2), so the
-probabilities feed ``p·V`` from registers and the queries are not re-read from shared memory each
-tile, which the byte planes (kWidth 4) forced. ``tl.dot`` needs K ≥ 16, so head dim 64 (K = 8)
-keeps the byte planes.
+probabilities feed ``p·V`` from registers (the byte planes' kWidth 4 staged them through shared
+memory) and the loop-invariant query parts are re-read by ``ldmatrix``. ``tl.dot`` needs K ≥ 16,
+so head dim 64 (K = 8) keeps the byte planes.
 """
 
 from __future__ import annotations
