@@ -6,10 +6,25 @@ import datetime as dt
 import json
 import platform
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def import_kernel_copy(package: str, files: list[Path]) -> str:
+    """Make copies of kernel modules (e.g. from an earlier commit) importable as the throw-away
+    package ``package``, for side-by-side timing; their relative imports of the package's
+    ``quant`` module point at the installed oscarkv. Returns the package name."""
+    root = Path(tempfile.mkdtemp())
+    (root / package).mkdir()
+    (root / package / "__init__.py").write_text("")
+    for f in files:
+        (root / package / f.name).write_text(f.read_text().replace("from ...quant", "from oscarkv.quant"))
+    sys.path.insert(0, str(root))
+    return package
 
 
 def git_commit() -> str:

@@ -16,29 +16,17 @@ import importlib
 import itertools
 import math
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import save
+from _harness import import_kernel_copy, save
 from gpu_check import SINK_RECENT, bench_graph, make_pools, rel, sdpa_best
 
 import oscarkv.kernels.triton.decode_attention as tda
 from oscarkv.kernels import ref
 from oscarkv.quant import RowFormat
-
-
-def load_version(name: str, src: Path, tmp: Path):
-    """Import a copy of a kernel version (every ``decode_*.py`` in ``src``) as a stand-alone package
-    ``dv_<name>``; its relative imports of the package's ``quant`` module point at oscarkv's."""
-    pkg = tmp / f"dv_{name}"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    for f in src.glob("decode_*.py"):
-        (pkg / f.name).write_text(f.read_text().replace("from ...quant import", "from oscarkv.quant import"))
-    return importlib.import_module(f"dv_{name}.decode_attention")
 
 
 def main() -> None:
@@ -62,12 +50,11 @@ def main() -> None:
     )
     ap.add_argument("--name", default="decode_variants")
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp())
-    sys.path.insert(0, str(tmp))
     versions = {"current": tda}
     for spec in args.baseline:
         name, path = spec.split("=", 1)
-        versions[name] = load_version(name, Path(path), tmp)
+        pkg = import_kernel_copy(f"dv_{name}", sorted(Path(path).glob("decode_*.py")))
+        versions[name] = importlib.import_module(f"{pkg}.decode_attention")
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     grid = list(
         itertools.product(

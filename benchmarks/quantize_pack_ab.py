@@ -14,7 +14,7 @@ The previous kernel is a copy of the module at another commit, loaded from a fil
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import itertools
 import json
 import sys
@@ -25,7 +25,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import env_info
+from _harness import env_info, import_kernel_copy
 
 from oscarkv.kernels.triton import quantize_pack as new
 from oscarkv.quant import RowFormat
@@ -34,13 +34,8 @@ DEV = torch.device("cuda")
 
 
 def load_old(path: str):
-    src = Path(path).read_text().replace("from ...quant", "from oscarkv.quant")
-    tmp = Path("/tmp/_quantize_pack_old.py")
-    tmp.write_text(src)
-    spec = importlib.util.spec_from_file_location("_quantize_pack_old", tmp)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """The previous ``quantize_pack`` module, imported from a copy of its file."""
+    return importlib.import_module(f"{import_kernel_copy('qp_old', [Path(path)])}.{Path(path).stem}")
 
 
 def timed(fn) -> float:
