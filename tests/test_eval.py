@@ -352,6 +352,8 @@ def test_log_ppl_difference():
     assert math.exp(m) == pytest.approx(perplexity(sum(a), 24) / perplexity(sum(b), 24))
     with pytest.raises(ValueError, match="same sequences"):
         log_ppl_difference(a, n, b, [4, 5, 11])
+    with pytest.raises(ValueError, match="at least one scored token"):
+        log_ppl_difference([1.0, 2.0], [0, 3], [1.0, 2.0], [0, 3])
     # one sequence: no standard error
     m, se = log_ppl_difference([2.0], [2], [1.0], [2])
     assert m == 0.5 and math.isnan(se)

@@ -45,7 +45,10 @@ def log_ppl_difference(
     if list(tokens_a) != list(tokens_b):
         raise ValueError("paired perplexity needs the same sequences (per-sequence token counts differ)")
     if any(n <= 0 for n in tokens_a):
-        raise ValueError("every sequence needs at least one scored token")
+        raise ValueError(
+            "paired perplexity: every sequence needs at least one scored token (context shorter than "
+            "the sequence length)"
+        )
     return paired_difference(
         [x / n for x, n in zip(nll_a, tokens_a, strict=True)],
         [x / n for x, n in zip(nll_b, tokens_b, strict=True)],
