@@ -39,13 +39,14 @@ from .decode_groups import int2_split_groups
 from .decode_tiles import hp_split, int2_split_bytes
 from .decode_words import int2_split_words
 
-__all__ = ["decode_attention", "heads_per_program", "num_splits", "token_groups"]
+__all__ = ["decode_attention", "heads_per_program", "meta_strides", "num_splits", "token_groups"]
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit(do_not_specialize=["split_q", "total"])
-def _stage1(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, HKV: tl.constexpr,
+def _stage1(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, ms_head, MS_SLOT: tl.constexpr,
+            HKV: tl.constexpr,
             G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
             ASM: tl.constexpr, META: tl.constexpr, WORDS: tl.constexpr, TG: tl.constexpr = 0):  # fmt: skip
     """INT2 tier: program ``(head group, split, sequence)``; splits ``0 .. n_q_splits - 1``."""
@@ -54,14 +55,14 @@ def _stage1(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, HKV
     sp = tl.program_id(1)
     b = tl.program_id(2)
     if TG > 1:  # opt-in: one KV head's g rows times TG token groups fill the MMA rows
-        int2_split_groups(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
-                          HKV, G, R_PAD, D, BLOCK_N, TG, ASM, META)  # fmt: skip
+        int2_split_groups(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b, ms_head,
+                          HKV, G, R_PAD, D, BLOCK_N, TG, ASM, META, MS_SLOT)  # fmt: skip
     elif WORDS:  # codes read as int16 words (head dim >= 128)
-        int2_split_words(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
-                         HKV, G, HPB, R_PAD, D, BLOCK_N, ASM, META)  # fmt: skip
+        int2_split_words(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b, ms_head,
+                         HKV, G, HPB, R_PAD, D, BLOCK_N, ASM, META, MS_SLOT)  # fmt: skip
     else:
-        int2_split_bytes(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
-                         HKV, G, HPB, R_PAD, D, BLOCK_N, ASM, META)  # fmt: skip
+        int2_split_bytes(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b, ms_head,
+                         HKV, G, HPB, R_PAD, D, BLOCK_N, ASM, META, MS_SLOT)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["split_h", "n_q_splits", "total"])
@@ -126,11 +127,22 @@ CONFIG = {
     # register cap of the word-plane launch (None: the compiler's choice), which sets how many
     # one-warp programs an SM holds: 65536 / (32 · registers)
     "maxnreg": None,
-    # the 16-bit tier's own launch (sink + recent tokens: short)
+    # the 16-bit tier's own launch (sink + recent tokens, at most 327 by default: short): warps,
+    # tokens per split and per tile, and whether it runs on a side stream, concurrently with the
+    # INT2 launch (else after it, on the caller's stream)
     "hp_warps": 4,
+    "hp_split": 128,
+    "hp_block": 32,
+    "hp_stream": False,
 }
-#: 16-bit tier: tokens per split and per tile (it holds at most sink + recent + 7 = 327 by default)
-HP_SPLIT, HP_BLOCK = 128, 32
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[index]
 
 
 def heads_per_program(g: int, kv_heads: int, tokens: int | None = None) -> int:
@@ -196,10 +208,11 @@ def _check_layout(d: int, hkv: int, meta_word: torch.dtype, **tensors: torch.Ten
     }
     for name, t in tensors.items():
         dtype, rows, size = kinds["hp" if name.startswith("hp") else name[2:]]
-        if not t.is_contiguous():
+        if not (t.is_contiguous() or (name.endswith("meta") and t.transpose(0, 1).is_contiguous())):
             raise ValueError(
-                f"decode_attention: {name} must be contiguous (shape {tuple(t.shape)}, stride "
-                f"{t.stride()}); the kernel derives its strides from the pool layout"
+                f"decode_attention: {name} must be contiguous"
+                + (" or a view of contiguous [Hkv, N, 1, 2] (head-major)" if name.endswith("meta") else "")
+                + f" (shape {tuple(t.shape)}, stride {t.stride()}); the kernel derives its strides from the pool layout"
             )
         if dtype not in (None, t.dtype) or tuple(t.shape[1:]) != rows:
             raise ValueError(
@@ -211,6 +224,27 @@ def _check_layout(d: int, hkv: int, meta_word: torch.dtype, **tensors: torch.Ten
                 f"decode_attention: {name} must start at a multiple of {size} bytes (it is read as "
                 f"{size}-byte words); got a view at byte offset {t.storage_offset() * t.element_size()}"
             )
+
+
+def meta_strides(k_meta: torch.Tensor, v_meta: torch.Tensor) -> tuple[int, int]:
+    """``(slot stride, head stride)`` in (scale, zero) words of the metadata pools, which may be
+    slot-major (contiguous ``[N, Hkv, 1, 2]``: ``(Hkv, 1)``) or head-major (a ``[N, Hkv, 1, 2]``
+    view of contiguous ``[Hkv, N, 1, 2]`` storage: ``(1, N)``, which :class:`~oscarkv.hf.LayerPools`
+    allocates so that a program reading one head's words reads whole sectors)."""
+    layouts = []
+    for t in (k_meta, v_meta):
+        if t.is_contiguous():
+            layouts.append((t.shape[1], 1))
+        elif t.transpose(0, 1).is_contiguous():
+            layouts.append((1, t.shape[0]))
+        else:
+            raise ValueError(
+                f"decode_attention: metadata must be contiguous [N, Hkv, 1, 2] or a [N, Hkv, 1, 2] view of "
+                f"contiguous [Hkv, N, 1, 2]; got strides {t.stride()} for shape {tuple(t.shape)}"
+            )
+    if layouts[0] != layouts[1]:
+        raise ValueError(f"decode_attention: k_meta and v_meta must share one layout; got {layouts}")
+    return layouts[0]
 
 
 def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_indptr, int2_indices,
@@ -233,6 +267,7 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     _check_layout(
         d, hkv, word, k_codes=k_codes, k_meta=k_meta, v_codes=v_codes, v_meta=v_meta, hp_k=hp_k, hp_v=hp_v
     )
+    ms_slot, ms_head = meta_strides(k_meta, v_meta)
     if lens_hint is None:
         lens = torch.stack(
             [(int2_indptr[1:] - int2_indptr[:-1]).max(), (hp_indptr[1:] - hp_indptr[:-1]).max()]
@@ -252,7 +287,7 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     gran = 256 if max_q >= 256 * sq else block_n
     split_q = math.ceil(max_q / sq / gran) * gran
     sq = math.ceil(max_q / split_q)
-    sh = math.ceil(max_h / HP_SPLIT)
+    sh = math.ceil(max_h / CONFIG["hp_split"])
     total = sq + sh
     o_part = torch.empty(bsz, hq, total, d, device=q_rot.device, dtype=torch.float32)
     lse = torch.empty(bsz, hq, total, device=q_rot.device, dtype=torch.float32)
@@ -260,16 +295,32 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     q = q_rot.contiguous() if q_rot.dtype in (torch.bfloat16, torch.float16) else q_rot.half().contiguous()
     kc, vc = (k_codes.view(torch.int16), v_codes.view(torch.int16)) if words else (k_codes, v_codes)
     opts = {"maxnreg": CONFIG["maxnreg"]} if words and CONFIG["maxnreg"] else {}
-    _stage1[(hkv // hpb, sq, bsz)](
-        q, kc, k_meta.view(word), vc, v_meta.view(word), int2_indptr, int2_indices, o_part, lse, sm_scale * LOG2E,
-        split_q, total, HKV=hkv, G=g, HPB=hpb, R_PAD=max(16, triton.next_power_of_2(hpb * g)), D=d, BLOCK_N=block_n,
-        ASM=q.is_cuda, META=meta_id, WORDS=words, TG=tg, num_warps=warps, num_stages=CONFIG["num_stages"], **opts,
-    )  # fmt: skip
-    _stage1_hp[(hkv, sh, bsz)](
-        q, hp_k, hp_v, hp_indptr, hp_indices, o_part, lse, sm_scale * LOG2E, HP_SPLIT, sq, total, HKV=hkv, G=g,
-        G_PAD=max(16, triton.next_power_of_2(g)), D=d, BLOCK_H=HP_BLOCK, num_warps=CONFIG["hp_warps"],
-        num_stages=CONFIG["num_stages"],
-    )  # fmt: skip
+
+    def int2() -> None:
+        _stage1[(hkv // hpb, sq, bsz)](
+            q, kc, k_meta.view(word), vc, v_meta.view(word), int2_indptr, int2_indices, o_part, lse, sm_scale * LOG2E,
+            split_q, total, ms_head, MS_SLOT=ms_slot, HKV=hkv, G=g, HPB=hpb, R_PAD=max(16, triton.next_power_of_2(hpb * g)),
+            D=d, BLOCK_N=block_n, ASM=q.is_cuda, META=meta_id, WORDS=words, TG=tg, num_warps=warps,
+            num_stages=CONFIG["num_stages"], **opts,
+        )  # fmt: skip
+
+    def hp() -> None:
+        _stage1_hp[(hkv, sh, bsz)](
+            q, hp_k, hp_v, hp_indptr, hp_indices, o_part, lse, sm_scale * LOG2E, CONFIG["hp_split"], sq, total, HKV=hkv,
+            G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, BLOCK_H=CONFIG["hp_block"],
+            num_warps=CONFIG["hp_warps"], num_stages=CONFIG["num_stages"],
+        )  # fmt: skip
+
+    if CONFIG["hp_stream"] and q.is_cuda:
+        main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            hp()
+        int2()
+        main.wait_stream(side)
+    else:
+        int2()
+        hp()
     out = torch.empty_like(q_rot)
     _merge[(bsz * hq,)](o_part, lse, out, total, S_BLOCK=min(64, max(2, triton.next_power_of_2(total))), D=d)
     return out
