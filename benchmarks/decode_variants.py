@@ -51,9 +51,6 @@ def main() -> None:
     ap.add_argument(
         "--maxnreg", default="0", help="CONFIG['maxnreg'] values (register cap of the word loop; 0: none)"
     )
-    ap.add_argument(
-        "--meta-layout", default="slot", help="metadata pools: slot (contiguous), head (head-major), or both"
-    )
     ap.add_argument("--hp", default="128x32", help="16-bit tier CONFIG hp_split x hp_block values")
     ap.add_argument("--hp-stream", default="0", help="CONFIG['hp_stream'] values (0,1)")
     ap.add_argument("--name", default="decode_variants")
@@ -85,80 +82,62 @@ def main() -> None:
         b, L = (int(x) for x in shape.split("x"))
         lq = L - SINK_RECENT
         q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
+        pools = make_pools(b, lq, SINK_RECENT, hkv, d, fmt)
         nbytes = b * hkv * (lq * 2 * (d // 4 + 4) + SINK_RECENT * 2 * d * 2)
-        want = None
-        for layout in args.meta_layout.replace("both", "slot,head").split(","):
-            pools = make_pools(b, lq, SINK_RECENT, hkv, d, fmt, head_major=layout == "head")
-            if want is None and b * L <= 1 << 20:
-                want = ref.decode_attention(q, *pools, 1 / math.sqrt(d), fmt, fmt)
-            for (vname, mod), (
-                bn,
-                w,
-                st,
-                progs,
-                gt,
-                msplit,
-                tg,
-                mr,
-                (hsplit, hblock),
-                hstream,
-            ) in itertools.product(versions.items(), grid):
-                saved = dict(mod.CONFIG)
-                if (
-                    (tg and "token_groups" not in saved)
-                    or (mr and "maxnreg" not in saved)
-                    or (
-                        "hp_split" not in saved
-                        and ((hsplit, hblock) != (128, 32) or hstream or layout == "head")
-                    )
-                ):
-                    continue  # a version without the token-group loop, the register cap or the 16-bit tier's launch
-                # one tile size and one program count for every case (grouped heads, few head groups);
-                # versions that lack those keys ignore them
-                mod.CONFIG.update(block_n=bn, block_n_grouped=bn, num_warps=w, num_stages=st, programs=progs,
-                                  programs_few=progs, group_tokens=gt, min_split=msplit, token_groups=bool(tg), maxnreg=mr or None)  # fmt: skip
-                if "hp_split" in saved:
-                    mod.CONFIG.update(hp_split=hsplit, hp_block=hblock, hp_stream=bool(hstream))
+        want = ref.decode_attention(q, *pools, 1 / math.sqrt(d), fmt, fmt) if b * L <= 1 << 20 else None
+        for (vname, mod), (bn, w, st, progs, gt, msplit, tg, mr, hps, hstream) in itertools.product(
+            versions.items(), grid
+        ):
+            saved = dict(mod.CONFIG)
+            if (tg and "token_groups" not in saved) or (mr and "maxnreg" not in saved):
+                continue  # a version without the token-group loop or the register cap
+            if "hp_split" not in saved and (hps != (128, 32) or hstream):
+                continue  # a version without the 16-bit tier's own launch
+            # one tile size and one program count for every case (grouped heads, few head groups);
+            # versions that lack those keys ignore them
+            mod.CONFIG.update(block_n=bn, block_n_grouped=bn, num_warps=w, num_stages=st, programs=progs,
+                              programs_few=progs, group_tokens=gt, min_split=msplit, token_groups=bool(tg), maxnreg=mr or None)  # fmt: skip
+            if "hp_split" in saved:
+                mod.CONFIG.update(hp_split=hps[0], hp_block=hps[1], hp_stream=bool(hstream))
 
-                def fn(mod=mod, q=q, pools=pools, lq=lq):
-                    return mod.decode_attention(
-                        q, *pools, 1 / math.sqrt(d), fmt, fmt, lens_hint=(lq, SINK_RECENT)
-                    )
+            def fn(mod=mod, q=q, pools=pools, lq=lq):
+                return mod.decode_attention(
+                    q, *pools, 1 / math.sqrt(d), fmt, fmt, lens_hint=(lq, SINK_RECENT)
+                )
 
-                row = {
-                    "batch": b,
-                    "len": L,
-                    "version": vname,
-                    "block_n": bn,
-                    "warps": w,
-                    "stages": st,
-                    "programs": progs,
-                    "group_tokens": gt,
-                    "min_split": msplit,
-                    "token_groups": tg,
-                    "maxnreg": mr,
-                    "hp": f"{hsplit}x{hblock}",
-                    "hp_stream": hstream,
-                    "meta": layout,
-                    # below CONFIG['small_tokens'] the launch takes the byte planes with their own config
-                    "path": "bytes" if b * lq < mod.CONFIG.get("small_tokens", 0) else "main",
-                }
-                try:
-                    err = rel(fn(), want) if want is not None else float("nan")
-                    ms = bench_graph(fn)
-                    row.update(
-                        ms=ms,
-                        TBps=nbytes / ms / 1e9,
-                        rel_err=err,
-                        hpb=mod.heads_per_program(hq // hkv, hkv, b * lq),
-                    )
-                    if tg:  # groups per tile the launch took (0: the padded loop, e.g. grouped heads)
-                        row["groups"] = mod.token_groups(hq // hkv, row["hpb"], bn)
-                except Exception as e:  # a config that does not compile (registers, shared memory)
-                    row["error"] = str(e).splitlines()[-1][:120] if str(e) else type(e).__name__
-                mod.CONFIG.clear(), mod.CONFIG.update(saved)
-                rows.append(row)
-                print(row, flush=True)
+            row = {
+                "batch": b,
+                "len": L,
+                "version": vname,
+                "block_n": bn,
+                "warps": w,
+                "stages": st,
+                "programs": progs,
+                "group_tokens": gt,
+                "min_split": msplit,
+                "token_groups": tg,
+                "maxnreg": mr,
+                "hp": f"{hps[0]}x{hps[1]}",
+                "hp_stream": hstream,
+                # below CONFIG['small_tokens'] the launch takes the byte planes with their own config
+                "path": "bytes" if b * lq < mod.CONFIG.get("small_tokens", 0) else "main",
+            }
+            try:
+                err = rel(fn(), want) if want is not None else float("nan")
+                ms = bench_graph(fn)
+                row.update(
+                    ms=ms,
+                    TBps=nbytes / ms / 1e9,
+                    rel_err=err,
+                    hpb=mod.heads_per_program(hq // hkv, hkv, b * lq),
+                )
+                if tg:  # groups per tile the launch took (0: the padded loop, e.g. grouped heads)
+                    row["groups"] = mod.token_groups(hq // hkv, row["hpb"], bn)
+            except Exception as e:  # a config that does not compile (registers, shared memory)
+                row["error"] = str(e).splitlines()[-1][:120] if str(e) else type(e).__name__
+            mod.CONFIG.clear(), mod.CONFIG.update(saved)
+            rows.append(row)
+            print(row, flush=True)
         del pools
         torch.cuda.empty_cache()
         k = torch.randn(b, hkv, L, d, device="cuda", dtype=torch.bfloat16)
@@ -168,10 +147,10 @@ def main() -> None:
         for r in rows:
             if (r["batch"], r["len"]) == (b, L):
                 r.update(sdpa_ms=ms_sdpa, sdpa_backend=be, speedup=ms_sdpa / r["ms"] if "ms" in r else None)
-    md = ["| batch | length | version | path | block_n | warps | stages | programs | group tokens | min split | token groups | maxnreg | meta | 16-bit split x tile, stream | heads/prog | ms | speedup vs SDPA | TB/s | rel err |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    md = ["| batch | length | version | path | block_n | warps | stages | programs | group tokens | min split | token groups | maxnreg | 16-bit split x tile | heads/prog | ms | speedup vs SDPA | TB/s | rel err |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        cfg = f"| {r['batch']} | {r['len']} | {r['version']} | {r['path']} | {r['block_n']} | {r['warps']} | {r['stages']} | {r['programs']} | {r['group_tokens']} | {r['min_split']} | {r.get('groups', 0)} | {r['maxnreg']} | {r['meta']} | {r['hp']}{' side' if r['hp_stream'] else ''} |"
+        cfg = f"| {r['batch']} | {r['len']} | {r['version']} | {r['path']} | {r['block_n']} | {r['warps']} | {r['stages']} | {r['programs']} | {r['group_tokens']} | {r['min_split']} | {r.get('groups', 0)} | {r['maxnreg']} | {r['hp']}{' side stream' if r['hp_stream'] else ''} |"
         md.append(cfg + (f" {r['hpb']} | {r['ms']:.4f} | {r['speedup']:.2f}x | {r['TBps']:.2f} | {r['rel_err']:.1e} |"
                          if "ms" in r else f" - | {r['error']} | | | |"))  # fmt: skip
     print("\n".join(md))

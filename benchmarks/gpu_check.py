@@ -51,12 +51,8 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     return 2 * nbytes / ms / 1e9  # read + write, TB/s
 
 
-def make_pools(
-    b: int, lq: int, lh: int, hkv: int, d: int, fmt: RowFormat, dtype=torch.bfloat16, head_major: bool = True
-):
-    """Contiguous per-sequence slot ranges, like the HF cache (quantized rows built directly);
-    ``head_major``: metadata as a ``[N, Hkv, 1, 2]`` view of ``[Hkv, N, 1, 2]`` storage, as
-    LayerPools keeps it (else contiguous ``[N, Hkv, 1, 2]``)."""
+def make_pools(b: int, lq: int, lh: int, hkv: int, d: int, fmt: RowFormat, dtype=torch.bfloat16):
+    """Contiguous per-sequence slot ranges, like the HF cache (quantized rows built directly)."""
     nq, nh = b * lq, b * lh
     kc = torch.randint(0, 256, (nq, hkv, d // 4), dtype=torch.uint8, device=DEV)
     vc = torch.randint(0, 256, (nq, hkv, d // 4), dtype=torch.uint8, device=DEV)
@@ -74,8 +70,6 @@ def make_pools(
     hx = torch.arange(nh, device=DEV, dtype=torch.int32)
     # do_bench_cudagraph first calls the kernel on a side stream, which does not wait for these
     torch.cuda.synchronize()
-    if head_major:
-        km, vm = (m.transpose(0, 1).contiguous().transpose(0, 1) for m in (km, vm))
     return kc, km.half(), vc, vm.half(), hk, hv, qi, qx, hi, hx
 
 

@@ -555,22 +555,3 @@ def test_ranges_to_csr_expands_ranges_in_order() -> None:
     assert idx.dtype == torch.int32 and idx.tolist() == want
     indptr, idx = ranges_to_csr([[], [(3, 0)]], torch.device("cpu"))
     assert indptr.tolist() == [0, 0, 0] and idx.numel() == 0
-
-
-def test_layer_pools_keep_metadata_head_major_as_they_grow() -> None:
-    """The decode kernel reads one head's (scale, zero) words over a run of slots: LayerPools keeps
-    them head-major ([N, H, 1, 2] views of [H, N, 1, 2] storage) through every growth, values kept."""
-    from oscarkv.hf.pools import LayerPools
-    from oscarkv.kernels import resolve
-
-    fmt = RowFormat(64, 2, 64)
-    pools = LayerPools(2, 4, 64, torch.float32, torch.device("cpu"), fmt, fmt)
-    ops = resolve("torch", "cpu")
-    pools.ensure(64, 8)
-    x = torch.randn(3, 4, 64)
-    pools._write_q(torch.tensor([0, 5, 64 + 2]), x, x, ops)
-    want = pools.k_meta[torch.tensor([0, 5, 66])].clone()
-    pools.ensure(128, 8)
-    for t in (pools.k_meta, pools.v_meta):
-        assert t.shape == (256, 4, 1, 2) and t.transpose(0, 1).is_contiguous() and not t.is_contiguous()
-    assert torch.equal(pools.k_meta[torch.tensor([0, 5, 128 + 2])], want)

@@ -88,11 +88,9 @@ def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta, g
 @pytest.mark.parametrize(("lens_q", "lens_h"), [([0, 5, 129], [320, 0, 7]), ([40000] * 8, [320] * 8)])
 @pytest.mark.parametrize("hp_stream", [False, True], ids=["hp-after", "hp-side-stream"])
 @pytest.mark.parametrize("grouped", [False, True], ids=["auto-heads", "grouped-heads"])
-def test_decode_attention_head_major_metadata_and_side_stream(
-    lens_q, lens_h, hp_stream, grouped, monkeypatch
-):
-    """Head-major metadata (LayerPools' layout) and the 16-bit tier on a side stream, eager and
-    replayed from a CUDA graph (the side stream joins the capture)."""
+def test_decode_attention_16bit_tier_on_a_side_stream(lens_q, lens_h, hp_stream, grouped, monkeypatch):
+    """The 16-bit tier on a side stream or after the INT2 launch, eager and replayed from a CUDA
+    graph (the side stream joins the capture)."""
     from oscarkv.kernels.triton import decode_attention as tda
 
     monkeypatch.setitem(tda.CONFIG, "hp_stream", hp_stream)
@@ -103,7 +101,6 @@ def test_decode_attention_head_major_metadata_and_side_stream(
     nq, nh = sum(lens_q), sum(lens_h)
     kc, km = ref.quantize_pack(torch.randn(nq, hkv, d, device=dev), None, fmt)
     vc, vm = ref.quantize_pack(torch.randn(nq, hkv, d, device=dev), None, fmt)
-    km, vm = (m.transpose(0, 1).contiguous().transpose(0, 1) for m in (km, vm))
     hk = torch.randn(nh, hkv, d, device=dev, dtype=torch.bfloat16)
     hv = torch.randn(nh, hkv, d, device=dev, dtype=torch.bfloat16)
     qi, qx = _lists(lens_q, dev, shuffle=False)
@@ -113,8 +110,8 @@ def test_decode_attention_head_major_metadata_and_side_stream(
     want = ref.decode_attention(q.float(), kc, km, vc, vm, hk.float(), hv.float(), *args[7:])
     eager = tda.decode_attention(*args)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = tda.decode_attention(*args)
+    with torch.cuda.graph(graph):  # host-side lengths: no device sync inside the capture
+        out = tda.decode_attention(*args, lens_hint=(max(lens_q), max(lens_h)))
     out.zero_()
     graph.replay()
     torch.cuda.synchronize()

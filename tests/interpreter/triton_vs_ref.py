@@ -245,25 +245,6 @@ def test_decode_attention_token_groups_match_reference(
 
 
 @pytest.mark.parametrize(
-    ("d", "config"),
-    [
-        (64, {}),  # byte planes
-        (128, {"small_tokens": 0}),  # word planes, one KV head per program
-        (128, {"small_tokens": 0, "group_tokens": 0}),  # word planes, 4 KV heads per program
-        (128, {"small_tokens": 0, "token_groups": True}),  # token groups
-        (64, {"group_tokens": 0}),  # byte planes, 4 KV heads per program
-    ],
-)
-def test_decode_attention_reads_head_major_metadata(tk, d, config, monkeypatch):
-    """Metadata as a ``[N, Hkv, 1, 2]`` view of ``[Hkv, N, 1, 2]`` storage (what LayerPools
-    allocates): every tile loop reads it through its strides."""
-    _, da = tk
-    for key, value in config.items():
-        monkeypatch.setitem(da.CONFIG, key, value)
-    _check_decode(da, [130, 70], [5, 3], 32, 8, d, "fp16", head_major=True)
-
-
-@pytest.mark.parametrize(
     ("split", "block", "lens_h"), [(64, 64, [70, 0, 5]), (32, 16, [33, 1, 64]), (128, 32, [300, 2, 0])]
 )
 def test_decode_attention_16bit_tier_splits(tk, split, block, lens_h, monkeypatch):
@@ -275,28 +256,10 @@ def test_decode_attention_16bit_tier_splits(tk, split, block, lens_h, monkeypatc
     _check_decode(da, [40, 9, 0], lens_h, 8, 2, 64, "fp16")
 
 
-def test_decode_attention_refuses_metadata_of_other_layouts(tk):
-    _, da = tk
-    fmt = RowFormat(64, 2, 64)
-    kc, km, vc, vm, hk, hv = _pools(8, 2, 2, 64, fmt)
-    ip, idx = torch.tensor([0, 8], dtype=torch.int32), torch.arange(8, dtype=torch.int32)
-    hp, hidx = torch.tensor([0, 2], dtype=torch.int32), torch.arange(2, dtype=torch.int32)
-    q = torch.randn(1, 4, 64)
-    head_major = vm.transpose(0, 1).contiguous().transpose(0, 1)
-    with pytest.raises(ValueError, match="share one layout"):
-        da.decode_attention(q, kc, km, vc, head_major, hk, hv, ip, idx, hp, hidx, 0.1, fmt, fmt)
-    strided = torch.zeros(16, 2, 1, 2, dtype=km.dtype)[::2]
-    with pytest.raises(ValueError, match="k_meta must be contiguous or a view"):
-        da.decode_attention(q, kc, strided, vc, strided, hk, hv, ip, idx, hp, hidx, 0.1, fmt, fmt)
-
-
-def _check_decode(da, lens_q, lens_h, hq, hkv, d, meta, head_major=False) -> None:
+def _check_decode(da, lens_q, lens_h, hq, hkv, d, meta) -> None:
     fmt = RowFormat(d, 2, d, meta_dtype=meta)
     nq, nh = sum(lens_q), sum(lens_h)
     kc, km, vc, vm, hk, hv = _pools(nq, nh, hkv, d, fmt)
-    if head_major:
-        km, vm = (m.transpose(0, 1).contiguous().transpose(0, 1) for m in (km, vm))
-        assert not km.is_contiguous()
     qi = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
     hi = torch.tensor([0, *torch.tensor(lens_h).cumsum(0).tolist()], dtype=torch.int32)
     qx = torch.randperm(max(nq, 1))[:nq].to(torch.int32)

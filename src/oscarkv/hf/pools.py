@@ -15,19 +15,9 @@ from .slots import StepPlan
 __all__ = ["LayerPools"]
 
 
-def _head_major(t: torch.Tensor) -> torch.Tensor:
-    """A ``[N, H, ...]`` view of contiguous ``[H, N, ...]`` storage holding ``t``'s values."""
-    return t.transpose(0, 1).contiguous().transpose(0, 1)
-
-
-def _relayout(
-    t: torch.Tensor, batch: int, old_cap: int, new_cap: int, head_major: bool = False
-) -> torch.Tensor:
-    """Move each sequence's region from stride ``old_cap`` to stride ``new_cap`` (rows); the new
-    tensor is a head-major view (see :func:`_head_major`) if ``head_major``."""
+def _relayout(t: torch.Tensor, batch: int, old_cap: int, new_cap: int) -> torch.Tensor:
+    """Move each sequence's region from stride ``old_cap`` to stride ``new_cap`` (rows)."""
     out = t.new_zeros((batch * new_cap, *t.shape[1:]))
-    if head_major:
-        out = _head_major(out)
     if old_cap:
         keep = min(old_cap, new_cap)
         out.view(batch, new_cap, *t.shape[1:])[:, :keep] = t.view(batch, old_cap, *t.shape[1:])[:, :keep]
@@ -53,15 +43,8 @@ class LayerPools:
         meta = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
         self.k_codes = torch.zeros(0, heads, k_fmt.packed_dim, dtype=torch.uint8, device=device)
         self.v_codes = torch.zeros(0, heads, v_fmt.packed_dim, dtype=torch.uint8, device=device)
-        # metadata head-major ([N, H, groups, 2] views of [H, N, groups, 2] storage): a decode
-        # program reading one head's (scale, zero) words over a run of slots reads whole sectors
-        # (slot-major, 4 of every 32 bytes fetched were used: half the kernel's L2 traffic)
-        self.k_meta = _head_major(
-            torch.zeros(0, heads, k_fmt.groups, 2, dtype=meta[k_fmt.meta_dtype], device=device)
-        )
-        self.v_meta = _head_major(
-            torch.zeros(0, heads, v_fmt.groups, 2, dtype=meta[v_fmt.meta_dtype], device=device)
-        )
+        self.k_meta = torch.zeros(0, heads, k_fmt.groups, 2, dtype=meta[k_fmt.meta_dtype], device=device)
+        self.v_meta = torch.zeros(0, heads, v_fmt.groups, 2, dtype=meta[v_fmt.meta_dtype], device=device)
         self.hp_k = torch.zeros(0, heads, head_dim, dtype=dtype, device=device)
         self.hp_v = torch.zeros(0, heads, head_dim, dtype=dtype, device=device)
 
@@ -70,8 +53,8 @@ class LayerPools:
             b, o = self.batch, self.cap_q
             self.k_codes = _relayout(self.k_codes, b, o, cap_q)
             self.v_codes = _relayout(self.v_codes, b, o, cap_q)
-            self.k_meta = _relayout(self.k_meta, b, o, cap_q, head_major=True)
-            self.v_meta = _relayout(self.v_meta, b, o, cap_q, head_major=True)
+            self.k_meta = _relayout(self.k_meta, b, o, cap_q)
+            self.v_meta = _relayout(self.v_meta, b, o, cap_q)
             self.cap_q = cap_q
         if cap_h != self.cap_h:
             self.hp_k = _relayout(self.hp_k, self.batch, self.cap_h, cap_h)

@@ -39,14 +39,13 @@ from .decode_groups import int2_split_groups
 from .decode_tiles import hp_split, int2_split_bytes
 from .decode_words import int2_split_words
 
-__all__ = ["decode_attention", "heads_per_program", "meta_strides", "num_splits", "token_groups"]
+__all__ = ["decode_attention", "heads_per_program", "num_splits", "token_groups"]
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit(do_not_specialize=["split_q", "total"])
-def _stage1(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, ms_head, MS_SLOT: tl.constexpr,
-            HKV: tl.constexpr,
+def _stage1(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, HKV: tl.constexpr,
             G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
             ASM: tl.constexpr, META: tl.constexpr, WORDS: tl.constexpr, TG: tl.constexpr = 0):  # fmt: skip
     """INT2 tier: program ``(head group, split, sequence)``; splits ``0 .. n_q_splits - 1``."""
@@ -55,14 +54,14 @@ def _stage1(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, ms_
     sp = tl.program_id(1)
     b = tl.program_id(2)
     if TG > 1:  # opt-in: one KV head's g rows times TG token groups fill the MMA rows
-        int2_split_groups(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b, ms_head,
-                          HKV, G, R_PAD, D, BLOCK_N, TG, ASM, META, MS_SLOT)  # fmt: skip
+        int2_split_groups(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
+                          HKV, G, R_PAD, D, BLOCK_N, TG, ASM, META)  # fmt: skip
     elif WORDS:  # codes read as int16 words (head dim >= 128)
-        int2_split_words(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b, ms_head,
-                         HKV, G, HPB, R_PAD, D, BLOCK_N, ASM, META, MS_SLOT)  # fmt: skip
+        int2_split_words(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
+                         HKV, G, HPB, R_PAD, D, BLOCK_N, ASM, META)  # fmt: skip
     else:
-        int2_split_bytes(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b, ms_head,
-                         HKV, G, HPB, R_PAD, D, BLOCK_N, ASM, META, MS_SLOT)  # fmt: skip
+        int2_split_bytes(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
+                         HKV, G, HPB, R_PAD, D, BLOCK_N, ASM, META)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["split_h", "n_q_splits", "total"])
@@ -99,17 +98,17 @@ def _merge(O, LSE, OUT, total, S_BLOCK: tl.constexpr, D: tl.constexpr):
     tl.store(OUT + row * D + offs_d, (acc / tl.where(den > 0, den, 1.0)).to(OUT.dtype.element_ty))
 
 
-# Tuning, from the H200 sweeps of benchmarks/decode_variants.py (results/decode_variants_w1.md):
-# one-warp programs (no CTA barriers in the tile loop) beat 4-warp ones at every shape; tiles of
-# 64 tokens for one KV head per program, 32 when a program takes several KV heads; about 3072
-# programs, but 1024 when there are at most ``few_units`` (sequence, head group) pairs, whose
-# splits would otherwise get too short (batch 1 / 128K: 2.5x vs 2.0x SDPA; batch 8 / 128K: 3.3x vs 2.8x)
+# Tuning, from the H200 sweeps of benchmarks/decode_variants.py (results/decode_variants_w1.md,
+# decode_variants_occ*.md, decode_variants_meta*.md): one-warp programs (no CTA barriers in the tile
+# loop) beat 4-warp ones at every shape; tiles of 64 tokens for one KV head per program, 32 when a
+# program takes several KV heads; about 1024 programs (since the 16-bit tier has its own launch,
+# 1024 beats 2048-4096 at every Qwen3-8B shape: 8 / 32K 0.089 vs 0.095-0.107 ms)
 CONFIG = {
     "block_n": 64,
     "block_n_grouped": 32,
     "num_warps": 1,
     "num_stages": 3,
-    "programs": 3072,
+    "programs": 1024,
     "programs_few": 1024,
     "few_units": 16,
     "min_split": 256,
@@ -120,20 +119,23 @@ CONFIG = {
     # 4K-16K they measured 1.05-1.55x SDPA against 0.78-1.43x for the word planes
     "small_tokens": 24576,
     "bytes": {"block_n": 128, "num_warps": 4},
-    # opt-in, not yet timed on a GPU: with one KV head per program, split each word-plane tile into
-    # 16 / g token groups so that the 16 MMA rows are (group, query head) pairs, no padding rows
-    # (decode_groups.py); taken for g <= 8 (power of two) when a group still has >= 16 tokens
+    # opt-in: with one KV head per program, split each word-plane tile into 16 / g token groups so
+    # that the 16 MMA rows are (group, query head) pairs, no padding rows (decode_groups.py); taken
+    # for g <= 8 (power of two) when a group still has >= 16 tokens. Measured slower on the H200
+    # (8 / 32K: 0.121 vs 0.089 ms; results/decode_variants_occ1.md), hence off
     "token_groups": False,
-    # register cap of the word-plane launch (None: the compiler's choice), which sets how many
-    # one-warp programs an SM holds: 65536 / (32 · registers)
+    # register cap of the word-plane launch (None: the compiler's choice, 201 at 64-token tiles),
+    # which sets how many one-warp programs an SM holds: 65536 / (32 · registers). Caps of 168 and
+    # 128 measured slower (spills; results/decode_variants_occ1.md)
     "maxnreg": None,
     # the 16-bit tier's own launch (sink + recent tokens, at most 327 by default: short): warps,
     # tokens per split and per tile, and whether it runs on a side stream, concurrently with the
-    # INT2 launch (else after it, on the caller's stream)
+    # INT2 launch (else after it, on the caller's stream; the side stream measured 3-6% faster at
+    # batch 1 / 128K and 8 / 32K, results/decode_variants_meta1.md)
     "hp_warps": 4,
     "hp_split": 128,
     "hp_block": 32,
-    "hp_stream": False,
+    "hp_stream": True,
 }
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
@@ -208,11 +210,9 @@ def _check_layout(d: int, hkv: int, meta_word: torch.dtype, **tensors: torch.Ten
     }
     for name, t in tensors.items():
         dtype, rows, size = kinds["hp" if name.startswith("hp") else name[2:]]
-        if not (t.is_contiguous() or (name.endswith("meta") and t.transpose(0, 1).is_contiguous())):
+        if not t.is_contiguous():
             raise ValueError(
-                f"decode_attention: {name} must be contiguous"
-                + (" or a view of contiguous [Hkv, N, 1, 2] (head-major)" if name.endswith("meta") else "")
-                + f" (shape {tuple(t.shape)}, stride {t.stride()}); the kernel derives its strides from the pool layout"
+                f"decode_attention: {name} must be contiguous (shape {tuple(t.shape)}, stride {t.stride()}); the kernel derives its strides from the pool layout"
             )
         if dtype not in (None, t.dtype) or tuple(t.shape[1:]) != rows:
             raise ValueError(
@@ -224,27 +224,6 @@ def _check_layout(d: int, hkv: int, meta_word: torch.dtype, **tensors: torch.Ten
                 f"decode_attention: {name} must start at a multiple of {size} bytes (it is read as "
                 f"{size}-byte words); got a view at byte offset {t.storage_offset() * t.element_size()}"
             )
-
-
-def meta_strides(k_meta: torch.Tensor, v_meta: torch.Tensor) -> tuple[int, int]:
-    """``(slot stride, head stride)`` in (scale, zero) words of the metadata pools, which may be
-    slot-major (contiguous ``[N, Hkv, 1, 2]``: ``(Hkv, 1)``) or head-major (a ``[N, Hkv, 1, 2]``
-    view of contiguous ``[Hkv, N, 1, 2]`` storage: ``(1, N)``, which :class:`~oscarkv.hf.LayerPools`
-    allocates so that a program reading one head's words reads whole sectors)."""
-    layouts = []
-    for t in (k_meta, v_meta):
-        if t.is_contiguous():
-            layouts.append((t.shape[1], 1))
-        elif t.transpose(0, 1).is_contiguous():
-            layouts.append((1, t.shape[0]))
-        else:
-            raise ValueError(
-                f"decode_attention: metadata must be contiguous [N, Hkv, 1, 2] or a [N, Hkv, 1, 2] view of "
-                f"contiguous [Hkv, N, 1, 2]; got strides {t.stride()} for shape {tuple(t.shape)}"
-            )
-    if layouts[0] != layouts[1]:
-        raise ValueError(f"decode_attention: k_meta and v_meta must share one layout; got {layouts}")
-    return layouts[0]
 
 
 def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_indptr, int2_indices,
@@ -267,7 +246,6 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     _check_layout(
         d, hkv, word, k_codes=k_codes, k_meta=k_meta, v_codes=v_codes, v_meta=v_meta, hp_k=hp_k, hp_v=hp_v
     )
-    ms_slot, ms_head = meta_strides(k_meta, v_meta)
     if lens_hint is None:
         lens = torch.stack(
             [(int2_indptr[1:] - int2_indptr[:-1]).max(), (hp_indptr[1:] - hp_indptr[:-1]).max()]
@@ -299,7 +277,7 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     def int2() -> None:
         _stage1[(hkv // hpb, sq, bsz)](
             q, kc, k_meta.view(word), vc, v_meta.view(word), int2_indptr, int2_indices, o_part, lse, sm_scale * LOG2E,
-            split_q, total, ms_head, MS_SLOT=ms_slot, HKV=hkv, G=g, HPB=hpb, R_PAD=max(16, triton.next_power_of_2(hpb * g)),
+            split_q, total, HKV=hkv, G=g, HPB=hpb, R_PAD=max(16, triton.next_power_of_2(hpb * g)),
             D=d, BLOCK_N=block_n, ASM=q.is_cuda, META=meta_id, WORDS=words, TG=tg, num_warps=warps,
             num_stages=CONFIG["num_stages"], **opts,
         )  # fmt: skip

@@ -71,10 +71,9 @@ def _store_head(op, i: tl.constexpr, e: tl.constexpr, acc, inv, z, D4: tl.conste
 
 
 @triton.jit
-def int2_split_groups(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, total, hg, sp, b, ms_head,
+def int2_split_groups(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, total, hg, sp, b,
                       HKV: tl.constexpr, G: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr,
-                      BLOCK_N: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr,
-                      MS_SLOT: tl.constexpr):  # fmt: skip
+                      BLOCK_N: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr):  # fmt: skip
     tl.static_assert(T * G == R_PAD)
     D4: tl.constexpr = D // 4
     D8: tl.constexpr = D // 8  # 16-bit code words per row: word m holds bytes 2m and 2m + 1
@@ -111,9 +110,7 @@ def int2_split_groups(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_si
         # the tile's slot ids as [T, NT]: group grp holds tokens n0 + grp·NT ..
         offs_n = n0 + offs_t[:, None] * NT + offs_j[None, :]
         nmask = offs_n < hi
-        slot = tl.load(IDX + offs_n, mask=nmask, other=0).to(tl.int64)
-        sh = slot * HKV + h0
-        msh = slot * MS_SLOT + h0 * ms_head
+        sh = tl.load(IDX + offs_n, mask=nmask, other=0).to(tl.int64) * HKV + h0
         # K code words gathered as [T·D8, NT]: row (grp, m), column n' = word m of token grp·NT + n'
         kp = tl.reshape(sh[:, None, :] * D8 + offs_m[None, :, None], (KB, NT))
         kmask = tl.reshape(tl.broadcast_to(nmask[:, None, :], (T, D8, NT)), (KB, NT))
@@ -122,7 +119,7 @@ def int2_split_groups(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_si
         qc = _qc8(
             q00, q01, q10, q11, q20, q21, q30, q31, k00, k01, k10, k11, k20, k21, k30, k31
         )  # [R_PAD, NT]: q_h · c of token grp·NT + n'
-        ks, kz = _meta(_spread(tl.load(KM + msh, mask=nmask, other=0), G, T), META)
+        ks, kz = _meta(_spread(tl.load(KM + sh, mask=nmask, other=0), G, T), META)
         s = qc * ks * (qk_scale * SUBNORMAL) - qsum[:, None] * (ks * kz * qk_scale)
         s = tl.where(_spread(nmask, G, T), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -132,7 +129,7 @@ def int2_split_groups(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_si
             m_i = m_new
         p = tl.exp2(s - m_i[:, None])
         l_i = l_i + tl.sum(p, 1)
-        vs, vz = _meta(_spread(tl.load(VM + msh, mask=nmask, other=0), G, T), META)
+        vs, vz = _meta(_spread(tl.load(VM + sh, mask=nmask, other=0), G, T), META)
         ps = p * vs
         zacc = zacc + tl.sum(ps * vz, 1)
         pw = tl.reshape(tl.where(psel, ps.to(tl.float16)[:, None, :], 0.0), (R_PAD, BLOCK_N)).to(tl.float16)

@@ -112,19 +112,16 @@ def _inv(l_i):
 
 
 @triton.jit
-def _meta_rows(M, msh, nmask, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr, META: tl.constexpr,
-               ms_head):  # fmt: skip
+def _meta_rows(M, sh, nmask, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr, META: tl.constexpr):
     """``(scale, zero)`` of every score ``[R_PAD, BLOCK_N]``: row ``r`` reads head ``r // G`` of the
-    group (word ``msh`` is the first head's, the next head's is ``ms_head`` words on). The ``HPB``
-    heads' words are loaded once as ``[R_PAD // G, BLOCK_N]`` (pipelined like the code tiles) and
-    repeated ``G`` times; one head broadcasts a row."""
+    group. The ``HPB`` heads' words are loaded once as ``[R_PAD // G, BLOCK_N]`` (contiguous per
+    slot, pipelined like the code tiles) and repeated ``G`` times; one head broadcasts a row."""
     if HPB == 1:
-        w = tl.load(M + msh, mask=nmask, other=0)[None, :]
+        w = tl.load(M + sh, mask=nmask, other=0)[None, :]
     else:
         HP: tl.constexpr = R_PAD // G
         offs_j = tl.arange(0, HP)
-        w = tl.load(M + msh[None, :] + offs_j[:, None] * ms_head, mask=nmask[None, :] & (offs_j < HPB)[:, None],
-                    other=0)  # fmt: skip
+        w = tl.load(M + sh[None, :] + offs_j[:, None], mask=nmask[None, :] & (offs_j < HPB)[:, None], other=0)
         w = tl.reshape(tl.broadcast_to(w[:, None, :], (HP, G, w.shape[1])), (R_PAD, w.shape[1]))
     return _meta(w, META)
 
@@ -156,16 +153,13 @@ def _qscale(q, i: tl.constexpr):
 
 @triton.jit
 def _int2_tile(IDX, KM, n0, hi, h0, HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr,
-               BLOCK_N: tl.constexpr, META: tl.constexpr, MS_SLOT: tl.constexpr, ms_head):  # fmt: skip
-    """Tile at slot-list position ``n0``: its mask, the ``(slot, first head)`` code rows, the
-    metadata words of the first head (slot stride ``MS_SLOT``, head stride ``ms_head``: slot-major
-    ``HKV, 1`` or head-major ``1, N``) and the K metadata."""
+               BLOCK_N: tl.constexpr, META: tl.constexpr):  # fmt: skip
+    """Tile at slot-list position ``n0``: its mask, the ``(slot, first head)`` rows and the K metadata."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     nmask = offs_n < hi
-    slot = tl.load(IDX + offs_n, mask=nmask, other=0).to(tl.int64)
-    msh = slot * MS_SLOT + h0 * ms_head
-    ks, kz = _meta_rows(KM, msh, nmask, G, HPB, R_PAD, META, ms_head)
-    return nmask, slot * HKV + h0, msh, ks, kz
+    sh = tl.load(IDX + offs_n, mask=nmask, other=0).to(tl.int64) * HKV + h0
+    ks, kz = _meta_rows(KM, sh, nmask, G, HPB, R_PAD, META)
+    return nmask, sh, ks, kz
 
 
 @triton.jit
@@ -202,13 +196,13 @@ def _rescale(m_i, m_new, l_i, zacc):
 
 
 @triton.jit
-def _probs(s, m_i, l_i, zacc, VM, msh, nmask, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr,
-           META: tl.constexpr, ms_head):  # fmt: skip
+def _probs(s, m_i, l_i, zacc, VM, sh, nmask, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr,
+           META: tl.constexpr):  # fmt: skip
     """Probabilities against the (lazy) max ``m_i``; returns ``p∘s`` (V scales) as the fp16 operand of
     ``p·V`` and the updated ``(sum, Σ p∘s∘z)``."""
     p = tl.exp2(s - m_i[:, None])
     l_i = l_i + tl.sum(p, 1)
-    vs, vz = _meta_rows(VM, msh, nmask, G, HPB, R_PAD, META, ms_head)
+    vs, vz = _meta_rows(VM, sh, nmask, G, HPB, R_PAD, META)
     ps = p * vs
     zacc = zacc + tl.sum(ps * vz, 1)
     return ps.to(tl.float16), l_i, zacc
@@ -222,9 +216,9 @@ def _store_part(op, i: tl.constexpr, e: tl.constexpr, acc, inv, z, rmask, D4: tl
 
 
 @triton.jit
-def int2_split_bytes(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, total, hg, sp, b, ms_head,
+def int2_split_bytes(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, total, hg, sp, b,
                 HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr,
-                BLOCK_N: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr, MS_SLOT: tl.constexpr):  # fmt: skip
+                BLOCK_N: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr):  # fmt: skip
     D4: tl.constexpr = D // 4
     h0, lo, hi, row, rmask, rhead, qrow = _int2_setup(
         INDPTR, b, hg, sp, split_size, total, HKV, G, HPB, R_PAD
@@ -245,9 +239,7 @@ def int2_split_bytes(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_siz
     a2 = tl.zeros([R_PAD, D4], tl.float32)
     a3 = tl.zeros([R_PAD, D4], tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
-        nmask, sh, msh, ks, kz = _int2_tile(
-            IDX, KM, n0, hi, h0, HKV, G, HPB, R_PAD, BLOCK_N, META, MS_SLOT, ms_head
-        )
+        nmask, sh, ks, kz = _int2_tile(IDX, KM, n0, hi, h0, HKV, G, HPB, R_PAD, BLOCK_N, META)
         qc = tl.zeros([R_PAD, BLOCK_N], tl.float32)
         for j in tl.static_range(HPB):
             # K codes loaded transposed, [D4, BLOCK_N], so the planes are dot operands as they are
@@ -266,7 +258,7 @@ def int2_split_bytes(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_siz
             a2 = a2 * alpha[:, None]
             a3 = a3 * alpha[:, None]
             m_i = m_new
-        pw, l_i, zacc = _probs(s, m_i, l_i, zacc, VM, msh, nmask, G, HPB, R_PAD, META, ms_head)
+        pw, l_i, zacc = _probs(s, m_i, l_i, zacc, VM, sh, nmask, G, HPB, R_PAD, META)
         for j in tl.static_range(HPB):
             vc = tl.load(VC + (sh + j)[:, None] * D4 + offs_d[None, :], mask=nmask[:, None], other=0)
             v0, v1, v2, v3 = _byte_planes(vc, ASM)

@@ -97,9 +97,9 @@ def _pv8(p, v00, v01, v10, v11, v20, v21, v30, v31, a00, a01, a10, a11, a20, a21
 
 
 @triton.jit
-def int2_split_words(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, total, hg, sp, b, ms_head,
+def int2_split_words(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, total, hg, sp, b,
                 HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr,
-                BLOCK_N: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr, MS_SLOT: tl.constexpr):  # fmt: skip
+                BLOCK_N: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr):  # fmt: skip
     D4: tl.constexpr = D // 4
     D8: tl.constexpr = D // 8  # 16-bit code words per row: word m holds bytes 2m and 2m + 1
     h0, lo, hi, row, rmask, rhead, qrow = _int2_setup(
@@ -124,9 +124,7 @@ def int2_split_words(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_siz
     zacc = tl.zeros([R_PAD], tl.float32)
     a00, a01, a10, a11, a20, a21, a30, a31 = _zeros8(R_PAD, D8)
     for n0 in range(lo, hi, BLOCK_N):
-        nmask, sh, msh, ks, kz = _int2_tile(
-            IDX, KM, n0, hi, h0, HKV, G, HPB, R_PAD, BLOCK_N, META, MS_SLOT, ms_head
-        )
+        nmask, sh, ks, kz = _int2_tile(IDX, KM, n0, hi, h0, HKV, G, HPB, R_PAD, BLOCK_N, META)
         qc = tl.zeros([R_PAD, BLOCK_N], tl.float32)
         for j in tl.static_range(HPB):
             # K code words loaded transposed, [D8, BLOCK_N], so the planes are dot operands as they are
@@ -139,7 +137,7 @@ def int2_split_words(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_siz
             alpha, l_i, zacc = _rescale(m_i, m_new, l_i, zacc)
             a00, a01, a10, a11, a20, a21, a30, a31 = _scale8(a00, a01, a10, a11, a20, a21, a30, a31, alpha)
             m_i = m_new
-        pw, l_i, zacc = _probs(s, m_i, l_i, zacc, VM, msh, nmask, G, HPB, R_PAD, META, ms_head)
+        pw, l_i, zacc = _probs(s, m_i, l_i, zacc, VM, sh, nmask, G, HPB, R_PAD, META)
         for j in tl.static_range(HPB):
             vc = tl.load(VC + (sh + j)[:, None] * D8 + offs_m[None, :], mask=nmask[:, None], other=0)
             v00, v01, v10, v11, v20, v21, v30, v31 = _planes(vc, ASM)
