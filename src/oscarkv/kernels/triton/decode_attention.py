@@ -135,7 +135,7 @@ CONFIG = {
     "hp_warps": 4,
     "hp_split": 128,
     "hp_block": 32,
-    "hp_stream": True,
+    "hp_stream": False,
 }
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
