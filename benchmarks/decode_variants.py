@@ -48,11 +48,6 @@ def main() -> None:
         default="0",
         help="CONFIG['token_groups'] values (0,1): the token-group loop for one KV head per program",
     )
-    ap.add_argument(
-        "--maxnreg", default="0", help="CONFIG['maxnreg'] values (register cap of the word loop; 0: none)"
-    )
-    ap.add_argument("--hp", default="128x32", help="16-bit tier CONFIG hp_split x hp_block values")
-    ap.add_argument("--hp-stream", default="0", help="CONFIG['hp_stream'] values (0,1)")
     ap.add_argument("--name", default="decode_variants")
     args = ap.parse_args()
     versions = {"current": tda}
@@ -70,9 +65,6 @@ def main() -> None:
             ints(args.group_tokens),
             ints(args.min_split),
             ints(args.token_groups),
-            ints(args.maxnreg),
-            [tuple(int(v) for v in x.split("x")) for x in args.hp.split(",")],
-            ints(args.hp_stream),
         )
     )
     hq, hkv, d = 32, 8, 128
@@ -85,20 +77,14 @@ def main() -> None:
         pools = make_pools(b, lq, SINK_RECENT, hkv, d, fmt)
         nbytes = b * hkv * (lq * 2 * (d // 4 + 4) + SINK_RECENT * 2 * d * 2)
         want = ref.decode_attention(q, *pools, 1 / math.sqrt(d), fmt, fmt) if b * L <= 1 << 20 else None
-        for (vname, mod), (bn, w, st, progs, gt, msplit, tg, mr, hps, hstream) in itertools.product(
-            versions.items(), grid
-        ):
+        for (vname, mod), (bn, w, st, progs, gt, msplit, tg) in itertools.product(versions.items(), grid):
             saved = dict(mod.CONFIG)
-            if (tg and "token_groups" not in saved) or (mr and "maxnreg" not in saved):
-                continue  # a version without the token-group loop or the register cap
-            if "hp_split" not in saved and (hps != (128, 32) or hstream):
-                continue  # a version without the 16-bit tier's own launch
+            if tg and "token_groups" not in saved:
+                continue  # a version without the token-group loop
             # one tile size and one program count for every case (grouped heads, few head groups);
             # versions that lack those keys ignore them
             mod.CONFIG.update(block_n=bn, block_n_grouped=bn, num_warps=w, num_stages=st, programs=progs,
-                              programs_few=progs, group_tokens=gt, min_split=msplit, token_groups=bool(tg), maxnreg=mr or None)  # fmt: skip
-            if "hp_split" in saved:
-                mod.CONFIG.update(hp_split=hps[0], hp_block=hps[1], hp_stream=bool(hstream))
+                              programs_few=progs, group_tokens=gt, min_split=msplit, token_groups=bool(tg))  # fmt: skip
 
             def fn(mod=mod, q=q, pools=pools, lq=lq):
                 return mod.decode_attention(
@@ -116,9 +102,6 @@ def main() -> None:
                 "group_tokens": gt,
                 "min_split": msplit,
                 "token_groups": tg,
-                "maxnreg": mr,
-                "hp": f"{hps[0]}x{hps[1]}",
-                "hp_stream": hstream,
                 # below CONFIG['small_tokens'] the launch takes the byte planes with their own config
                 "path": "bytes" if b * lq < mod.CONFIG.get("small_tokens", 0) else "main",
             }
@@ -147,10 +130,10 @@ def main() -> None:
         for r in rows:
             if (r["batch"], r["len"]) == (b, L):
                 r.update(sdpa_ms=ms_sdpa, sdpa_backend=be, speedup=ms_sdpa / r["ms"] if "ms" in r else None)
-    md = ["| batch | length | version | path | block_n | warps | stages | programs | group tokens | min split | token groups | maxnreg | 16-bit split x tile | heads/prog | ms | speedup vs SDPA | TB/s | rel err |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    md = ["| batch | length | version | path | block_n | warps | stages | programs | group tokens | min split | heads/prog | ms | speedup vs SDPA | TB/s | rel err |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        cfg = f"| {r['batch']} | {r['len']} | {r['version']} | {r['path']} | {r['block_n']} | {r['warps']} | {r['stages']} | {r['programs']} | {r['group_tokens']} | {r['min_split']} | {r.get('groups', 0)} | {r['maxnreg']} | {r['hp']}{' side stream' if r['hp_stream'] else ''} |"
+        cfg = f"| {r['batch']} | {r['len']} | {r['version']} | {r['path']} | {r['block_n']} | {r['warps']} | {r['stages']} | {r['programs']} | {r['group_tokens']} | {r['min_split']} |"
         md.append(cfg + (f" {r['hpb']} | {r['ms']:.4f} | {r['speedup']:.2f}x | {r['TBps']:.2f} | {r['rel_err']:.1e} |"
                          if "ms" in r else f" - | {r['error']} | | | |"))  # fmt: skip
     print("\n".join(md))

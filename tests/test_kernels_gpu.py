@@ -85,40 +85,6 @@ def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta, g
             assert _rel(got[b], want[b]) < 1e-2
 
 
-@pytest.mark.parametrize(("lens_q", "lens_h"), [([0, 5, 129], [320, 0, 7]), ([40000] * 8, [320] * 8)])
-@pytest.mark.parametrize("hp_stream", [False, True], ids=["hp-after", "hp-side-stream"])
-@pytest.mark.parametrize("grouped", [False, True], ids=["auto-heads", "grouped-heads"])
-def test_decode_attention_16bit_tier_on_a_side_stream(lens_q, lens_h, hp_stream, grouped, monkeypatch):
-    """The 16-bit tier on a side stream or after the INT2 launch, eager and replayed from a CUDA
-    graph (the side stream joins the capture)."""
-    from oscarkv.kernels.triton import decode_attention as tda
-
-    monkeypatch.setitem(tda.CONFIG, "hp_stream", hp_stream)
-    if grouped:
-        monkeypatch.setitem(tda.CONFIG, "group_tokens", 0)
-    dev, hq, hkv, d = "cuda", 32, 8, 128
-    fmt = RowFormat(d, 2, d)
-    nq, nh = sum(lens_q), sum(lens_h)
-    kc, km = ref.quantize_pack(torch.randn(nq, hkv, d, device=dev), None, fmt)
-    vc, vm = ref.quantize_pack(torch.randn(nq, hkv, d, device=dev), None, fmt)
-    hk = torch.randn(nh, hkv, d, device=dev, dtype=torch.bfloat16)
-    hv = torch.randn(nh, hkv, d, device=dev, dtype=torch.bfloat16)
-    qi, qx = _lists(lens_q, dev, shuffle=False)
-    hi, hx = _lists(lens_h, dev, shuffle=True)
-    q = torch.randn(len(lens_q), hq, d, device=dev, dtype=torch.bfloat16)
-    args = (q, kc, km, vc, vm, hk, hv, qi, qx, hi, hx, 1 / math.sqrt(d), fmt, fmt)
-    want = ref.decode_attention(q.float(), kc, km, vc, vm, hk.float(), hv.float(), *args[7:])
-    eager = tda.decode_attention(*args)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):  # host-side lengths: no device sync inside the capture
-        out = tda.decode_attention(*args, lens_hint=(max(lens_q), max(lens_h)))
-    out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    for b in range(len(lens_q)):
-        assert _rel(eager[b], want[b]) < 1e-2 and _rel(out[b], want[b]) < 1e-2
-
-
 @pytest.mark.parametrize(
     ("d", "clip"), [(64, 0.92), (128, 0.96), (128, 0.92), (128, 0.8), (256, 0.96), (256, 0.0)]
 )

@@ -244,18 +244,6 @@ def test_decode_attention_token_groups_match_reference(
     _check_decode(da, lens_q, lens_h, hq, hkv, d, meta)
 
 
-@pytest.mark.parametrize(
-    ("split", "block", "lens_h"), [(64, 64, [70, 0, 5]), (32, 16, [33, 1, 64]), (128, 32, [300, 2, 0])]
-)
-def test_decode_attention_16bit_tier_splits(tk, split, block, lens_h, monkeypatch):
-    """The 16-bit tier's own launch over its split and tile sizes (``CONFIG['hp_split']``,
-    ``CONFIG['hp_block']``), lists not multiples of either."""
-    _, da = tk
-    monkeypatch.setitem(da.CONFIG, "hp_split", split)
-    monkeypatch.setitem(da.CONFIG, "hp_block", block)
-    _check_decode(da, [40, 9, 0], lens_h, 8, 2, 64, "fp16")
-
-
 def _check_decode(da, lens_q, lens_h, hq, hkv, d, meta) -> None:
     fmt = RowFormat(d, 2, d, meta_dtype=meta)
     nq, nh = sum(lens_q), sum(lens_h)

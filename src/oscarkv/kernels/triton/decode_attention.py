@@ -1,12 +1,9 @@
 """Triton split-K decode attention over packed INT2 history and 16-bit windows.
 
-Stage 1 is one launch per tier: an INT2 program ``(head group, split, sequence)`` takes a split of
-the sequence's quantized slot list (splits ``0 .. n_q_splits - 1``), a 16-bit program
-``(KV head, split, sequence)`` one of its 16-bit list (the splits after those); each walks its split
-in tiles with an online softmax (base 2) and writes a normalised partial output and its
-log-sum-exp. Stage 2 merges every split of both tiers by log-sum-exp. The tiers have separate
-launches because one kernel gets one register allocation: the 16-bit loop's would cap the INT2
-loop's occupancy.
+One stage-1 launch covers both tiers: program ``(head group, split, sequence)`` takes a split of
+the sequence's quantized slot list (``split < n_q_splits``) or of its 16-bit list (the rest), walks
+it in ``BLOCK_N`` tiles with an online softmax (base 2), and writes a normalised partial output and
+its log-sum-exp. Stage 2 merges every split of both tiers by log-sum-exp.
 
 For large batches (``CONFIG['group_tokens']`` quantized tokens or more) an INT2 program takes
 ``HPB`` KV heads at once, so that their ``HPB·g`` query heads fill the 16 rows of the MMA (4 KV
@@ -44,34 +41,29 @@ __all__ = ["decode_attention", "heads_per_program", "num_splits", "token_groups"
 LOG2E = 1.4426950408889634
 
 
-@triton.jit(do_not_specialize=["split_q", "total"])
-def _stage1(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, HKV: tl.constexpr,
-            G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+@triton.jit(do_not_specialize=["split_q", "split_h", "n_q_splits", "total"])
+def _stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale, split_q, split_h,
+            n_q_splits, total, HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr,
+            G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
             ASM: tl.constexpr, META: tl.constexpr, WORDS: tl.constexpr, TG: tl.constexpr = 0):  # fmt: skip
-    """INT2 tier: program ``(head group, split, sequence)``; splits ``0 .. n_q_splits - 1``."""
     # axis 0 is the group of HPB KV heads, so that programs reading the same tokens run together
     hg = tl.program_id(0)
     sp = tl.program_id(1)
     b = tl.program_id(2)
-    if TG > 1:  # opt-in: one KV head's g rows times TG token groups fill the MMA rows
-        int2_split_groups(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
-                          HKV, G, R_PAD, D, BLOCK_N, TG, ASM, META)  # fmt: skip
-    elif WORDS:  # codes read as int16 words (head dim >= 128)
-        int2_split_words(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
-                         HKV, G, HPB, R_PAD, D, BLOCK_N, ASM, META)  # fmt: skip
+    if sp < n_q_splits:
+        if TG > 1:  # opt-in: one KV head's g rows times TG token groups fill the MMA rows
+            int2_split_groups(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
+                              HKV, G, R_PAD, D, BLOCK_N, TG, ASM, META)  # fmt: skip
+        elif WORDS:  # codes read as int16 words (head dim >= 128)
+            int2_split_words(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
+                             HKV, G, HPB, R_PAD, D, BLOCK_N, ASM, META)  # fmt: skip
+        else:
+            int2_split_bytes(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
+                             HKV, G, HPB, R_PAD, D, BLOCK_N, ASM, META)  # fmt: skip
     else:
-        int2_split_bytes(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
-                         HKV, G, HPB, R_PAD, D, BLOCK_N, ASM, META)  # fmt: skip
-
-
-@triton.jit(do_not_specialize=["split_h", "n_q_splits", "total"])
-def _stage1_hp(Q, HK, HV, HPTR, HIDX, O, LSE, qk_scale, split_h, n_q_splits, total, HKV: tl.constexpr,
-               G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
-    """16-bit tier: program ``(KV head, split, sequence)``; splits ``n_q_splits ..`` of the partial
-    state. Its own launch: in the INT2 kernel its registers would raise the INT2 loop's allocation
-    (255 with spills instead of 208 at 64-token tiles), which caps the warps an SM can hold."""
-    hp_split(Q, HK, HV, HPTR, HIDX, O, LSE, qk_scale, split_h, total, tl.program_id(0),
-             n_q_splits + tl.program_id(1), tl.program_id(2), n_q_splits, HKV, G, G_PAD, D, BLOCK_H)  # fmt: skip
+        for j in tl.static_range(HPB):  # the 16-bit tier is short (sink + recent): one head at a time
+            hp_split(Q, HK, HV, HPTR, HIDX, O, LSE, qk_scale, split_h, total, hg * HPB + j, sp, b,
+                      n_q_splits, HKV, G, G_PAD, D, BLOCK_H)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["total"])
@@ -98,17 +90,17 @@ def _merge(O, LSE, OUT, total, S_BLOCK: tl.constexpr, D: tl.constexpr):
     tl.store(OUT + row * D + offs_d, (acc / tl.where(den > 0, den, 1.0)).to(OUT.dtype.element_ty))
 
 
-# Tuning, from the H200 sweeps of benchmarks/decode_variants.py (results/decode_variants_w1.md,
-# decode_variants_occ*.md, decode_variants_meta*.md): one-warp programs (no CTA barriers in the tile
-# loop) beat 4-warp ones at every shape; tiles of 64 tokens for one KV head per program, 32 when a
-# program takes several KV heads; about 1024 programs (since the 16-bit tier has its own launch,
-# 1024 beats 2048-4096 at every Qwen3-8B shape: 8 / 32K 0.089 vs 0.095-0.107 ms)
+# Tuning, from the H200 sweeps of benchmarks/decode_variants.py (results/decode_variants_w1.md):
+# one-warp programs (no CTA barriers in the tile loop) beat 4-warp ones at every shape; tiles of
+# 64 tokens for one KV head per program, 32 when a program takes several KV heads; about 3072
+# programs, but 1024 when there are at most ``few_units`` (sequence, head group) pairs, whose
+# splits would otherwise get too short (batch 1 / 128K: 2.5x vs 2.0x SDPA; batch 8 / 128K: 3.3x vs 2.8x)
 CONFIG = {
     "block_n": 64,
     "block_n_grouped": 32,
     "num_warps": 1,
     "num_stages": 3,
-    "programs": 1024,
+    "programs": 3072,
     "programs_few": 1024,
     "few_units": 16,
     "min_split": 256,
@@ -119,32 +111,13 @@ CONFIG = {
     # 4K-16K they measured 1.05-1.55x SDPA against 0.78-1.43x for the word planes
     "small_tokens": 24576,
     "bytes": {"block_n": 128, "num_warps": 4},
-    # opt-in: with one KV head per program, split each word-plane tile into 16 / g token groups so
-    # that the 16 MMA rows are (group, query head) pairs, no padding rows (decode_groups.py); taken
-    # for g <= 8 (power of two) when a group still has >= 16 tokens. Measured slower on the H200
-    # (8 / 32K: 0.121 vs 0.089 ms; results/decode_variants_occ1.md), hence off
+    # opt-in, not yet timed on a GPU: with one KV head per program, split each word-plane tile into
+    # 16 / g token groups so that the 16 MMA rows are (group, query head) pairs, no padding rows
+    # (decode_groups.py); taken for g <= 8 (power of two) when a group still has >= 16 tokens
     "token_groups": False,
-    # register cap of the word-plane launch (None: the compiler's choice, 201 at 64-token tiles),
-    # which sets how many one-warp programs an SM holds: 65536 / (32 · registers). Caps of 168 and
-    # 128 measured slower (spills; results/decode_variants_occ1.md)
-    "maxnreg": None,
-    # the 16-bit tier's own launch (sink + recent tokens, at most 327 by default: short): warps,
-    # tokens per split and per tile, and whether it runs on a side stream, concurrently with the
-    # INT2 launch (else after it, on the caller's stream; the side stream measured 3-6% faster at
-    # batch 1 / 128K and 8 / 32K, results/decode_variants_meta1.md)
-    "hp_warps": 4,
-    "hp_split": 128,
-    "hp_block": 32,
-    "hp_stream": False,
 }
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[index]
+#: 16-bit tier: tokens per split and per tile (it holds at most sink + recent + 7 = 327 by default)
+HP_SPLIT, HP_BLOCK = 128, 32
 
 
 def heads_per_program(g: int, kv_heads: int, tokens: int | None = None) -> int:
@@ -212,7 +185,8 @@ def _check_layout(d: int, hkv: int, meta_word: torch.dtype, **tensors: torch.Ten
         dtype, rows, size = kinds["hp" if name.startswith("hp") else name[2:]]
         if not t.is_contiguous():
             raise ValueError(
-                f"decode_attention: {name} must be contiguous (shape {tuple(t.shape)}, stride {t.stride()}); the kernel derives its strides from the pool layout"
+                f"decode_attention: {name} must be contiguous (shape {tuple(t.shape)}, stride "
+                f"{t.stride()}); the kernel derives its strides from the pool layout"
             )
         if dtype not in (None, t.dtype) or tuple(t.shape[1:]) != rows:
             raise ValueError(
@@ -265,40 +239,20 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     gran = 256 if max_q >= 256 * sq else block_n
     split_q = math.ceil(max_q / sq / gran) * gran
     sq = math.ceil(max_q / split_q)
-    sh = math.ceil(max_h / CONFIG["hp_split"])
+    sh = math.ceil(max_h / HP_SPLIT)
     total = sq + sh
     o_part = torch.empty(bsz, hq, total, d, device=q_rot.device, dtype=torch.float32)
     lse = torch.empty(bsz, hq, total, device=q_rot.device, dtype=torch.float32)
     # 16-bit queries: the model's bf16/fp16 as they are; anything else (fp32 on the CPU) as fp16
     q = q_rot.contiguous() if q_rot.dtype in (torch.bfloat16, torch.float16) else q_rot.half().contiguous()
     kc, vc = (k_codes.view(torch.int16), v_codes.view(torch.int16)) if words else (k_codes, v_codes)
-    opts = {"maxnreg": CONFIG["maxnreg"]} if words and CONFIG["maxnreg"] else {}
-
-    def int2() -> None:
-        _stage1[(hkv // hpb, sq, bsz)](
-            q, kc, k_meta.view(word), vc, v_meta.view(word), int2_indptr, int2_indices, o_part, lse, sm_scale * LOG2E,
-            split_q, total, HKV=hkv, G=g, HPB=hpb, R_PAD=max(16, triton.next_power_of_2(hpb * g)),
-            D=d, BLOCK_N=block_n, ASM=q.is_cuda, META=meta_id, WORDS=words, TG=tg, num_warps=warps,
-            num_stages=CONFIG["num_stages"], **opts,
-        )  # fmt: skip
-
-    def hp() -> None:
-        _stage1_hp[(hkv, sh, bsz)](
-            q, hp_k, hp_v, hp_indptr, hp_indices, o_part, lse, sm_scale * LOG2E, CONFIG["hp_split"], sq, total, HKV=hkv,
-            G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, BLOCK_H=CONFIG["hp_block"],
-            num_warps=CONFIG["hp_warps"], num_stages=CONFIG["num_stages"],
-        )  # fmt: skip
-
-    if CONFIG["hp_stream"] and q.is_cuda:
-        main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            hp()
-        int2()
-        main.wait_stream(side)
-    else:
-        int2()
-        hp()
+    _stage1[(hkv // hpb, total, bsz)](
+        q, kc, k_meta.view(word), vc, v_meta.view(word), hp_k, hp_v, int2_indptr, int2_indices, hp_indptr, hp_indices,
+        o_part, lse, sm_scale * LOG2E, split_q, HP_SPLIT, sq, total,
+        HKV=hkv, G=g, HPB=hpb, R_PAD=max(16, triton.next_power_of_2(hpb * g)), G_PAD=max(16, triton.next_power_of_2(g)),
+        D=d, BLOCK_N=block_n,
+        BLOCK_H=HP_BLOCK, ASM=q.is_cuda, META=meta_id, WORDS=words, TG=tg, num_warps=warps, num_stages=CONFIG["num_stages"],
+    )  # fmt: skip
     out = torch.empty_like(q_rot)
     _merge[(bsz * hq,)](o_part, lse, out, total, S_BLOCK=min(64, max(2, triton.next_power_of_2(total))), D=d)
     return out
