@@ -19,7 +19,7 @@ The INT2 tile loops live in :mod:`.decode_words` (codes read as int16 words: hea
 ``CONFIG['small_tokens']`` quantized tokens) and :mod:`.decode_tiles` (codes read as bytes; it
 also holds the 16-bit tier's loop and the helpers both INT2 loops share); :mod:`.decode_groups` is
 an opt-in word loop without padding rows for one KV head per program (``CONFIG['token_groups']``,
-not yet timed on a GPU). Strides are derived
+measured slower on the H200). Strides are derived
 from the (validated) contiguous layouts, which keeps the launch short.
 """
 
@@ -111,9 +111,10 @@ CONFIG = {
     # 4K-16K they measured 1.05-1.55x SDPA against 0.78-1.43x for the word planes
     "small_tokens": 24576,
     "bytes": {"block_n": 128, "num_warps": 4},
-    # opt-in, not yet timed on a GPU: with one KV head per program, split each word-plane tile into
-    # 16 / g token groups so that the 16 MMA rows are (group, query head) pairs, no padding rows
-    # (decode_groups.py); taken for g <= 8 (power of two) when a group still has >= 16 tokens
+    # opt-in, measured slower on the H200 (results/decode_variants_tg.md): with one KV head per
+    # program, split each word-plane tile into 16 / g token groups so that the 16 MMA rows are
+    # (group, query head) pairs, no padding rows (decode_groups.py); taken for g <= 8 (power of
+    # two) when a group still has >= 16 tokens
     "token_groups": False,
 }
 #: 16-bit tier: tokens per split and per tile (it holds at most sink + recent + 7 = 327 by default)

@@ -16,7 +16,8 @@ block-diagonal ``[16, T·D8]`` operand (row ``(grp, h)`` holds ``q_h``'s part in
 ``[16, BLOCK_N]`` (row ``(grp, h)`` keeps its ``NT`` values at columns ``grp·NT + n'``, zeros
 elsewhere) and dotted with the V planes loaded as in the padded loop, into ``[16, D8]``
 accumulators whose rows are ``(grp, h)``. Used only when ``CONFIG['token_groups']`` is set, for
-``HPB == 1``, ``G·T == R_PAD`` and ``NT >= 16`` (``tl.dot``'s minimum); not yet timed on a GPU.
+``HPB == 1``, ``G·T == R_PAD`` and ``NT >= 16`` (``tl.dot``'s minimum). Measured slower than the padded loop on the H200 at every
+Qwen3-8B shape (``benchmarks/results/decode_variants_tg.md``), hence opt-in.
 """
 
 from __future__ import annotations
