@@ -30,13 +30,12 @@ from .decode_tiles import (
     _inv,
     _meta,
     _must_rescale,
-    _qscale,
     _rescale,
     _rows,
     _split_range,
     _store_lse,
 )
-from .decode_words import _planes, _pv8, _qc8, _scale8, _zeros8
+from .decode_words import _planes, _pv8, _qc8, _qparts8, _scale8, _zeros8
 
 __all__ = ["int2_split_groups"]
 
@@ -50,12 +49,6 @@ def _spread(x, G: tl.constexpr, T: tl.constexpr):
     """``[T, NT]`` (one value per token of each group) -> ``[T·G, NT]``: row ``grp·G + h`` gets row ``grp``."""
     NT: tl.constexpr = x.shape[1]
     return tl.reshape(tl.broadcast_to(x[:, None, :], (T, G, NT)), (T * G, NT))
-
-
-@triton.jit
-def _qbig(qp, i: tl.constexpr, e: tl.constexpr, qmask, D4: tl.constexpr):
-    """Block-diagonal query part of plane ``(i, e)`` (dims ``D4·i + 2m + e``) as fp32."""
-    return tl.load(qp + D4 * i + e, mask=qmask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -90,17 +83,8 @@ def int2_split_groups(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_si
     # block-diagonal queries: row (grp, h) holds q_h's words m in column block grp
     qmask = (offs_k // D8)[None, :] == (offs_r // G)[:, None]
     qp = Q + (b * HKV * G + h0 * G + offs_r % G)[:, None] * D + 2 * (offs_k % D8)[None, :]
-    q00 = _qbig(qp, 0, 0, qmask, D4)
-    q01 = _qbig(qp, 0, 1, qmask, D4)
-    q10 = _qbig(qp, 1, 0, qmask, D4)
-    q11 = _qbig(qp, 1, 1, qmask, D4)
-    q20 = _qbig(qp, 2, 0, qmask, D4)
-    q21 = _qbig(qp, 2, 1, qmask, D4)
-    q30 = _qbig(qp, 3, 0, qmask, D4)
-    q31 = _qbig(qp, 3, 1, qmask, D4)
-    qsum = tl.sum(q00 + q01 + q10 + q11 + q20 + q21 + q30 + q31, 1)  # one block per row: Σq_h
-    q00, q01, q10, q11 = _qscale(q00, 0), _qscale(q01, 0), _qscale(q10, 1), _qscale(q11, 1)
-    q20, q21, q30, q31 = _qscale(q20, 2), _qscale(q21, 2), _qscale(q30, 3), _qscale(q31, 3)
+    # one block per row, so the row sums are Σq_h
+    q00, q01, q10, q11, q20, q21, q30, q31, qsum = _qparts8(qp, qmask, D4)
     # p spread to [R_PAD, BLOCK_N]: row (grp, h) keeps column block grp
     psel = offs_t[None, :, None] == (offs_r // G)[:, None, None]
     m_i = tl.full([R_PAD], M_FLOOR, tl.float32)

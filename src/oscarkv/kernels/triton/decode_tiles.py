@@ -140,9 +140,10 @@ def _int2_setup(INDPTR, b, hg, sp, split_size, total, HKV: tl.constexpr, G: tl.c
 
 
 @triton.jit
-def _qpart(qp, i: tl.constexpr, e: tl.constexpr, rmask, D4: tl.constexpr):
-    """Query dims ``D4·i + e`` onwards from ``qp`` (the dims of code plane ``i``) as fp32."""
-    return tl.load(qp + D4 * i + e, mask=rmask[:, None], other=0.0).to(tl.float32)
+def _qpart(qp, i: tl.constexpr, e: tl.constexpr, mask, D4: tl.constexpr):
+    """Query dims ``D4·i + e`` onwards from ``qp`` (the dims of code plane ``i``) as fp32; ``mask``
+    broadcasts against ``qp``."""
+    return tl.load(qp + D4 * i + e, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -226,9 +227,9 @@ def int2_split_bytes(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_siz
     offs_d = tl.arange(0, D4)
     qp = Q + qrow[:, None] * D + offs_d[None, :]
     q0 = tl.load(qp, mask=rmask[:, None], other=0.0).to(tl.float16)
-    q1 = _qpart(qp, 1, 0, rmask, D4)
-    q2 = _qpart(qp, 2, 0, rmask, D4)
-    q3 = _qpart(qp, 3, 0, rmask, D4)
+    q1 = _qpart(qp, 1, 0, rmask[:, None], D4)
+    q2 = _qpart(qp, 2, 0, rmask[:, None], D4)
+    q3 = _qpart(qp, 3, 0, rmask[:, None], D4)
     qsum = tl.sum(q0.to(tl.float32) + q1 + q2 + q3, 1)
     q1, q2, q3 = _qscale(q1, 1), _qscale(q2, 2), _qscale(q3, 3)
     m_i = tl.full([R_PAD], float("-inf"), tl.float32)

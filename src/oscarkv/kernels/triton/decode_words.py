@@ -63,6 +63,25 @@ def _planes(c, ASM: tl.constexpr):
 
 
 @triton.jit
+def _qparts8(qp, mask, D4: tl.constexpr):
+    """The eight query parts of planes ``(i, e)`` (dims ``D4·i + 2m + e`` from ``qp``; ``mask``
+    broadcasts against ``qp``) as fp16 dot operands scaled by ``4^-i`` (exact), and their row sums
+    (``Σq``, unscaled, fp32)."""
+    q00 = _qpart(qp, 0, 0, mask, D4)
+    q01 = _qpart(qp, 0, 1, mask, D4)
+    q10 = _qpart(qp, 1, 0, mask, D4)
+    q11 = _qpart(qp, 1, 1, mask, D4)
+    q20 = _qpart(qp, 2, 0, mask, D4)
+    q21 = _qpart(qp, 2, 1, mask, D4)
+    q30 = _qpart(qp, 3, 0, mask, D4)
+    q31 = _qpart(qp, 3, 1, mask, D4)
+    qsum = tl.sum(q00 + q01 + q10 + q11 + q20 + q21 + q30 + q31, 1)
+    q00, q01, q10, q11 = _qscale(q00, 0), _qscale(q01, 0), _qscale(q10, 1), _qscale(q11, 1)
+    q20, q21, q30, q31 = _qscale(q20, 2), _qscale(q21, 2), _qscale(q30, 3), _qscale(q31, 3)
+    return q00, q01, q10, q11, q20, q21, q30, q31, qsum
+
+
+@triton.jit
 def _zeros8(R_PAD: tl.constexpr, D8: tl.constexpr):
     """Eight fp32 ``[R_PAD, D8]`` accumulators, one per plane ``(i, e)``."""
     z = tl.zeros([R_PAD, D8], tl.float32)
@@ -108,17 +127,7 @@ def int2_split_words(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_siz
     offs_m = tl.arange(0, D8)
     qp = Q + qrow[:, None] * D + 2 * offs_m[None, :]
     # plane (i, e) holds c·4^i for dims D4·i + 2m + e: scale those query dims by 4^-i (exact)
-    q00 = _qpart(qp, 0, 0, rmask, D4)
-    q01 = _qpart(qp, 0, 1, rmask, D4)
-    q10 = _qpart(qp, 1, 0, rmask, D4)
-    q11 = _qpart(qp, 1, 1, rmask, D4)
-    q20 = _qpart(qp, 2, 0, rmask, D4)
-    q21 = _qpart(qp, 2, 1, rmask, D4)
-    q30 = _qpart(qp, 3, 0, rmask, D4)
-    q31 = _qpart(qp, 3, 1, rmask, D4)
-    qsum = tl.sum(q00 + q01 + q10 + q11 + q20 + q21 + q30 + q31, 1)
-    q00, q01, q10, q11 = _qscale(q00, 0), _qscale(q01, 0), _qscale(q10, 1), _qscale(q11, 1)
-    q20, q21, q30, q31 = _qscale(q20, 2), _qscale(q21, 2), _qscale(q30, 3), _qscale(q31, 3)
+    q00, q01, q10, q11, q20, q21, q30, q31, qsum = _qparts8(qp, rmask[:, None], D4)
     m_i = tl.full([R_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([R_PAD], tl.float32)
     zacc = tl.zeros([R_PAD], tl.float32)
