@@ -29,6 +29,13 @@ from oscarkv.kernels import ref
 from oscarkv.quant import RowFormat
 
 
+def _value(v: str) -> int | str:
+    try:
+        return int(v)
+    except ValueError:
+        return v
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--baseline", action="append", default=[], help="NAME=DIR of another kernel version")
@@ -48,6 +55,17 @@ def main() -> None:
         default="0",
         help="CONFIG['token_groups'] values (0,1): the token-group loop for one KV head per program",
     )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        help="KEY=V1,V2: more CONFIG entries to sweep (ints where they parse, else strings)",
+    )
+    ap.add_argument(
+        "--defaults",
+        action="store_true",
+        help="keep the module's launch defaults (block_n ... token_groups); sweep only --set",
+    )
     ap.add_argument("--name", default="decode_variants")
     args = ap.parse_args()
     versions = {"current": tda}
@@ -56,6 +74,13 @@ def main() -> None:
         pkg = import_kernel_copy(f"dv_{name}", sorted(Path(path).glob("decode_*.py")))
         versions[name] = importlib.import_module(f"{pkg}.decode_attention")
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    if args.defaults:  # one value per launch axis, the module's own (shown in the table)
+        c = tda.CONFIG
+        args.block_n, args.warps, args.stages = str(c["block_n"]), str(c["num_warps"]), str(c["num_stages"])
+        args.programs, args.group_tokens = str(c["programs"]), str(c["group_tokens"])
+        args.min_split, args.token_groups = str(c["min_split"]), str(int(c["token_groups"]))
+    extra_keys = [kv.split("=", 1)[0] for kv in args.set]
+    extra = list(itertools.product(*[[_value(v) for v in kv.split("=", 1)[1].split(",")] for kv in args.set]))
     grid = list(
         itertools.product(
             ints(args.block_n),
@@ -65,6 +90,7 @@ def main() -> None:
             ints(args.group_tokens),
             ints(args.min_split),
             ints(args.token_groups),
+            extra,
         )
     )
     hq, hkv, d = 32, 8, 128
@@ -77,14 +103,16 @@ def main() -> None:
         pools = make_pools(b, lq, SINK_RECENT, hkv, d, fmt)
         nbytes = b * hkv * (lq * 2 * (d // 4 + 4) + SINK_RECENT * 2 * d * 2)
         want = ref.decode_attention(q, *pools, 1 / math.sqrt(d), fmt, fmt) if b * L <= 1 << 20 else None
-        for (vname, mod), (bn, w, st, progs, gt, msplit, tg) in itertools.product(versions.items(), grid):
+        for (vname, mod), (bn, w, st, progs, gt, msplit, tg, ex) in itertools.product(versions.items(), grid):
             saved = dict(mod.CONFIG)
             if tg and "token_groups" not in saved:
                 continue  # a version without the token-group loop
             # one tile size and one program count for every case (grouped heads, few head groups);
             # versions that lack those keys ignore them
-            mod.CONFIG.update(block_n=bn, block_n_grouped=bn, num_warps=w, num_stages=st, programs=progs,
-                              programs_few=progs, group_tokens=gt, min_split=msplit, token_groups=bool(tg))  # fmt: skip
+            if not args.defaults:
+                mod.CONFIG.update(block_n=bn, block_n_grouped=bn, num_warps=w, num_stages=st, programs=progs,
+                                  programs_few=progs, group_tokens=gt, min_split=msplit, token_groups=bool(tg))  # fmt: skip
+            mod.CONFIG.update(dict(zip(extra_keys, ex, strict=True)))
 
             def fn(mod=mod, q=q, pools=pools, lq=lq):
                 return mod.decode_attention(
@@ -102,6 +130,7 @@ def main() -> None:
                 "group_tokens": gt,
                 "min_split": msplit,
                 "token_groups": tg,
+                "set": " ".join(f"{k}={v}" for k, v in zip(extra_keys, ex, strict=True)),
                 # below CONFIG['small_tokens'] the launch takes the byte planes with their own config
                 "path": "bytes" if b * lq < mod.CONFIG.get("small_tokens", 0) else "main",
             }
@@ -130,10 +159,10 @@ def main() -> None:
         for r in rows:
             if (r["batch"], r["len"]) == (b, L):
                 r.update(sdpa_ms=ms_sdpa, sdpa_backend=be, speedup=ms_sdpa / r["ms"] if "ms" in r else None)
-    md = ["| batch | length | version | path | block_n | warps | stages | programs | group tokens | min split | heads/prog | ms | speedup vs SDPA | TB/s | rel err |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    md = ["| batch | length | version | path | block_n | warps | stages | programs | group tokens | min split | set | heads/prog | ms | speedup vs SDPA | TB/s | rel err |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        cfg = f"| {r['batch']} | {r['len']} | {r['version']} | {r['path']} | {r['block_n']} | {r['warps']} | {r['stages']} | {r['programs']} | {r['group_tokens']} | {r['min_split']} |"
+        cfg = f"| {r['batch']} | {r['len']} | {r['version']} | {r['path']} | {r['block_n']} | {r['warps']} | {r['stages']} | {r['programs']} | {r['group_tokens']} | {r['min_split']} | {r['set']} |"
         md.append(cfg + (f" {r['hpb']} | {r['ms']:.4f} | {r['speedup']:.2f}x | {r['TBps']:.2f} | {r['rel_err']:.1e} |"
                          if "ms" in r else f" - | {r['error']} | | | |"))  # fmt: skip
     print("\n".join(md))

@@ -3,7 +3,7 @@
     ncu --clock-control none --kernel-name regex:_stage1 --launch-skip 2 --launch-count 1 \\
         --set full -o prof python benchmarks/profile_decode.py --batch 8 --len 32768
 
-``--set KEY=VALUE`` overrides ``CONFIG`` entries of the kernel (ints, or 0/1 for flags).
+``--set KEY=VALUE`` overrides ``CONFIG`` entries of the kernel (ints, 0/1 for flags, or strings).
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--len", type=int, default=32768)
     ap.add_argument("--runs", type=int, default=4)
-    ap.add_argument("--set", action="append", default=[], help="CONFIG KEY=VALUE (int)")
+    ap.add_argument("--set", action="append", default=[], help="CONFIG KEY=VALUE")
     args = ap.parse_args()
     for kv in args.set:
         key, val = kv.split("=", 1)
         if key not in tda.CONFIG:
             raise SystemExit(f"unknown CONFIG key {key!r}; known: {sorted(tda.CONFIG)}")
-        tda.CONFIG[key] = type(tda.CONFIG[key])(int(val))
+        old = tda.CONFIG[key]
+        tda.CONFIG[key] = val if isinstance(old, str) else type(old)(int(val))
     hq, hkv, d = 32, 8, 128
     fmt = RowFormat(d, 2, d)
     lq = args.len - SINK_RECENT

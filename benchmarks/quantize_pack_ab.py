@@ -2,13 +2,15 @@
 
 Same inputs, same machine, same run: the codes and metadata of both must be identical (with
 rotation too), then both are timed from CUDA graphs (device time; TB/s on the input bytes, d=128,
-bf16 rows ``[N, 8, 128]``). ``--sweep`` also times the rotation path's tunables of the current
-kernel (rows per program, prefetch depth, programs per SM, register cap) and reports the best.
+bf16 rows ``[N, 8, 128]``). ``--sweep layer,none`` also times the tunables of the current kernel
+with rotation (rows per program, prefetch depth, programs per SM, register cap, merge levels) and
+without (rows per program, warps, register cap), checks each against the default's output, and
+reports the best.
 
 The previous kernel is a copy of the module at another commit, loaded from a file, e.g.
 
     git show <rev>:src/oscarkv/kernels/triton/quantize_pack.py > out/qp_old.py
-    python benchmarks/quantize_pack_ab.py --old out/qp_old.py [--sweep] [--out DIR]
+    python benchmarks/quantize_pack_ab.py --old out/qp_old.py [--sweep layer,none] [--out DIR]
 """
 
 from __future__ import annotations
@@ -69,37 +71,65 @@ def compare(old, n_rows: int, clip: float, rot: str) -> dict:
     return row
 
 
-def sweep() -> list[dict]:
+def _rot_configs() -> list[dict]:
+    """The rotation path's tunables: rows per program, prefetch depth, programs per SM (0: one
+    block per program), register cap, in-thread merge levels of the clip network."""
+    keys = ("BLOCK_R_ROT", "ROT_STAGES", "ROT_PER_SM", "ROT_MAXNREG", "ROT_TREE")
+    # the row-block loop (ROT_PER_SM > 0) measured slower at every setting (quantize_pack_ab_h200.md)
+    cfgs = [(64, 1, 0, mr, tree) for mr in (128, 168, 0) for tree in (0, 1, 2)]
+    cfgs += [(64, 2, 3, 128, 0), (128, 1, 0, 128, 0), (128, 1, 0, 0, 0)]
+    return [dict(zip(keys, c, strict=True)) for c in cfgs]
+
+
+def _plain_configs() -> list[dict]:
+    """Without rotation: rows per program, warps, register cap."""
+    return [
+        {"BLOCK_R": br, "NUM_WARPS": w, "MAXNREG": mr}
+        for br, w, mr in itertools.product((16, 32, 64, 128), (1, 2, 4, 8), (0, 128))
+        if 8 <= br // w <= 32
+    ]
+
+
+def sweep(rot: str) -> list[dict]:
+    """Time the module's tunables (``rot``: "layer" for the rotation path, "none" without) at 64K
+    and 1M rows, clip 0.96; every config must give the default's codes and metadata."""
     fmt = RowFormat(128, 2, 128, clip=0.96)
-    cases = [inputs(n, "layer") for n in (65536, 1048576)]
-    base = (new.BLOCK_R_ROT, new.ROT_STAGES, new.ROT_PER_SM, new.ROT_MAXNREG)
-    configs = [(64, st, ps, mr) for st, ps, mr in itertools.product((1, 2, 3), (2, 3, 4), (128, 0))]
-    configs += [(64, 1, 0, 128), (64, 1, 0, 0)]  # one block per program (the loop runs once)
-    configs += [(128, st, ps, 128) for st, ps in itertools.product((1, 2), (1, 2))]
+    cases = [inputs(n, rot) for n in (65536, 1048576)]
+    configs = _rot_configs() if rot == "layer" else _plain_configs()
+    base = {k: getattr(new, k) for k in configs[0]}
+    want = [new.quantize_pack(x, r, fmt) for x, r in cases]
     rows = []
     for cfg in configs:
-        new.BLOCK_R_ROT, new.ROT_STAGES, new.ROT_PER_SM, new.ROT_MAXNREG = cfg
+        for k, v in cfg.items():
+            setattr(new, k, v)
         try:
+            got = [new.quantize_pack(x, r, fmt) for x, r in cases]
             ts = [timed(lambda x=x, r=r: new.quantize_pack(x, r, fmt)) for x, r in cases]
         except Exception as e:  # e.g. out of shared memory
             rows.append({"config": cfg, "error": str(e)[-300:]})
             print("config failed:", cfg, str(e)[-300:], flush=True)
             continue
+        same = all(
+            torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want, strict=True)
+        )
         tbs = [x.numel() * 2 / 1e9 / t for (x, _), t in zip(cases, ts, strict=True)]
-        rows.append({"config": cfg, "ms": ts, "TBps": tbs})
-        print(f"sweep block_r {cfg[0]} stages {cfg[1]} per_sm {cfg[2]} maxnreg {cfg[3]}: "
-              f"64K {ts[0]:.4f} ms ({tbs[0]:.2f} TB/s), 1M {ts[1]:.4f} ms ({tbs[1]:.2f} TB/s)", flush=True)  # fmt: skip
-    ok = [r for r in rows if "ms" in r]
+        rows.append({"rotate": rot, "config": cfg, "ms": ts, "TBps": tbs, "identical": same})
+        print(f"sweep {rot} {cfg}: 64K {ts[0]:.4f} ms ({tbs[0]:.2f} TB/s), 1M {ts[1]:.4f} ms "
+              f"({tbs[1]:.2f} TB/s), identical {same}", flush=True)  # fmt: skip
+    ok = [r for r in rows if "ms" in r and r["identical"]]
     best = min(ok, key=lambda r: (r["ms"][0] * r["ms"][1]) ** 0.5)
-    print("best (geometric mean of 64K and 1M):", best["config"], "module default:", base, flush=True)
-    new.BLOCK_R_ROT, new.ROT_STAGES, new.ROT_PER_SM, new.ROT_MAXNREG = base
+    print(f"best {rot} (geometric mean of 64K and 1M):", best["config"], "module default:", base, flush=True)
+    for k, v in base.items():
+        setattr(new, k, v)
     return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--old", required=True, help="file holding the previous quantize_pack.py")
-    ap.add_argument("--sweep", action="store_true", help="also sweep the rotation path's tunables")
+    ap.add_argument(
+        "--sweep", default="", help="also sweep the tunables of: layer (the rotation path), none, or both"
+    )
     ap.add_argument("--out", default=None, help="directory for quantize_pack_ab.json")
     args = ap.parse_args()
     t = time.time()
@@ -111,7 +141,7 @@ def main() -> None:
     for n_rows, clip, rot in [(n, c, r) for n in (65536, 262144, 1048576) for c in (0.96, 0.92, 0.0)
                               for r in ("none", "layer")] + [(262144, 0.96, "per-head")]:  # fmt: skip
         rows.append(compare(old, n_rows, clip, rot))
-    swept = sweep() if args.sweep else []
+    swept = [r for rot in args.sweep.split(",") if rot for r in sweep(rot)]
     bad = [r for r in rows if not r["identical"]]
     print(f"{len(rows)} cases, {len(bad)} not identical ({time.time() - t:.0f} s)", flush=True)
     if args.out:

@@ -244,6 +244,25 @@ def test_decode_attention_token_groups_match_reference(
     _check_decode(da, lens_q, lens_h, hq, hkv, d, meta)
 
 
+@pytest.mark.parametrize(
+    ("lens_q", "lens_h", "hq", "hkv", "d", "merge_d"),
+    [
+        ([300, 0, 70], [20, 3, 0], 8, 2, 128, 32),  # several splits, an empty tier
+        ([17000], [3], 2, 1, 64, 16),  # 67 + 1 splits: the merge takes them 64 at a time
+    ],
+)
+@pytest.mark.parametrize("partials", ["fp32", "fp16"])
+def test_decode_attention_partials_and_merge_slices_match_reference(
+    tk, lens_q, lens_h, hq, hkv, d, merge_d, partials, monkeypatch
+):
+    """``CONFIG['partials']`` (the split outputs' dtype) and ``CONFIG['merge_d']`` (the merge
+    program's slice of the head dim)."""
+    _, da = tk
+    monkeypatch.setitem(da.CONFIG, "partials", partials)
+    monkeypatch.setitem(da.CONFIG, "merge_d", merge_d)
+    _check_decode(da, lens_q, lens_h, hq, hkv, d, "fp16")
+
+
 def _check_decode(da, lens_q, lens_h, hq, hkv, d, meta) -> None:
     fmt = RowFormat(d, 2, d, meta_dtype=meta)
     nq, nh = sum(lens_q), sum(lens_h)

@@ -67,14 +67,15 @@ def _stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale,
 
 
 @triton.jit(do_not_specialize=["total"])
-def _merge(O, LSE, OUT, total, S_BLOCK: tl.constexpr, D: tl.constexpr):
+def _merge(O, LSE, OUT, total, S_BLOCK: tl.constexpr, D: tl.constexpr, DB: tl.constexpr):
     """Log-sum-exp merge of the ``total`` partial outputs of one ``(sequence, query head)`` row,
-    ``S_BLOCK`` splits at a time (a running maximum keeps it exact)."""
+    dims ``DB·program_id(1)`` onwards, ``S_BLOCK`` splits at a time (a running maximum keeps it
+    exact)."""
     row = tl.program_id(0)  # b * Hq + hq
-    offs_d = tl.arange(0, D)
+    offs_d = tl.program_id(1) * DB + tl.arange(0, DB)
     m = tl.full([1], float("-inf"), tl.float32)
     den = tl.zeros([1], tl.float32)
-    acc = tl.zeros([D], tl.float32)
+    acc = tl.zeros([DB], tl.float32)
     for s0 in range(0, total, S_BLOCK):
         offs_s = s0 + tl.arange(0, S_BLOCK)
         smask = offs_s < total
@@ -84,7 +85,7 @@ def _merge(O, LSE, OUT, total, S_BLOCK: tl.constexpr, D: tl.constexpr):
         w = tl.exp2(lse - m_safe)
         o = tl.load(O + (row * total + offs_s)[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
         scale = tl.exp2(m - m_safe)
-        acc = acc * scale + tl.sum(o * w[:, None], 0)
+        acc = acc * scale + tl.sum(o.to(tl.float32) * w[:, None], 0)
         den = den * scale + tl.sum(w, 0)
         m = m_new
     tl.store(OUT + row * D + offs_d, (acc / tl.where(den > 0, den, 1.0)).to(OUT.dtype.element_ty))
@@ -116,6 +117,11 @@ CONFIG = {
     # (group, query head) pairs, no padding rows (decode_groups.py); taken for g <= 8 (power of
     # two) when a group still has >= 16 tokens
     "token_groups": False,
+    # the split partial outputs (written by stage 1, read by the merge): "fp32" or "fp16"
+    "partials": "fp32",
+    # merge: dims per program (head dim = one program per query row) and warps
+    "merge_d": 128,
+    "merge_warps": 4,
 }
 #: 16-bit tier: tokens per split and per tile (it holds at most sink + recent + 7 = 327 by default)
 HP_SPLIT, HP_BLOCK = 128, 32
@@ -242,7 +248,8 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     sq = math.ceil(max_q / split_q)
     sh = math.ceil(max_h / HP_SPLIT)
     total = sq + sh
-    o_part = torch.empty(bsz, hq, total, d, device=q_rot.device, dtype=torch.float32)
+    pdt = torch.float16 if CONFIG["partials"] == "fp16" else torch.float32
+    o_part = torch.empty(bsz, hq, total, d, device=q_rot.device, dtype=pdt)
     lse = torch.empty(bsz, hq, total, device=q_rot.device, dtype=torch.float32)
     # 16-bit queries: the model's bf16/fp16 as they are; anything else (fp32 on the CPU) as fp16
     q = q_rot.contiguous() if q_rot.dtype in (torch.bfloat16, torch.float16) else q_rot.half().contiguous()
@@ -255,5 +262,9 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
         BLOCK_H=HP_BLOCK, ASM=q.is_cuda, META=meta_id, WORDS=words, TG=tg, num_warps=warps, num_stages=CONFIG["num_stages"],
     )  # fmt: skip
     out = torch.empty_like(q_rot)
-    _merge[(bsz * hq,)](o_part, lse, out, total, S_BLOCK=min(64, max(2, triton.next_power_of_2(total))), D=d)
+    db = min(d, CONFIG["merge_d"])
+    _merge[(bsz * hq, d // db)](
+        o_part, lse, out, total, S_BLOCK=min(64, max(2, triton.next_power_of_2(total))), D=d, DB=db,
+        num_warps=CONFIG["merge_warps"],
+    )  # fmt: skip
     return out

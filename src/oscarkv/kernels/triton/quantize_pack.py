@@ -48,10 +48,12 @@ __all__ = ["dequantize", "quantize_pack"]
 # block per program, no prefetch and the 128-register cap (1.20 vs 1.16 TB/s at 1M rows)
 BLOCK_R = 64
 NUM_WARPS = 4
+MAXNREG = 0  # without rotation (0: no cap)
 BLOCK_R_ROT = 64
 ROT_STAGES = 1
 ROT_PER_SM = 0
 ROT_MAXNREG = 128
+ROT_TREE = 0  # in-thread merge levels of the clip network in the MMA layout (0: tl.reduce alone)
 
 # β_k: the midpoint below W_k = the smallest fp32 w with fl(w + 0.5) >= k (k = 1, 2, 3); a tie
 # u + z = β_k rounds down for k = 1 only (W_1 = 0.5 - 2^-25 is odd; 1.5 and 2.5 are even)
@@ -240,10 +242,12 @@ def quantize_pack(rows: torch.Tensor, rotation: torch.Tensor | None, fmt: RowFor
     # accumulator by tl.reduce alone (a level of pairs adds shuffles at clip 0.92 in its layout);
     # all the way under the interpreter (CPU tensors), whose tl.reduce calls the combine once per
     # element
-    tree = 0 if rotation is not None else min(d // 8, 16 // x.element_size()).bit_length() - 1
+    tree = ROT_TREE if rotation is not None else min(d // 8, 16 // x.element_size()).bit_length() - 1
     opts, kc, stages = {}, d if d <= 128 else 64, ROT_STAGES
     if rotation is None:
         warps, programs = NUM_WARPS, n_blocks
+        if x.is_cuda and MAXNREG:
+            opts["maxnreg"] = MAXNREG
     else:
         # one warp group (4 warps) per 64 rows: at 64 rows, 2 or 8 warps took 1.7x / 2.2x as long
         warps = 8 if d > 128 else max(4, block_r // 16)
