@@ -36,8 +36,12 @@ DEV = torch.device("cuda")
 
 
 def load_old(path: str):
-    """The previous ``quantize_pack`` module, imported from a copy of its file."""
-    return importlib.import_module(f"{import_kernel_copy('qp_old', [Path(path)])}.{Path(path).stem}")
+    """The previous ``quantize_pack`` module, imported from a copy of its file (with the
+    ``quantize_nets.py`` beside it, or the current one when there is none)."""
+    f = Path(path)
+    nets = f.with_name("quantize_nets.py")
+    files = [f, nets if nets.exists() else Path(new.__file__).with_name("quantize_nets.py")]
+    return importlib.import_module(f"{import_kernel_copy('qp_old', files)}.{f.stem}")
 
 
 def timed(fn) -> float:

@@ -263,6 +263,16 @@ def test_decode_attention_partials_and_merge_slices_match_reference(
     _check_decode(da, lens_q, lens_h, hq, hkv, d, "fp16")
 
 
+@pytest.mark.parametrize(("hp_split", "hp_block", "hp_stages"), [(64, 16, 1), (32, 16, 2)])
+def test_decode_attention_16bit_tier_tunables_match_reference(tk, hp_split, hp_block, hp_stages, monkeypatch):
+    """The 16-bit tier's split size, tile and pipeline depth (``CONFIG['hp_*']``), over windows
+    of several splits, one split, a partial tile and none."""
+    _, da = tk
+    for key, val in (("hp_split", hp_split), ("hp_block", hp_block), ("hp_stages", hp_stages)):
+        monkeypatch.setitem(da.CONFIG, key, val)
+    _check_decode(da, [90, 40, 0, 5], [150, 3, 7, 0], 8, 2, 64, "fp16")
+
+
 def _check_decode(da, lens_q, lens_h, hq, hkv, d, meta) -> None:
     fmt = RowFormat(d, 2, d, meta_dtype=meta)
     nq, nh = sum(lens_q), sum(lens_h)

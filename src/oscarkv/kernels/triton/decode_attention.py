@@ -45,7 +45,8 @@ LOG2E = 1.4426950408889634
 def _stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale, split_q, split_h,
             n_q_splits, total, HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr,
             G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-            ASM: tl.constexpr, META: tl.constexpr, WORDS: tl.constexpr, TG: tl.constexpr = 0):  # fmt: skip
+            ASM: tl.constexpr, META: tl.constexpr, WORDS: tl.constexpr, TG: tl.constexpr = 0,
+            HP_STAGES: tl.constexpr = 3):  # fmt: skip
     # axis 0 is the group of HPB KV heads, so that programs reading the same tokens run together
     hg = tl.program_id(0)
     sp = tl.program_id(1)
@@ -63,7 +64,7 @@ def _stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale,
     else:
         for j in tl.static_range(HPB):  # the 16-bit tier is short (sink + recent): one head at a time
             hp_split(Q, HK, HV, HPTR, HIDX, O, LSE, qk_scale, split_h, total, hg * HPB + j, sp, b,
-                      n_q_splits, HKV, G, G_PAD, D, BLOCK_H)  # fmt: skip
+                      n_q_splits, HKV, G, G_PAD, D, BLOCK_H, HP_STAGES)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["total"])
@@ -120,11 +121,17 @@ CONFIG = {
     # the split partial outputs (written by stage 1, read by the merge): "fp32" or "fp16"
     "partials": "fp32",
     # merge: dims per program (head dim = one program per query row) and warps
-    "merge_d": 128,
-    "merge_warps": 4,
+    "merge_d": 32,
+    "merge_warps": 1,
+    # 16-bit tier (at most sink + recent + 7 = 327 tokens by default): tokens per split and per
+    # tile, and its loop's pipeline depth. Its loop is compiled into the same kernel as the INT2
+    # loop, so its register need can set the whole kernel's allocation
+    "hp_split": 128,
+    "hp_block": 32,
+    "hp_stages": 3,
+    # register cap of the word-plane launch (0: none); 200 allows 10 one-warp programs per SM
+    "maxnreg": 0,
 }
-#: 16-bit tier: tokens per split and per tile (it holds at most sink + recent + 7 = 327 by default)
-HP_SPLIT, HP_BLOCK = 128, 32
 
 
 def heads_per_program(g: int, kv_heads: int, tokens: int | None = None) -> int:
@@ -242,11 +249,12 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     else:
         block_n, warps = CONFIG["bytes"]["block_n"], CONFIG["bytes"]["num_warps"]
     tg = token_groups(g, hpb, block_n) if words else 0
+    opts = {"maxnreg": CONFIG["maxnreg"]} if words and CONFIG["maxnreg"] and q_rot.is_cuda else {}
     # splits are whole tiles: multiples of 256 tokens (of every tile size), of the tile below that
     gran = 256 if max_q >= 256 * sq else block_n
     split_q = math.ceil(max_q / sq / gran) * gran
     sq = math.ceil(max_q / split_q)
-    sh = math.ceil(max_h / HP_SPLIT)
+    sh = math.ceil(max_h / CONFIG["hp_split"])
     total = sq + sh
     pdt = torch.float16 if CONFIG["partials"] == "fp16" else torch.float32
     o_part = torch.empty(bsz, hq, total, d, device=q_rot.device, dtype=pdt)
@@ -256,10 +264,11 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     kc, vc = (k_codes.view(torch.int16), v_codes.view(torch.int16)) if words else (k_codes, v_codes)
     _stage1[(hkv // hpb, total, bsz)](
         q, kc, k_meta.view(word), vc, v_meta.view(word), hp_k, hp_v, int2_indptr, int2_indices, hp_indptr, hp_indices,
-        o_part, lse, sm_scale * LOG2E, split_q, HP_SPLIT, sq, total,
+        o_part, lse, sm_scale * LOG2E, split_q, CONFIG["hp_split"], sq, total,
         HKV=hkv, G=g, HPB=hpb, R_PAD=max(16, triton.next_power_of_2(hpb * g)), G_PAD=max(16, triton.next_power_of_2(g)),
         D=d, BLOCK_N=block_n,
-        BLOCK_H=HP_BLOCK, ASM=q.is_cuda, META=meta_id, WORDS=words, TG=tg, num_warps=warps, num_stages=CONFIG["num_stages"],
+        BLOCK_H=CONFIG["hp_block"], ASM=q.is_cuda, META=meta_id, WORDS=words, TG=tg, HP_STAGES=CONFIG["hp_stages"],
+        num_warps=warps, num_stages=CONFIG["num_stages"], **opts,
     )  # fmt: skip
     out = torch.empty_like(q_rot)
     db = min(d, CONFIG["merge_d"])

@@ -281,7 +281,7 @@ def int2_split_bytes(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_siz
 @triton.jit
 def hp_split(Q, K, V, INDPTR, IDX, O, LSE, qk_scale, split_size, total, h, sp, b, first,
               HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-              BLOCK_N: tl.constexpr):  # fmt: skip
+              BLOCK_N: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
     lo, hi = _split_range(INDPTR, b, sp - first, split_size)  # this tier's splits start at ``first``
     row, gmask = _rows(b, h, sp, total, G, 1, G_PAD, HKV * G)
     offs_d = tl.arange(0, D)
@@ -290,7 +290,7 @@ def hp_split(Q, K, V, INDPTR, IDX, O, LSE, qk_scale, split_size, total, h, sp, b
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
+    for n0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < hi
         sh = tl.load(IDX + offs_n, mask=nmask, other=0).to(tl.int64) * HKV + h
