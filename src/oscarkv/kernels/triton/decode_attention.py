@@ -106,6 +106,9 @@ CONFIG = {
     "programs_few": 1024,
     "few_units": 16,
     "min_split": 256,
+    # splits are multiples of this many tokens (a multiple of every tile size) when that leaves
+    # the planned split count, otherwise of the tile
+    "split_gran": 256,
     "rows": 16,
     "group_tokens": 262144,
     # below ``small_tokens`` quantized tokens (batch x longest list), and for head dim 64, the byte
@@ -250,8 +253,8 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
         block_n, warps = CONFIG["bytes"]["block_n"], CONFIG["bytes"]["num_warps"]
     tg = token_groups(g, hpb, block_n) if words else 0
     opts = {"maxnreg": CONFIG["maxnreg"]} if words and CONFIG["maxnreg"] and q_rot.is_cuda else {}
-    # splits are whole tiles: multiples of 256 tokens (of every tile size), of the tile below that
-    gran = 256 if max_q >= 256 * sq else block_n
+    # splits are whole tiles: multiples of CONFIG['split_gran'] tokens, of the tile below that
+    gran = CONFIG["split_gran"] if max_q >= CONFIG["split_gran"] * sq else block_n
     split_q = math.ceil(max_q / sq / gran) * gran
     sq = math.ceil(max_q / split_q)
     sh = math.ceil(max_h / CONFIG["hp_split"])
