@@ -273,6 +273,28 @@ def test_decode_attention_16bit_tier_tunables_match_reference(tk, hp_split, hp_b
     _check_decode(da, [90, 40, 0, 5], [150, 3, 7, 0], 8, 2, 64, "fp16")
 
 
+@pytest.mark.parametrize(
+    ("lens_q", "lens_h", "hq", "hkv", "d", "words"),
+    [
+        ([300, 0, 129], [20, 9, 0], 8, 2, 64, False),  # empty tiers, several splits
+        ([700, 40], [5, 2], 32, 8, 128, True),  # word planes, 4 KV heads per program
+        ([600], [3], 8, 2, 128, True),  # word planes, one KV head per program
+    ],
+)
+def test_decode_attention_wave_splits_and_hp_first_match_reference(
+    tk, lens_q, lens_h, hq, hkv, d, words, monkeypatch
+):
+    """``CONFIG['fill_waves']`` (split sizes that fill whole waves of a pretend 2-SM device) and
+    ``CONFIG['hp_first']`` (grid (head group, sequence, split), 16-bit splits first)."""
+    _, da = tk
+    for key, val in (("fill_waves", True), ("sms", 2), ("per_sm", 2), ("hp_first", True)):
+        monkeypatch.setitem(da.CONFIG, key, val)
+    if words:
+        monkeypatch.setitem(da.CONFIG, "small_tokens", 0)
+        monkeypatch.setitem(da.CONFIG, "group_tokens", 0 if hq // hkv == 4 else 1 << 30)
+    _check_decode(da, lens_q, lens_h, hq, hkv, d, "fp16")
+
+
 def _check_decode(da, lens_q, lens_h, hq, hkv, d, meta) -> None:
     fmt = RowFormat(d, 2, d, meta_dtype=meta)
     nq, nh = sum(lens_q), sum(lens_h)

@@ -25,6 +25,7 @@ from the (validated) contiguous layouts, which keeps the launch short.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -33,10 +34,11 @@ import triton.language as tl
 
 from ...quant import RowFormat
 from .decode_groups import int2_split_groups
+from .decode_plan import CONFIG, heads_per_program, num_splits, token_groups, wave_split
 from .decode_tiles import hp_split, int2_split_bytes
 from .decode_words import int2_split_words
 
-__all__ = ["decode_attention", "heads_per_program", "num_splits", "token_groups"]
+__all__ = ["CONFIG", "decode_attention", "heads_per_program", "num_splits", "token_groups"]
 
 LOG2E = 1.4426950408889634
 
@@ -46,11 +48,18 @@ def _stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale,
             n_q_splits, total, HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr,
             G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
             ASM: tl.constexpr, META: tl.constexpr, WORDS: tl.constexpr, TG: tl.constexpr = 0,
-            HP_STAGES: tl.constexpr = 3):  # fmt: skip
+            HP_STAGES: tl.constexpr = 3, HP_FIRST: tl.constexpr = False):  # fmt: skip
     # axis 0 is the group of HPB KV heads, so that programs reading the same tokens run together
     hg = tl.program_id(0)
-    sp = tl.program_id(1)
-    b = tl.program_id(2)
+    if HP_FIRST:  # grid (head group, sequence, split): the 16-bit tier's splits launch first
+        b = tl.program_id(1)
+        p = tl.program_id(2)
+        n_h = total - n_q_splits
+        # partial-state index: INT2 splits first, as below
+        sp = tl.where(p >= n_h, p - n_h, n_q_splits + p)
+    else:
+        sp = tl.program_id(1)
+        b = tl.program_id(2)
     if sp < n_q_splits:
         if TG > 1:  # opt-in: one KV head's g rows times TG token groups fill the MMA rows
             int2_split_groups(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
@@ -92,84 +101,9 @@ def _merge(O, LSE, OUT, total, S_BLOCK: tl.constexpr, D: tl.constexpr, DB: tl.co
     tl.store(OUT + row * D + offs_d, (acc / tl.where(den > 0, den, 1.0)).to(OUT.dtype.element_ty))
 
 
-# Tuning, from the H200 sweeps of benchmarks/decode_variants.py (results/decode_variants_w1.md):
-# one-warp programs (no CTA barriers in the tile loop) beat 4-warp ones at every shape; tiles of
-# 64 tokens for one KV head per program, 32 when a program takes several KV heads; about 3072
-# programs, but 1024 when there are at most ``few_units`` (sequence, head group) pairs, whose
-# splits would otherwise get too short (batch 1 / 128K: 2.5x vs 2.0x SDPA; batch 8 / 128K: 3.3x vs 2.8x)
-CONFIG = {
-    "block_n": 64,
-    "block_n_grouped": 32,
-    "num_warps": 1,
-    "num_stages": 3,
-    "programs": 3072,
-    "programs_few": 1024,
-    "few_units": 16,
-    "min_split": 256,
-    # splits are multiples of this many tokens (a multiple of every tile size) when that leaves
-    # the planned split count, otherwise of the tile
-    "split_gran": 256,
-    "rows": 16,
-    "group_tokens": 262144,
-    # below ``small_tokens`` quantized tokens (batch x longest list), and for head dim 64, the byte
-    # planes of decode_tiles.py with their own launch (4 warps, 128-token tiles): at batch 1 and
-    # 4K-16K they measured 1.05-1.55x SDPA against 0.78-1.43x for the word planes
-    "small_tokens": 24576,
-    "bytes": {"block_n": 128, "num_warps": 4},
-    # opt-in, measured slower on the H200 (results/decode_variants_tg.md): with one KV head per
-    # program, split each word-plane tile into 16 / g token groups so that the 16 MMA rows are
-    # (group, query head) pairs, no padding rows (decode_groups.py); taken for g <= 8 (power of
-    # two) when a group still has >= 16 tokens
-    "token_groups": False,
-    # the split partial outputs (written by stage 1, read by the merge): "fp32" or "fp16"
-    "partials": "fp32",
-    # merge: dims per program (head dim = one program per query row) and warps
-    "merge_d": 32,
-    "merge_warps": 1,
-    # 16-bit tier (at most sink + recent + 7 = 327 tokens by default): tokens per split and per
-    # tile, and its loop's pipeline depth. Its loop is compiled into the same kernel as the INT2
-    # loop, so its register need can set the whole kernel's allocation
-    "hp_split": 128,
-    "hp_block": 32,
-    "hp_stages": 3,
-    # register cap of the word-plane launch (0: none); 200 allows 10 one-warp programs per SM
-    "maxnreg": 0,
-}
-
-
-def heads_per_program(g: int, kv_heads: int, tokens: int | None = None) -> int:
-    """KV heads one INT2 program takes together: enough for ``CONFIG['rows']`` query rows (the MMA
-    height), at most 8, and a divisor of ``kv_heads``. 1 when ``g`` is not a power of two, or when
-    the batch holds fewer than ``CONFIG['group_tokens']`` quantized tokens (``tokens``): small
-    batches need the programs of every head to fill the GPU (measured on the H200: grouping wins
-    from batch × length ≈ 256K tokens, loses below)."""
-    if g & (g - 1) or (tokens is not None and tokens < CONFIG["group_tokens"]):
-        return 1
-    hpb = max(1, min(8, kv_heads, CONFIG["rows"] // g))
-    while kv_heads % hpb:
-        hpb -= 1
-    return hpb
-
-
-def token_groups(g: int, hpb: int, block_n: int) -> int:
-    """Token groups per word-plane tile (decode_groups.py), 0 for the padded loop: only with
-    ``CONFIG['token_groups']``, one KV head per program, ``g <= 8`` a power of two (``16 / g``
-    groups fill the 16 MMA rows) and at least 16 tokens per group (``tl.dot``'s minimum N)."""
-    if not CONFIG["token_groups"] or hpb != 1 or g > 8 or g & (g - 1):
-        return 0
-    t = CONFIG["rows"] // g
-    return t if t > 1 and block_n // t >= 16 else 0
-
-
-def num_splits(batch: int, kv_heads: int, max_len: int) -> int:
-    """Splits per sequence: about ``CONFIG['programs']`` programs in flight (latency hiding for
-    the gathered loads; ``CONFIG['programs_few']`` when ``batch · kv_heads`` — the head groups —
-    is at most ``CONFIG['few_units']``), each split at least ``CONFIG['min_split']`` tokens."""
-    if max_len <= 0:
-        return 1
-    units = max(1, batch * kv_heads)
-    want = max(1, CONFIG["programs_few" if units <= CONFIG["few_units"] else "programs"] // units)
-    return max(1, min(want, math.ceil(max_len / CONFIG["min_split"])))
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _check(fmt: RowFormat) -> None:
@@ -244,7 +178,6 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
         lens_hint = tuple(int(x) for x in lens.tolist()) if bsz else (0, 0)
     max_q, max_h = max(int(lens_hint[0]), 1), max(int(lens_hint[1]), 1)
     hpb = heads_per_program(g, hkv, bsz * max_q)
-    sq = num_splits(bsz, hkv // hpb, max_q)
     # int16 code words need K = d/8 >= 16 per tl.dot (decode_words.py)
     words = d >= 128 and bsz * max_q >= CONFIG["small_tokens"]
     if words:
@@ -253,9 +186,14 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
         block_n, warps = CONFIG["bytes"]["block_n"], CONFIG["bytes"]["num_warps"]
     tg = token_groups(g, hpb, block_n) if words else 0
     opts = {"maxnreg": CONFIG["maxnreg"]} if words and CONFIG["maxnreg"] and q_rot.is_cuda else {}
-    # splits are whole tiles: multiples of CONFIG['split_gran'] tokens, of the tile below that
-    gran = CONFIG["split_gran"] if max_q >= CONFIG["split_gran"] * sq else block_n
-    split_q = math.ceil(max_q / sq / gran) * gran
+    sms = CONFIG["sms"] or (_sm_count(q_rot.device) if q_rot.is_cuda else 0)
+    if words and CONFIG["fill_waves"] and sms:
+        split_q = wave_split(bsz * (hkv // hpb), max_q, block_n, sms * CONFIG["per_sm"])
+    else:
+        sq = num_splits(bsz, hkv // hpb, max_q)
+        # splits are whole tiles: multiples of CONFIG['split_gran'] tokens, of the tile below that
+        gran = CONFIG["split_gran"] if max_q >= CONFIG["split_gran"] * sq else block_n
+        split_q = math.ceil(max_q / sq / gran) * gran
     sq = math.ceil(max_q / split_q)
     sh = math.ceil(max_h / CONFIG["hp_split"])
     total = sq + sh
@@ -265,12 +203,14 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     # 16-bit queries: the model's bf16/fp16 as they are; anything else (fp32 on the CPU) as fp16
     q = q_rot.contiguous() if q_rot.dtype in (torch.bfloat16, torch.float16) else q_rot.half().contiguous()
     kc, vc = (k_codes.view(torch.int16), v_codes.view(torch.int16)) if words else (k_codes, v_codes)
-    _stage1[(hkv // hpb, total, bsz)](
+    grid = (hkv // hpb, bsz, total) if CONFIG["hp_first"] else (hkv // hpb, total, bsz)
+    _stage1[grid](
         q, kc, k_meta.view(word), vc, v_meta.view(word), hp_k, hp_v, int2_indptr, int2_indices, hp_indptr, hp_indices,
         o_part, lse, sm_scale * LOG2E, split_q, CONFIG["hp_split"], sq, total,
         HKV=hkv, G=g, HPB=hpb, R_PAD=max(16, triton.next_power_of_2(hpb * g)), G_PAD=max(16, triton.next_power_of_2(g)),
         D=d, BLOCK_N=block_n,
         BLOCK_H=CONFIG["hp_block"], ASM=q.is_cuda, META=meta_id, WORDS=words, TG=tg, HP_STAGES=CONFIG["hp_stages"],
+        HP_FIRST=CONFIG["hp_first"],
         num_warps=warps, num_stages=CONFIG["num_stages"], **opts,
     )  # fmt: skip
     out = torch.empty_like(q_rot)

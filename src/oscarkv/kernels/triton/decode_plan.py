@@ -1,0 +1,125 @@
+"""Launch planning of the Triton decode attention (host side, no Triton): the tuning ``CONFIG``,
+KV heads per program, token groups, and the split of each sequence's quantized list.
+
+Splits: a program takes one split of one (sequence, head group); the GPU runs ``slots`` of them at
+once (SMs × one-warp programs per SM, register-limited). With ``CONFIG['fill_waves']`` the split
+size is chosen so that the INT2 programs fill whole waves of slots: for each wave count ``k`` the
+largest split count that fits ``k`` waves, rounded to whole tiles, costs
+``waves · (split + CONFIG['split_cost'])`` token-times (a program's fixed cost in tokens); the
+cheapest wins. A last wave that is only partly filled costs nearly as much as a full one (H200,
+``results/decode_variants_programs.md``), which the previous rule (about ``CONFIG['programs']``
+programs, splits rounded to 256 tokens) did not see. The 16-bit tier's programs are short; with
+``CONFIG['hp_first']`` they are launched first so that they do not spill into an extra wave.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["CONFIG", "heads_per_program", "num_splits", "token_groups", "wave_split"]
+
+# Tuning, from the H200 sweeps of benchmarks/decode_variants.py (results/decode_variants_w1.md):
+# one-warp programs (no CTA barriers in the tile loop) beat 4-warp ones at every shape; tiles of
+# 64 tokens for one KV head per program, 32 when a program takes several KV heads; about 3072
+# programs, but 1024 when there are at most ``few_units`` (sequence, head group) pairs, whose
+# splits would otherwise get too short (batch 1 / 128K: 2.5x vs 2.0x SDPA; batch 8 / 128K: 3.3x vs 2.8x)
+CONFIG = {
+    "block_n": 64,
+    "block_n_grouped": 32,
+    "num_warps": 1,
+    "num_stages": 3,
+    "programs": 3072,
+    "programs_few": 1024,
+    "few_units": 16,
+    "min_split": 256,
+    # splits are multiples of this many tokens (a multiple of every tile size) when that leaves
+    # the planned split count, otherwise of the tile
+    "split_gran": 256,
+    "rows": 16,
+    "group_tokens": 262144,
+    # below ``small_tokens`` quantized tokens (batch x longest list), and for head dim 64, the byte
+    # planes of decode_tiles.py with their own launch (4 warps, 128-token tiles): at batch 1 and
+    # 4K-16K they measured 1.05-1.55x SDPA against 0.78-1.43x for the word planes
+    "small_tokens": 24576,
+    "bytes": {"block_n": 128, "num_warps": 4},
+    # opt-in, measured slower on the H200 (results/decode_variants_tg.md): with one KV head per
+    # program, split each word-plane tile into 16 / g token groups so that the 16 MMA rows are
+    # (group, query head) pairs, no padding rows (decode_groups.py); taken for g <= 8 (power of
+    # two) when a group still has >= 16 tokens
+    "token_groups": False,
+    # the split partial outputs (written by stage 1, read by the merge): "fp32" or "fp16"
+    "partials": "fp32",
+    # merge: dims per program (head dim = one program per query row) and warps
+    "merge_d": 32,
+    "merge_warps": 1,
+    # 16-bit tier (at most sink + recent + 7 = 327 tokens by default): tokens per split and per
+    # tile, and its loop's pipeline depth. Its loop is compiled into the same kernel as the INT2
+    # loop, so its register need can set the whole kernel's allocation
+    "hp_split": 128,
+    "hp_block": 32,
+    "hp_stages": 3,
+    # register cap of the word-plane launch (0: none); 200 allows 10 one-warp programs per SM
+    "maxnreg": 0,
+    # split rule of the word-plane path (see the module docstring): fill whole waves of
+    # ``sms`` x ``per_sm`` programs (``sms`` 0: the device's SM count; ``per_sm``: one-warp
+    # programs at 255 registers), ``min_waves`` to ``max_waves``, a program's fixed cost in tokens
+    "fill_waves": False,
+    "sms": 0,
+    "per_sm": 8,
+    "min_waves": 1,
+    "max_waves": 8,
+    "split_cost": 160,
+    # launch the 16-bit tier's programs first (grid: head group, sequence, split)
+    "hp_first": False,
+}
+
+
+def heads_per_program(g: int, kv_heads: int, tokens: int | None = None) -> int:
+    """KV heads one INT2 program takes together: enough for ``CONFIG['rows']`` query rows (the MMA
+    height), at most 8, and a divisor of ``kv_heads``. 1 when ``g`` is not a power of two, or when
+    the batch holds fewer than ``CONFIG['group_tokens']`` quantized tokens (``tokens``): small
+    batches need the programs of every head to fill the GPU (measured on the H200: grouping wins
+    from batch × length ≈ 256K tokens, loses below)."""
+    if g & (g - 1) or (tokens is not None and tokens < CONFIG["group_tokens"]):
+        return 1
+    hpb = max(1, min(8, kv_heads, CONFIG["rows"] // g))
+    while kv_heads % hpb:
+        hpb -= 1
+    return hpb
+
+
+def token_groups(g: int, hpb: int, block_n: int) -> int:
+    """Token groups per word-plane tile (decode_groups.py), 0 for the padded loop: only with
+    ``CONFIG['token_groups']``, one KV head per program, ``g <= 8`` a power of two (``16 / g``
+    groups fill the 16 MMA rows) and at least 16 tokens per group (``tl.dot``'s minimum N)."""
+    if not CONFIG["token_groups"] or hpb != 1 or g > 8 or g & (g - 1):
+        return 0
+    t = CONFIG["rows"] // g
+    return t if t > 1 and block_n // t >= 16 else 0
+
+
+def num_splits(batch: int, kv_heads: int, max_len: int) -> int:
+    """Splits per sequence: about ``CONFIG['programs']`` programs in flight (latency hiding for
+    the gathered loads; ``CONFIG['programs_few']`` when ``batch · kv_heads`` — the head groups —
+    is at most ``CONFIG['few_units']``), each split at least ``CONFIG['min_split']`` tokens."""
+    if max_len <= 0:
+        return 1
+    units = max(1, batch * kv_heads)
+    want = max(1, CONFIG["programs_few" if units <= CONFIG["few_units"] else "programs"] // units)
+    return max(1, min(want, math.ceil(max_len / CONFIG["min_split"])))
+
+
+def wave_split(units: int, max_len: int, block_n: int, slots: int) -> int:
+    """Tokens per split (a multiple of ``block_n``, at least ``CONFIG['min_split']`` unless the list
+    is shorter) so that ``units`` (sequence, head group) pairs of ``max_len`` tokens fill whole
+    waves of ``slots`` programs at the lowest cost ``waves · (split + CONFIG['split_cost'])``."""
+    best = None
+    for k in range(CONFIG["min_waves"], CONFIG["max_waves"] + 1):
+        sq = max(1, k * slots // units)
+        split = math.ceil(max_len / sq / block_n) * block_n
+        split = max(split, min(CONFIG["min_split"], math.ceil(max_len / block_n) * block_n))
+        waves = math.ceil(math.ceil(max_len / split) * units / slots)
+        cost = waves * (split + CONFIG["split_cost"])
+        if best is None or cost < best[0]:
+            best = (cost, split)
+    return best[1]

@@ -1,0 +1,41 @@
+"""The decode launch plan (host side): split sizes that fill whole waves of programs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from oscarkv.kernels.triton import decode_plan as plan
+
+
+@pytest.mark.parametrize(
+    ("units", "max_len", "block_n", "slots"),
+    [(8, 130745, 64, 1056), (64, 32441, 64, 1056), (256, 130745, 32, 1056), (3, 100, 64, 16), (1, 5, 32, 4)],
+)
+def test_wave_split_is_whole_tiles_and_fills_the_waves_it_pays_for(units, max_len, block_n, slots):
+    split = plan.wave_split(units, max_len, block_n, slots)
+    assert split % block_n == 0 and split >= min(plan.CONFIG["min_split"], max_len)
+    programs = math.ceil(max_len / split) * units
+    waves = math.ceil(programs / slots)
+    cost = waves * (split + plan.CONFIG["split_cost"])
+    # no other whole-tile split is cheaper by the same cost model
+    for other in range(block_n, max(max_len, block_n) + block_n, block_n):
+        if other < min(plan.CONFIG["min_split"], math.ceil(max_len / block_n) * block_n):
+            continue
+        w = math.ceil(math.ceil(max_len / other) * units / slots)
+        if w <= plan.CONFIG["max_waves"]:
+            assert cost <= w * (other + plan.CONFIG["split_cost"])
+
+
+def test_wave_split_hand_computed_cases():
+    # batch 1 / 128K, Qwen3-8B (8 KV heads): 128 splits of 1024 tokens = 1024 programs, one wave
+    assert plan.wave_split(8, 130745, 64, 1056) == 1024
+    # batch 8 / 32K: one wave of 16 splits of 2048 tokens beats 3 waves of 704
+    assert plan.wave_split(64, 32441, 64, 1056) == 2048
+
+
+def test_wave_split_min_waves(monkeypatch):
+    monkeypatch.setitem(plan.CONFIG, "min_waves", 3)
+    split = plan.wave_split(64, 32441, 64, 1056)
+    assert split == 704 and math.ceil(32441 / split) * 64 <= 3 * 1056
