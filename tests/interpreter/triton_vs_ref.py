@@ -287,7 +287,7 @@ def test_decode_attention_wave_splits_and_hp_first_match_reference(
     """``CONFIG['fill_waves']`` (split sizes that fill whole waves of a pretend 2-SM device) and
     ``CONFIG['hp_first']`` (grid (head group, sequence, split), 16-bit splits first)."""
     _, da = tk
-    for key, val in (("fill_waves", True), ("sms", 2), ("per_sm", 2), ("hp_first", True)):
+    for key, val in (("fill_waves", True), ("sms", 2), ("per_sm", 2), ("hp_first", True), ("few_units", 0)):
         monkeypatch.setitem(da.CONFIG, key, val)
     if words:
         monkeypatch.setitem(da.CONFIG, "small_tokens", 0)

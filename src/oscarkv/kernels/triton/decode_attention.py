@@ -187,8 +187,9 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     tg = token_groups(g, hpb, block_n) if words else 0
     opts = {"maxnreg": CONFIG["maxnreg"]} if words and CONFIG["maxnreg"] and q_rot.is_cuda else {}
     sms = CONFIG["sms"] or (_sm_count(q_rot.device) if q_rot.is_cuda else 0)
-    if words and CONFIG["fill_waves"] and sms:
-        split_q = wave_split(bsz * (hkv // hpb), max_q, block_n, sms * CONFIG["per_sm"])
+    units = bsz * (hkv // hpb)
+    if words and CONFIG["fill_waves"] and sms and units > CONFIG["few_units"]:
+        split_q = wave_split(units, max_q, block_n, sms * CONFIG["per_sm"])
     else:
         sq = num_splits(bsz, hkv // hpb, max_q)
         # splits are whole tiles: multiples of CONFIG['split_gran'] tokens, of the tile below that
@@ -203,14 +204,15 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     # 16-bit queries: the model's bf16/fp16 as they are; anything else (fp32 on the CPU) as fp16
     q = q_rot.contiguous() if q_rot.dtype in (torch.bfloat16, torch.float16) else q_rot.half().contiguous()
     kc, vc = (k_codes.view(torch.int16), v_codes.view(torch.int16)) if words else (k_codes, v_codes)
-    grid = (hkv // hpb, bsz, total) if CONFIG["hp_first"] else (hkv // hpb, total, bsz)
+    hp_first = CONFIG["hp_first"] and words
+    grid = (hkv // hpb, bsz, total) if hp_first else (hkv // hpb, total, bsz)
     _stage1[grid](
         q, kc, k_meta.view(word), vc, v_meta.view(word), hp_k, hp_v, int2_indptr, int2_indices, hp_indptr, hp_indices,
         o_part, lse, sm_scale * LOG2E, split_q, CONFIG["hp_split"], sq, total,
         HKV=hkv, G=g, HPB=hpb, R_PAD=max(16, triton.next_power_of_2(hpb * g)), G_PAD=max(16, triton.next_power_of_2(g)),
         D=d, BLOCK_N=block_n,
         BLOCK_H=CONFIG["hp_block"], ASM=q.is_cuda, META=meta_id, WORDS=words, TG=tg, HP_STAGES=CONFIG["hp_stages"],
-        HP_FIRST=CONFIG["hp_first"],
+        HP_FIRST=hp_first,
         num_warps=warps, num_stages=CONFIG["num_stages"], **opts,
     )  # fmt: skip
     out = torch.empty_like(q_rot)

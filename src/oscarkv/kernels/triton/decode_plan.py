@@ -8,8 +8,10 @@ largest split count that fits ``k`` waves, rounded to whole tiles, costs
 ``waves · (split + CONFIG['split_cost'])`` token-times (a program's fixed cost in tokens); the
 cheapest wins. A last wave that is only partly filled costs nearly as much as a full one (H200,
 ``results/decode_variants_programs.md``), which the previous rule (about ``CONFIG['programs']``
-programs, splits rounded to 256 tokens) did not see. The 16-bit tier's programs are short; with
-``CONFIG['hp_first']`` they are launched first so that they do not spill into an extra wave.
+programs, splits rounded to 256 tokens) did not see. The rule applies above
+``CONFIG['few_units']`` (sequence, head group) pairs; fewer pairs keep ``CONFIG['programs_few']``
+programs. The 16-bit tier's programs are short; with ``CONFIG['hp_first']`` they are launched
+first so that they do not trail into an extra wave.
 """
 
 from __future__ import annotations
@@ -60,17 +62,23 @@ CONFIG = {
     "hp_stages": 3,
     # register cap of the word-plane launch (0: none); 200 allows 10 one-warp programs per SM
     "maxnreg": 0,
-    # split rule of the word-plane path (see the module docstring): fill whole waves of
-    # ``sms`` x ``per_sm`` programs (``sms`` 0: the device's SM count; ``per_sm``: one-warp
-    # programs at 255 registers), ``min_waves`` to ``max_waves``, a program's fixed cost in tokens
-    "fill_waves": False,
+    # split rule of the word-plane path when there are more than ``few_units`` (sequence, head
+    # group) pairs (see the module docstring): fill whole waves of ``sms`` x ``per_sm`` programs
+    # (``sms`` 0: the device's SM count; ``per_sm``: one-warp programs at 255 registers),
+    # ``min_waves`` to ``max_waves``, a program's fixed cost in tokens. H200, side by side
+    # (results/decode_variants_waves.md): batch 8 / 32K 0.0949 -> 0.0841 ms, 32 / 32K 0.331 ->
+    # 0.309, 32 / 128K 1.136 -> 1.103; with few units (batch 1-2 / 128K, 8 / 128K) it lost up to
+    # 5%, so they keep the ``programs_few`` rule
+    "fill_waves": True,
     "sms": 0,
     "per_sm": 8,
     "min_waves": 1,
     "max_waves": 8,
     "split_cost": 160,
-    # launch the 16-bit tier's programs first (grid: head group, sequence, split)
-    "hp_first": False,
+    # word-plane path: launch the 16-bit tier's programs first (grid: head group, sequence,
+    # split), so that the short programs do not trail the INT2 ones into an extra wave (batch
+    # 16 / 32K 0.187 -> 0.169 ms; the byte path lost 4% at batch 1 / 16K and keeps the old grid)
+    "hp_first": True,
 }
 
 
