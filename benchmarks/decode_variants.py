@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import import_kernel_copy, save
-from gpu_check import SINK_RECENT, bench_graph, make_pools, rel, sdpa_best
+from gpu_check import SINK_RECENT, bench, bench_graph, make_pools, rel, sdpa_best
 
 import oscarkv.kernels.triton.decode_attention as tda
 from oscarkv.kernels import ref
@@ -66,6 +66,7 @@ def main() -> None:
         action="store_true",
         help="keep the module's launch defaults (block_n ... token_groups); sweep only --set",
     )
+    ap.add_argument("--eager", action="store_true", help="also time eager calls (Python launch included)")
     ap.add_argument("--name", default="decode_variants")
     args = ap.parse_args()
     versions = {"current": tda}
@@ -137,6 +138,8 @@ def main() -> None:
             try:
                 err = rel(fn(), want) if want is not None else float("nan")
                 ms = bench_graph(fn)
+                if args.eager:
+                    row["eager_ms"] = bench(fn)
                 row.update(
                     ms=ms,
                     TBps=nbytes / ms / 1e9,
@@ -165,6 +168,10 @@ def main() -> None:
         cfg = f"| {r['batch']} | {r['len']} | {r['version']} | {r['path']} | {r['block_n']} | {r['warps']} | {r['stages']} | {r['programs']} | {r['group_tokens']} | {r['min_split']} | {r['set']} |"
         md.append(cfg + (f" {r['hpb']} | {r['ms']:.4f} | {r['speedup']:.2f}x | {r['TBps']:.2f} | {r['rel_err']:.1e} |"
                          if "ms" in r else f" - | {r['error']} | | | |"))  # fmt: skip
+    if args.eager:
+        md += ["", "| batch | length | version | set | graph ms | eager ms |", "|---|---|---|---|---|---|"]
+        md += [f"| {r['batch']} | {r['len']} | {r['version']} | {r['set']} | {r['ms']:.4f} | {r['eager_ms']:.4f} |"
+               for r in rows if "eager_ms" in r]  # fmt: skip
     print("\n".join(md))
     save(args.name, {"rows": rows}, "\n".join(md))
 
