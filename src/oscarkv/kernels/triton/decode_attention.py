@@ -20,7 +20,9 @@ The INT2 tile loops live in :mod:`.decode_words` (codes read as int16 words: hea
 also holds the 16-bit tier's loop and the helpers both INT2 loops share); :mod:`.decode_groups` is
 an opt-in word loop without padding rows for one KV head per program (``CONFIG['token_groups']``,
 measured slower on the H200). Strides are derived
-from the (validated) contiguous layouts, which keeps the launch short.
+from the (validated) contiguous layouts, which keeps the launch short. The tuning ``CONFIG``, the
+heads per program and the split sizes (filling whole waves of programs) live in
+:mod:`.decode_plan`.
 """
 
 from __future__ import annotations
