@@ -1,10 +1,13 @@
 """Side-by-side timing of decode-attention kernel versions and launch configs on one GPU.
 
 Times the package's Triton decode kernel and, with ``--baseline NAME=DIR``, other versions of it
-(a directory holding copies of ``decode_attention.py`` and ``decode_tiles.py``, e.g. from an
-earlier commit), each over a grid of ``(block_n, num_warps, num_stages, programs)`` configs, next
-to the best BF16 SDPA on the same shapes (Qwen3-8B: 32/8 heads, d 128), all graph-timed in one
-run. Every (version, config) is first checked against the fp32 torch reference.
+(a directory holding copies of its ``decode_*.py`` modules, e.g. from an earlier commit), each
+over a grid of ``(block_n, num_warps, num_stages, programs, ...)`` configs (``--programs`` turns
+the wave-filling split rule off unless ``--set fill_waves=...`` is given), or with ``--defaults``
+each version's own launch defaults (the table then shows the current module's values in the
+launch columns) and only the ``--set KEY=V1,V2`` axes, next to the best BF16 SDPA on the same
+shapes (Qwen3-8B: 32/8 heads, d 128), all graph-timed in one run (``--eager``: eager calls too).
+Every (version, config) is first checked against the fp32 torch reference.
 
     python benchmarks/decode_variants.py --baseline v0=benchmarks/baseline_kernels/v0
 """
@@ -113,6 +116,8 @@ def main() -> None:
             if not args.defaults:
                 mod.CONFIG.update(block_n=bn, block_n_grouped=bn, num_warps=w, num_stages=st, programs=progs,
                                   programs_few=progs, group_tokens=gt, min_split=msplit, token_groups=bool(tg))  # fmt: skip
+                if "fill_waves" in mod.CONFIG and "fill_waves" not in extra_keys:
+                    mod.CONFIG["fill_waves"] = False  # --programs decides the split count
             mod.CONFIG.update(dict(zip(extra_keys, ex, strict=True)))
 
             def fn(mod=mod, q=q, pools=pools, lq=lq):

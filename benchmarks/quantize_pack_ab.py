@@ -132,7 +132,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--old", required=True, help="file holding the previous quantize_pack.py")
     ap.add_argument(
-        "--sweep", default="", help="also sweep the tunables of: layer (the rotation path), none, or both"
+        "--sweep",
+        default="",
+        help="also sweep the tunables of: layer (the rotation path), none, or layer,none",
     )
     ap.add_argument("--out", default=None, help="directory for quantize_pack_ab.json")
     args = ap.parse_args()
@@ -145,7 +147,10 @@ def main() -> None:
     for n_rows, clip, rot in [(n, c, r) for n in (65536, 262144, 1048576) for c in (0.96, 0.92, 0.0)
                               for r in ("none", "layer")] + [(262144, 0.96, "per-head")]:  # fmt: skip
         rows.append(compare(old, n_rows, clip, rot))
-    swept = [r for rot in args.sweep.split(",") if rot for r in sweep(rot)]
+    kinds = [k for k in args.sweep.split(",") if k]
+    if any(k not in ("layer", "none") for k in kinds):
+        raise SystemExit(f"--sweep takes layer, none or layer,none; got {args.sweep!r}")
+    swept = [r for rot in kinds for r in sweep(rot)]
     bad = [r for r in rows if not r["identical"]]
     print(f"{len(rows)} cases, {len(bad)} not identical ({time.time() - t:.0f} s)", flush=True)
     if args.out:

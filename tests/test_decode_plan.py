@@ -29,7 +29,8 @@ def test_wave_split_is_whole_tiles_and_fills_the_waves_it_pays_for(units, max_le
 
 
 def test_wave_split_hand_computed_cases():
-    # batch 1 / 128K, Qwen3-8B (8 KV heads): 128 splits of 1024 tokens = 1024 programs, one wave
+    # 8 (sequence, head group) pairs of 128K tokens on 1056 slots: 128 splits of 1024 tokens =
+    # 1024 programs, one wave (decode_attention itself keeps programs_few for <= few_units pairs)
     assert plan.wave_split(8, 130745, 64, 1056) == 1024
     # batch 8 / 32K: one wave of 16 splits of 2048 tokens beats 3 waves of 704
     assert plan.wave_split(64, 32441, 64, 1056) == 2048
@@ -39,3 +40,17 @@ def test_wave_split_min_waves(monkeypatch):
     monkeypatch.setitem(plan.CONFIG, "min_waves", 3)
     split = plan.wave_split(64, 32441, 64, 1056)
     assert split == 704 and math.ceil(32441 / split) * 64 <= 3 * 1056
+
+
+def test_wave_split_edges(monkeypatch):
+    # an empty or tiny list is one tile
+    assert plan.wave_split(4, 0, 64, 16) == 64
+    assert plan.wave_split(4, 5, 64, 16) == 64
+    # the min_split floor is rounded up to whole tiles
+    monkeypatch.setitem(plan.CONFIG, "min_split", 100)
+    assert plan.wave_split(64, 10_000, 64, 10_000) == 128
+    with pytest.raises(ValueError, match="units, slots and block_n"):
+        plan.wave_split(0, 100, 64, 16)
+    monkeypatch.setitem(plan.CONFIG, "min_waves", 9)
+    with pytest.raises(ValueError, match="min_waves"):
+        plan.wave_split(4, 100, 64, 16)

@@ -274,25 +274,42 @@ def test_decode_attention_16bit_tier_tunables_match_reference(tk, hp_split, hp_b
 
 
 @pytest.mark.parametrize(
-    ("lens_q", "lens_h", "hq", "hkv", "d", "words"),
+    ("lens_q", "lens_h", "hq", "hkv", "grouped"),
     [
-        ([300, 0, 129], [20, 9, 0], 8, 2, 64, False),  # empty tiers, several splits
-        ([700, 40], [5, 2], 32, 8, 128, True),  # word planes, 4 KV heads per program
-        ([600], [3], 8, 2, 128, True),  # word planes, one KV head per program
+        ([700, 0, 300], [100, 40, 0], 8, 2, False),  # one KV head per program, empty tiers, 4 16-bit splits
+        ([700, 0, 300], [100, 40, 0], 8, 2, True),  # 2 KV heads per program
+        ([500, 40], [5, 70], 32, 8, True),  # Qwen3-8B's GQA: 4 KV heads per program
     ],
 )
 def test_decode_attention_wave_splits_and_hp_first_match_reference(
-    tk, lens_q, lens_h, hq, hkv, d, words, monkeypatch
+    tk, lens_q, lens_h, hq, hkv, grouped, monkeypatch
 ):
-    """``CONFIG['fill_waves']`` (split sizes that fill whole waves of a pretend 2-SM device) and
-    ``CONFIG['hp_first']`` (grid (head group, sequence, split), 16-bit splits first)."""
+    """The word-plane path with ``CONFIG['fill_waves']`` (split sizes that fill whole waves of a
+    pretend 2-SM device) and ``CONFIG['hp_first']`` (grid (head group, sequence, split), 16-bit
+    splits first), over several 16-bit splits."""
     _, da = tk
-    for key, val in (("fill_waves", True), ("sms", 2), ("per_sm", 2), ("hp_first", True), ("few_units", 0)):
+    settings = {"fill_waves": True, "sms": 2, "per_sm": 2, "hp_first": True, "few_units": 0, "hp_split": 32,
+                "small_tokens": 0, "group_tokens": 0 if grouped else 1 << 30}  # fmt: skip
+    for key, val in settings.items():
         monkeypatch.setitem(da.CONFIG, key, val)
-    if words:
-        monkeypatch.setitem(da.CONFIG, "small_tokens", 0)
-        monkeypatch.setitem(da.CONFIG, "group_tokens", 0 if hq // hkv == 4 else 1 << 30)
-    _check_decode(da, lens_q, lens_h, hq, hkv, d, "fp16")
+    _check_decode(da, lens_q, lens_h, hq, hkv, 128, "fp16")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("partials", "bf16", "'fp32' or 'fp16'"),
+        ("merge_d", 48, "power of two"),
+        ("merge_d", 0, "power of two"),
+    ],
+)
+def test_decode_attention_refuses_bad_config(tk, key, value, match, monkeypatch):
+    _, da = tk
+    monkeypatch.setitem(da.CONFIG, key, value)
+    fmt = RowFormat(64, 2, 64)
+    (kc, km, vc, vm, hk, hv), (ip, idx, hp, hidx) = _one_sequence(fmt)
+    with pytest.raises(ValueError, match=match):
+        da.decode_attention(torch.randn(1, 4, 64), kc, km, vc, vm, hk, hv, ip, idx, hp, hidx, 0.1, fmt, fmt)
 
 
 def _check_decode(da, lens_q, lens_h, hq, hkv, d, meta) -> None:

@@ -1,7 +1,8 @@
 """Triton split-K decode attention over packed INT2 history and 16-bit windows.
 
 One stage-1 launch covers both tiers: program ``(head group, split, sequence)`` takes a split of
-the sequence's quantized slot list (``split < n_q_splits``) or of its 16-bit list (the rest), walks
+the sequence's quantized slot list (``split < n_q_splits``) or of its 16-bit list (the rest; the
+word-plane path launches ``(head group, sequence, split)`` with the 16-bit splits first), walks
 it in ``BLOCK_N`` tiles with an online softmax (base 2), and writes a normalised partial output and
 its log-sum-exp. Stage 2 merges every split of both tiers by log-sum-exp.
 
@@ -103,6 +104,18 @@ def _merge(O, LSE, OUT, total, S_BLOCK: tl.constexpr, D: tl.constexpr, DB: tl.co
     tl.store(OUT + row * D + offs_d, (acc / tl.where(den > 0, den, 1.0)).to(OUT.dtype.element_ty))
 
 
+_PARTIALS = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+def _check_config() -> None:
+    """Refuse CONFIG values the launch cannot honour (they are edited by hand in sweeps)."""
+    md = CONFIG["merge_d"]
+    if CONFIG["partials"] not in _PARTIALS:
+        raise ValueError(f"CONFIG['partials'] must be 'fp32' or 'fp16'; got {CONFIG['partials']!r}")
+    if md < 1 or md & (md - 1):
+        raise ValueError(f"CONFIG['merge_d'] must be a power of two (dims per merge program); got {md}")
+
+
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -158,6 +171,7 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     """Same contract as ``kernels.ref.decode_attention``. ``lens_hint``: optional host-side
     ``(longest quantized list, longest 16-bit list)``, which saves a device sync."""
     _check(k_fmt), _check(v_fmt)
+    _check_config()
     bsz, hq, d = q_rot.shape
     hkv = hp_k.shape[1]
     g = hq // hkv
@@ -200,7 +214,7 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     sq = math.ceil(max_q / split_q)
     sh = math.ceil(max_h / CONFIG["hp_split"])
     total = sq + sh
-    pdt = torch.float16 if CONFIG["partials"] == "fp16" else torch.float32
+    pdt = _PARTIALS[CONFIG["partials"]]
     o_part = torch.empty(bsz, hq, total, d, device=q_rot.device, dtype=pdt)
     lse = torch.empty(bsz, hq, total, device=q_rot.device, dtype=torch.float32)
     # 16-bit queries: the model's bf16/fp16 as they are; anything else (fp32 on the CPU) as fp16

@@ -2,7 +2,8 @@
 KV heads per program, token groups, and the split of each sequence's quantized list.
 
 Splits: a program takes one split of one (sequence, head group); the GPU runs ``slots`` of them at
-once (SMs × one-warp programs per SM, register-limited). With ``CONFIG['fill_waves']`` the split
+once (SMs × one-warp programs per SM, register-limited). With ``CONFIG['fill_waves']`` (word-plane
+path only, on CUDA or with ``CONFIG['sms']`` set) the split
 size is chosen so that the INT2 programs fill whole waves of slots: for each wave count ``k`` the
 largest split count that fits ``k`` waves, rounded to whole tiles, costs
 ``waves · (split + CONFIG['split_cost'])`` token-times (a program's fixed cost in tokens); the
@@ -22,9 +23,11 @@ __all__ = ["CONFIG", "heads_per_program", "num_splits", "token_groups", "wave_sp
 
 # Tuning, from the H200 sweeps of benchmarks/decode_variants.py (results/decode_variants_w1.md):
 # one-warp programs (no CTA barriers in the tile loop) beat 4-warp ones at every shape; tiles of
-# 64 tokens for one KV head per program, 32 when a program takes several KV heads; about 3072
-# programs, but 1024 when there are at most ``few_units`` (sequence, head group) pairs, whose
-# splits would otherwise get too short (batch 1 / 128K: 2.5x vs 2.0x SDPA; batch 8 / 128K: 3.3x vs 2.8x)
+# 64 tokens for one KV head per program, 32 when a program takes several KV heads. Split count:
+# the word-plane path with more than ``few_units`` (sequence, head group) pairs fills whole waves
+# (``fill_waves``, below; on CUDA or with ``sms`` set); otherwise about ``programs`` programs, but
+# ``programs_few`` when there are at most ``few_units`` pairs, whose splits would otherwise get
+# too short (batch 1 / 128K: 2.5x vs 2.0x SDPA; batch 8 / 128K: 3.3x vs 2.8x)
 CONFIG = {
     "block_n": 64,
     "block_n_grouped": 32,
@@ -64,7 +67,8 @@ CONFIG = {
     "maxnreg": 0,
     # split rule of the word-plane path when there are more than ``few_units`` (sequence, head
     # group) pairs (see the module docstring): fill whole waves of ``sms`` x ``per_sm`` programs
-    # (``sms`` 0: the device's SM count; ``per_sm``: one-warp programs at 255 registers),
+    # (``sms`` 0: the device's SM count; ``per_sm``: one-warp programs at 255 registers; a
+    # ``maxnreg`` cap changes how many fit, and ``per_sm`` must then be set to match),
     # ``min_waves`` to ``max_waves``, a program's fixed cost in tokens. H200, side by side
     # (results/decode_variants_waves.md): batch 8 / 32K 0.0949 -> 0.0841 ms, 32 / 32K 0.331 ->
     # 0.309, 32 / 128K 1.136 -> 1.103; with few units (batch 1-2 / 128K, 8 / 128K) it lost up to
@@ -118,15 +122,27 @@ def num_splits(batch: int, kv_heads: int, max_len: int) -> int:
 
 
 def wave_split(units: int, max_len: int, block_n: int, slots: int) -> int:
-    """Tokens per split (a multiple of ``block_n``, at least ``CONFIG['min_split']`` unless the list
-    is shorter) so that ``units`` (sequence, head group) pairs of ``max_len`` tokens fill whole
-    waves of ``slots`` programs at the lowest cost ``waves · (split + CONFIG['split_cost'])``."""
+    """Tokens per split (whole ``block_n`` tiles, at least ``CONFIG['min_split']`` rounded up to
+    whole tiles unless the list is shorter) so that ``units`` (sequence, head group) pairs of
+    ``max_len`` tokens fill whole waves of ``slots`` programs at the lowest cost
+    ``waves · (split + CONFIG['split_cost'])``, over ``CONFIG['min_waves'] … CONFIG['max_waves']``
+    waves."""
+    if units < 1 or slots < 1 or block_n < 1:
+        raise ValueError(
+            f"wave_split: units, slots and block_n must be >= 1; got {units}, {slots}, {block_n}"
+        )
+    if not 1 <= CONFIG["min_waves"] <= CONFIG["max_waves"]:
+        raise ValueError(
+            f"CONFIG min_waves/max_waves must satisfy 1 <= min <= max; got {CONFIG['min_waves']}, "
+            f"{CONFIG['max_waves']}"
+        )
+    whole = max(1, math.ceil(max_len / block_n)) * block_n  # the whole list, in tiles
+    floor = min(math.ceil(CONFIG["min_split"] / block_n) * block_n, whole)
     best = None
     for k in range(CONFIG["min_waves"], CONFIG["max_waves"] + 1):
         sq = max(1, k * slots // units)
-        split = math.ceil(max_len / sq / block_n) * block_n
-        split = max(split, min(CONFIG["min_split"], math.ceil(max_len / block_n) * block_n))
-        waves = math.ceil(math.ceil(max_len / split) * units / slots)
+        split = max(math.ceil(max(max_len, 1) / sq / block_n) * block_n, floor)
+        waves = math.ceil(math.ceil(max(max_len, 1) / split) * units / slots)
         cost = waves * (split + CONFIG["split_cost"])
         if best is None or cost < best[0]:
             best = (cost, split)
