@@ -220,9 +220,11 @@ def sweep_quantize() -> list[dict]:
             rows.append({"rotate": False, "block_r": br, "warps": warps, "ms": ms})
             if ms < best.get(False, (float("inf"),))[0]:
                 best[False] = (ms, br, warps)
-    # rotation: rows per program (4 warps per 64 rows), register cap
-    for cfg in [(64, 128), (64, 168), (64, 0), (128, 128)]:
-        tqp.BLOCK_R_ROT, tqp.ROT_MAXNREG = cfg
+    # rotation: rows per program (4 warps per 64 rows), prefetch depth, programs per SM (0: one
+    # block per program), register cap
+    rot_cfgs = [(64, st, ps, 128) for st in (1, 2, 3) for ps in (2, 3, 4)] + [(64, 2, 3, 0), (128, 2, 2, 128)]
+    for cfg in rot_cfgs:
+        tqp.BLOCK_R_ROT, tqp.ROT_STAGES, tqp.ROT_PER_SM, tqp.ROT_MAXNREG = cfg
         try:
             ms = bench_graph(lambda: tqp.quantize_pack(x, r, fmt), 30)
         except Exception as e:
@@ -232,7 +234,7 @@ def sweep_quantize() -> list[dict]:
         if ms < best.get(True, (float("inf"),))[0]:
             best[True] = (ms, cfg)
     tqp.BLOCK_R, tqp.NUM_WARPS = best[False][1], best[False][2]
-    tqp.BLOCK_R_ROT, tqp.ROT_MAXNREG = best[True][1]
+    tqp.BLOCK_R_ROT, tqp.ROT_STAGES, tqp.ROT_PER_SM, tqp.ROT_MAXNREG = best[True][1]
     return rows
 
 
@@ -312,7 +314,14 @@ def main() -> None:
         "copy_TBps": copy_tbps,
         "config": {
             "decode": dict(tda.CONFIG),
-            "quantize": [tqp.BLOCK_R, tqp.NUM_WARPS, tqp.BLOCK_R_ROT, tqp.ROT_MAXNREG],
+            "quantize": [
+                tqp.BLOCK_R,
+                tqp.NUM_WARPS,
+                tqp.BLOCK_R_ROT,
+                tqp.ROT_STAGES,
+                tqp.ROT_PER_SM,
+                tqp.ROT_MAXNREG,
+            ],
         },
         "sweep": swept,
         "checks": checks,

@@ -3,7 +3,7 @@
 Same inputs, same machine, same run: the codes and metadata of both must be identical (with
 rotation too), then both are timed from CUDA graphs (device time; TB/s on the input bytes, d=128,
 bf16 rows ``[N, 8, 128]``). ``--sweep layer,none`` also times the tunables of the current kernel
-with rotation (rows per program, register cap, merge levels) and
+with rotation (rows per program, prefetch depth, programs per SM, register cap, merge levels) and
 without (rows per program, warps, register cap), checks each against the default's output, and
 reports the best.
 
@@ -76,10 +76,12 @@ def compare(old, n_rows: int, clip: float, rot: str) -> dict:
 
 
 def _rot_configs() -> list[dict]:
-    """The rotation path's tunables: rows per program, register cap, in-thread merge levels of
-    the clip network."""
-    keys = ("BLOCK_R_ROT", "ROT_MAXNREG", "ROT_TREE")
-    cfgs = [(64, mr, tree) for mr in (128, 168, 0) for tree in (0, 1, 2)] + [(128, 128, 0), (128, 0, 0)]
+    """The rotation path's tunables: rows per program, prefetch depth, programs per SM (0: one
+    block per program), register cap, in-thread merge levels of the clip network."""
+    keys = ("BLOCK_R_ROT", "ROT_STAGES", "ROT_PER_SM", "ROT_MAXNREG", "ROT_TREE")
+    # the row-block loop (ROT_PER_SM > 0) measured slower at every setting (quantize_pack_ab_h200.md)
+    cfgs = [(64, 1, 0, mr, tree) for mr in (128, 168, 0) for tree in (0, 1, 2)]
+    cfgs += [(64, 2, 3, 128, 0), (128, 1, 0, 128, 0), (128, 1, 0, 0, 0)]
     return [dict(zip(keys, c, strict=True)) for c in cfgs]
 
 

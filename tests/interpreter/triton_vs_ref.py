@@ -133,12 +133,13 @@ def test_quantize_pack_with_exact_rotations_is_bit_exact(tk, d, clip):
         assert torch.equal(c1, c2) and torch.equal(m1, m2), r.shape
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_quantize_pack_with_rotation_over_many_row_blocks(tk, seed):
-    """With rotation: several blocks of rows, a partial last block, per layer and per head, stay
-    bit-exact."""
+@pytest.mark.parametrize("per_sm", [1, 2])
+def test_quantize_pack_with_rotation_loops_over_row_blocks(tk, per_sm, monkeypatch):
+    """With rotation a program takes every ``programs``-th block of rows (R loaded once): several
+    blocks per program, a partial last block, per layer and per head, stay bit-exact."""
     qp, _ = tk
-    g = torch.Generator().manual_seed(seed)
+    monkeypatch.setattr(qp, "ROT_PER_SM", per_sm)  # the interpreter counts one SM
+    g = torch.Generator().manual_seed(per_sm)
     d = 64
     fmt = RowFormat(d, 2, d, clip=0.92)
     x = torch.randint(-8, 9, (301, 2, d), generator=g).float()  # 602 rows: 10 blocks, 5 per head

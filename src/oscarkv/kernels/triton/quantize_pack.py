@@ -4,8 +4,10 @@
 eight column pieces ``x_i = x[:, i·D/8 : (i+1)·D/8]`` (pieces ``2q``, ``2q+1`` make quarter ``q``
 of the packed layout: byte ``j`` holds elements ``j, j+D/4, j+D/2, j+3D/4``).
 
-1. Rotation (optional): ``tl.dot`` of the rows with ``R`` in the rows' dtype, fp32 accumulation
-   (d=256: ``R`` in 64-row chunks), split into the pieces by reshape/split (register relabelling).
+1. Rotation (optional): ``tl.dot`` of the rows with ``R`` in the rows' dtype, fp32 accumulation,
+   split into the pieces by reshape/split (register relabelling). A program then loops over row
+   blocks (a grid of ``ROT_PER_SM`` programs per SM): ``R`` is read once and stays in shared
+   memory, the next block's rows are prefetched. (d=256: one block per program, ``R`` in chunks.)
 2. Clip threshold ``tau``: the ``(N_DROP+1)``-th largest ``|x|`` counting ties (the reference's
    ``⌊ratio·D⌋``-th smallest). A round finds a row's six largest values, sorted, with comparator
    networks on multisets (so ties need no care): the six largest of the eight pieces at each
@@ -38,18 +40,20 @@ from .quantize_nets import _clip_threshold, _threshold
 
 __all__ = ["dequantize", "quantize_pack"]
 
-# Tuning (benchmarks/quantize_pack_ab.py --sweep layer,none; results/quantize_pack_sweep_h200.md):
-# rows per program and warps without rotation (MAXNREG: register cap, 0 none); with rotation 64
-# rows per 4 warps, a 128-register cap and tl.reduce alone for the clip merges in the MMA layout
-# (ROT_TREE in-thread levels measured 7-25% slower). A row-block loop with R kept in shared memory
-# and the next rows prefetched measured 0.87-0.94x on the H200 (results/quantize_pack_ab_h200.md)
-# and was removed.
+# Tuning (set by benchmarks/gpu_check.py's sweep; see its saved results). With rotation a program
+# can loop over row blocks (R stays in shared memory, the next block's rows are prefetched):
+# ROT_PER_SM programs per SM (0: one block per program), ROT_STAGES-deep prefetch, ROT_MAXNREG
+# registers per thread (0: no cap). On the H200 the loop measured slower than one block per
+# program (0.87-0.94x, benchmarks/results/quantize_pack_ab_h200.md), so the defaults keep one
+# block per program, no prefetch and the 128-register cap (1.20 vs 1.16 TB/s at 1M rows)
 BLOCK_R = 64
 NUM_WARPS = 4
-MAXNREG = 0
+MAXNREG = 0  # without rotation (0: no cap)
 BLOCK_R_ROT = 64
+ROT_STAGES = 1
+ROT_PER_SM = 0
 ROT_MAXNREG = 128
-ROT_TREE = 0
+ROT_TREE = 0  # in-thread merge levels of the clip network in the MMA layout (0: tl.reduce alone)
 
 # β_k: the midpoint below W_k = the smallest fp32 w with fl(w + 0.5) >= k (k = 1, 2, 3); a tie
 # u + z = β_k rounds down for k = 1 only (W_1 = 0.5 - 2^-25 is odd; 1.5 and 2.5 are even)
@@ -145,30 +149,43 @@ def _block_rows(blk, n_rows, BLOCK_R: tl.constexpr, HEADS: tl.constexpr):
 def _quantize_pack(X, R, C, M, n_rows, tiny, s_xr, s_rh, s_cr, s_mr,
                    D: tl.constexpr, BLOCK_R: tl.constexpr, ROTATE: tl.constexpr, HEADS: tl.constexpr,
                    CLIP: tl.constexpr, N_DROP: tl.constexpr, ROUNDS: tl.constexpr, TREE: tl.constexpr,
-                   KC: tl.constexpr):  # fmt: skip
-    # one block of rows of head program_id(1) (HEADS = 1 unless R is per head)
+                   KC: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+    # blocks of rows of head program_id(1) (HEADS = 1 unless R is per head). With rotation and
+    # KC == D a program loops over blocks program_id(0) + i·num_programs(0): R is loaded once and
+    # stays in shared memory, the next block's rows are prefetched (STAGES); otherwise one block
     D8: tl.constexpr = D // 8
-    rows, rmask = _block_rows(tl.program_id(0), n_rows, BLOCK_R, HEADS)
-    m2 = rmask[:, None]
-    if ROTATE:  # R in KC-row chunks (KC = D up to d=128; at d=256 R would take 128 KB)
-        Rh = R + tl.program_id(1) * s_rh
-        acc = tl.zeros([BLOCK_R, D], tl.float32)
-        kc = tl.arange(0, KC)
-        for k0 in tl.static_range(0, D, KC):
-            xk = tl.load(X + rows[:, None] * s_xr + (k0 + kc)[None, :], mask=m2, other=0.0)
-            rc = tl.load(Rh + (k0 + kc)[:, None] * D + tl.arange(0, D)[None, :])
-            acc += tl.dot(xk.to(rc.dtype), rc)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _split8(acc, BLOCK_R, D8)
+    Rh = R + tl.program_id(1) * s_rh
+    if ROTATE and KC == D:
+        rk = tl.load(Rh + tl.arange(0, D)[:, None] * D + tl.arange(0, D)[None, :])
+        n_blocks = tl.cdiv(n_rows, BLOCK_R)
+        for blk in tl.range(tl.program_id(0), n_blocks, tl.num_programs(0), num_stages=STAGES):
+            rows, rmask = _block_rows(blk, n_rows, BLOCK_R, HEADS)
+            xp = X + rows[:, None] * s_xr + tl.arange(0, D)[None, :]
+            acc = tl.dot(tl.load(xp, mask=rmask[:, None], other=0.0).to(rk.dtype), rk)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _split8(acc, BLOCK_R, D8)
+            _finish(x0, x1, x2, x3, x4, x5, x6, x7, rows, rmask, C, M, tiny, s_cr, s_mr, BLOCK_R, D8,
+                    CLIP, N_DROP, ROUNDS, TREE)  # fmt: skip
     else:
-        xp = X + rows[:, None] * s_xr + tl.arange(0, D8)[None, :]
-        x0, x1 = tl.load(xp, mask=m2, other=0.0), tl.load(xp + D8, mask=m2, other=0.0)
-        x2, x3 = tl.load(xp + 2 * D8, mask=m2, other=0.0), tl.load(xp + 3 * D8, mask=m2, other=0.0)
-        x4, x5 = tl.load(xp + 4 * D8, mask=m2, other=0.0), tl.load(xp + 5 * D8, mask=m2, other=0.0)
-        x6, x7 = tl.load(xp + 6 * D8, mask=m2, other=0.0), tl.load(xp + 7 * D8, mask=m2, other=0.0)
-        x0, x1, x2, x3 = x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32)
-        x4, x5, x6, x7 = x4.to(tl.float32), x5.to(tl.float32), x6.to(tl.float32), x7.to(tl.float32)
-    _finish(x0, x1, x2, x3, x4, x5, x6, x7, rows, rmask, C, M, tiny, s_cr, s_mr, BLOCK_R, D8,
-            CLIP, N_DROP, ROUNDS, TREE)  # fmt: skip
+        rows, rmask = _block_rows(tl.program_id(0), n_rows, BLOCK_R, HEADS)
+        m2 = rmask[:, None]
+        if ROTATE:  # d=256: R (128 KB) in KC-row chunks
+            acc = tl.zeros([BLOCK_R, D], tl.float32)
+            kc = tl.arange(0, KC)
+            for k0 in tl.static_range(0, D, KC):
+                xk = tl.load(X + rows[:, None] * s_xr + (k0 + kc)[None, :], mask=m2, other=0.0)
+                rc = tl.load(Rh + (k0 + kc)[:, None] * D + tl.arange(0, D)[None, :])
+                acc += tl.dot(xk.to(rc.dtype), rc)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _split8(acc, BLOCK_R, D8)
+        else:
+            xp = X + rows[:, None] * s_xr + tl.arange(0, D8)[None, :]
+            x0, x1 = tl.load(xp, mask=m2, other=0.0), tl.load(xp + D8, mask=m2, other=0.0)
+            x2, x3 = tl.load(xp + 2 * D8, mask=m2, other=0.0), tl.load(xp + 3 * D8, mask=m2, other=0.0)
+            x4, x5 = tl.load(xp + 4 * D8, mask=m2, other=0.0), tl.load(xp + 5 * D8, mask=m2, other=0.0)
+            x6, x7 = tl.load(xp + 6 * D8, mask=m2, other=0.0), tl.load(xp + 7 * D8, mask=m2, other=0.0)
+            x0, x1, x2, x3 = x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32)
+            x4, x5, x6, x7 = x4.to(tl.float32), x5.to(tl.float32), x6.to(tl.float32), x7.to(tl.float32)
+        _finish(x0, x1, x2, x3, x4, x5, x6, x7, rows, rmask, C, M, tiny, s_cr, s_mr, BLOCK_R, D8,
+                CLIP, N_DROP, ROUNDS, TREE)  # fmt: skip
 
 
 @triton.jit
@@ -226,22 +243,26 @@ def quantize_pack(rows: torch.Tensor, rotation: torch.Tensor | None, fmt: RowFor
     # all the way under the interpreter (CPU tensors), whose tl.reduce calls the combine once per
     # element
     tree = ROT_TREE if rotation is not None else min(d // 8, 16 // x.element_size()).bit_length() - 1
-    opts, kc = {}, d if d <= 128 else 64
+    opts, kc, stages = {}, d if d <= 128 else 64, ROT_STAGES
     if rotation is None:
-        warps = NUM_WARPS
+        warps, programs = NUM_WARPS, n_blocks
         if x.is_cuda and MAXNREG:
             opts["maxnreg"] = MAXNREG
     else:
         # one warp group (4 warps) per 64 rows: at 64 rows, 2 or 8 warps took 1.7x / 2.2x as long
         warps = 8 if d > 128 else max(4, block_r // 16)
-        if d <= 128 and x.is_cuda and ROT_MAXNREG:
+        sms = torch.cuda.get_device_properties(rows.device).multi_processor_count if x.is_cuda else 1
+        programs = min(n_blocks, max(1, sms * ROT_PER_SM // heads)) if ROT_PER_SM else n_blocks
+        if d > 128:  # R in 64-row chunks per block, one block per program (as before the loop)
+            programs, stages = n_blocks, 1
+        elif x.is_cuda and ROT_MAXNREG:
             opts["maxnreg"] = ROT_MAXNREG
     if not x.is_cuda:
         tree = (d // 8).bit_length() - 1
-    _quantize_pack[(n_blocks, heads)](
+    _quantize_pack[(programs, heads)](
         x, r, codes, meta, n * h // heads, tiny, x.stride(0), r.stride(0) if per_head else 0, d // 4, 2,
         D=d, BLOCK_R=block_r, ROTATE=rotation is not None, HEADS=heads, CLIP=fmt.clip > 0, N_DROP=n_drop,
-        ROUNDS=-(-(n_drop + 1) // 6), TREE=tree, KC=kc, num_warps=warps, **opts,
+        ROUNDS=-(-(n_drop + 1) // 6), TREE=tree, KC=kc, STAGES=stages, num_warps=warps, **opts,
     )  # fmt: skip
     return codes, meta
 
