@@ -45,7 +45,9 @@ __all__ = ["dequantize", "quantize_pack"]
 # ROT_PER_SM programs per SM (0: one block per program), ROT_STAGES-deep prefetch, ROT_MAXNREG
 # registers per thread (0: no cap). On the H200 the loop measured slower than one block per
 # program (0.87-0.94x, benchmarks/results/quantize_pack_ab_h200.md), so the defaults keep one
-# block per program, no prefetch and the 128-register cap (1.20 vs 1.16 TB/s at 1M rows)
+# block per program, no prefetch and the 128-register cap (1.20 vs 1.16 TB/s at 1M rows). The loop
+# stays, run once per program: the same block without it, like the d=256 path, compiled 3-4%
+# slower at 256K-1M rows (results/quantize_pack_noloop_ab_h200.md)
 BLOCK_R = 64
 NUM_WARPS = 4
 MAXNREG = 0  # without rotation (0: no cap)
