@@ -54,3 +54,18 @@ def test_wave_split_edges(monkeypatch):
     monkeypatch.setitem(plan.CONFIG, "min_waves", 9)
     with pytest.raises(ValueError, match="min_waves"):
         plan.wave_split(4, 100, 64, 16)
+
+
+def test_split_size_picks_the_rule_and_follows_config_edits(monkeypatch):
+    # word-plane path, 64 pairs > few_units: the wave rule
+    assert plan.split_size(8, 8, 32441, 64, 132, True) == plan.wave_split(64, 32441, 64, 132 * 8)
+    # byte path, or no SM count: about CONFIG['programs'] programs, splits in multiples of 256
+    assert plan.split_size(8, 8, 32441, 64, 132, False) == 768
+    assert plan.split_size(8, 8, 32441, 64, 0, True) == 768
+    # few pairs: programs_few (1024 programs = 128 splits of 1024 tokens)
+    assert plan.split_size(1, 8, 130745, 64, 132, True) == 1024
+    # the cache keys on the CONFIG entries it reads
+    monkeypatch.setitem(plan.CONFIG, "fill_waves", False)
+    assert plan.split_size(8, 8, 32441, 64, 132, True) == 768
+    monkeypatch.setitem(plan.CONFIG, "split_gran", 64)
+    assert plan.split_size(8, 8, 32441, 64, 132, True) == 704

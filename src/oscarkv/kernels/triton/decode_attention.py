@@ -37,7 +37,7 @@ import triton.language as tl
 
 from ...quant import RowFormat
 from .decode_groups import int2_split_groups
-from .decode_plan import CONFIG, heads_per_program, num_splits, token_groups, wave_split
+from .decode_plan import CONFIG, heads_per_program, num_splits, split_size, token_groups
 from .decode_tiles import hp_split, int2_split_bytes
 from .decode_words import int2_split_words
 
@@ -203,14 +203,7 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     tg = token_groups(g, hpb, block_n) if words else 0
     opts = {"maxnreg": CONFIG["maxnreg"]} if words and CONFIG["maxnreg"] and q_rot.is_cuda else {}
     sms = CONFIG["sms"] or (_sm_count(q_rot.device) if q_rot.is_cuda else 0)
-    units = bsz * (hkv // hpb)
-    if words and CONFIG["fill_waves"] and sms and units > CONFIG["few_units"]:
-        split_q = wave_split(units, max_q, block_n, sms * CONFIG["per_sm"])
-    else:
-        sq = num_splits(bsz, hkv // hpb, max_q)
-        # splits are whole tiles: multiples of CONFIG['split_gran'] tokens, of the tile below that
-        gran = CONFIG["split_gran"] if max_q >= CONFIG["split_gran"] * sq else block_n
-        split_q = math.ceil(max_q / sq / gran) * gran
+    split_q = split_size(bsz, hkv // hpb, max_q, block_n, sms, words)
     sq = math.ceil(max_q / split_q)
     sh = math.ceil(max_h / CONFIG["hp_split"])
     total = sq + sh

@@ -17,9 +17,10 @@ first so that they do not trail into an extra wave.
 
 from __future__ import annotations
 
+import functools
 import math
 
-__all__ = ["CONFIG", "heads_per_program", "num_splits", "token_groups", "wave_split"]
+__all__ = ["CONFIG", "heads_per_program", "num_splits", "split_size", "token_groups", "wave_split"]
 
 # Tuning, from the H200 sweeps of benchmarks/decode_variants.py (results/decode_variants_w1.md):
 # one-warp programs (no CTA barriers in the tile loop) beat 4-warp ones at every shape; tiles of
@@ -70,7 +71,7 @@ CONFIG = {
     # (``sms`` 0: the device's SM count; ``per_sm``: one-warp programs at 255 registers; a
     # ``maxnreg`` cap changes how many fit, and ``per_sm`` must then be set to match),
     # ``min_waves`` to ``max_waves``, a program's fixed cost in tokens. H200, side by side
-    # (results/decode_variants_waves.md): batch 8 / 32K 0.0949 -> 0.0841 ms, 32 / 32K 0.331 ->
+    # (results/decode_variants_waves_{a,b}.md): batch 8 / 32K 0.0949 -> 0.0841 ms, 32 / 32K 0.331 ->
     # 0.309, 32 / 128K 1.136 -> 1.103; with few units (batch 1-2 / 128K, 8 / 128K) it lost up to
     # 5%, so they keep the ``programs_few`` rule
     "fill_waves": True,
@@ -147,3 +148,32 @@ def wave_split(units: int, max_len: int, block_n: int, slots: int) -> int:
         if best is None or cost < best[0]:
             best = (cost, split)
     return best[1]
+
+
+# the CONFIG entries split_size reads: part of its cache key, so that sweeps that edit them
+# get fresh plans
+_SPLIT_KEYS = ("fill_waves", "few_units", "per_sm", "min_waves", "max_waves", "split_cost", "min_split",
+               "programs", "programs_few", "split_gran")  # fmt: skip
+
+
+def split_size(batch: int, head_groups: int, max_len: int, block_n: int, sms: int, words: bool) -> int:
+    """Tokens per split of the quantized lists (``max_len`` tokens at most, ``max_len >= 1``) for
+    ``batch × head_groups`` (sequence, head group) pairs: wave-filling splits (:func:`wave_split`)
+    on the word-plane path (``words``) with ``CONFIG['fill_waves']``, ``sms`` > 0 and more than
+    ``CONFIG['few_units']`` pairs; otherwise :func:`num_splits` splits, rounded up to multiples of
+    ``CONFIG['split_gran']`` tokens, or of the tile when that would leave fewer splits. Cached:
+    this runs on every decode call (the wave search alone costs ~15 µs of Python)."""
+    return _split_size(
+        batch, head_groups, max_len, block_n, sms, words, tuple(CONFIG[k] for k in _SPLIT_KEYS)
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _split_size(batch: int, head_groups: int, max_len: int, block_n: int, sms: int, words: bool,
+                _config: tuple) -> int:  # fmt: skip
+    units = batch * head_groups
+    if words and CONFIG["fill_waves"] and sms and units > CONFIG["few_units"]:
+        return wave_split(units, max_len, block_n, sms * CONFIG["per_sm"])
+    sq = num_splits(batch, head_groups, max_len)
+    gran = CONFIG["split_gran"] if max_len >= CONFIG["split_gran"] * sq else block_n
+    return math.ceil(max_len / sq / gran) * gran
