@@ -14,6 +14,15 @@ from typing import Any
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def config_value(text: str) -> int | str:
+    """A CONFIG override from the command line: an int where it parses (0/1 for flags), else the
+    string."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
 def import_kernel_copy(package: str, files: list[Path]) -> str:
     """Make copies of kernel modules (e.g. from an earlier commit) importable as the throw-away
     package ``package``, for side-by-side timing; their relative imports of the package's

@@ -24,19 +24,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import import_kernel_copy, save
+from _harness import config_value, import_kernel_copy, save
 from gpu_check import SINK_RECENT, bench, bench_graph, make_pools, rel, sdpa_best
 
 import oscarkv.kernels.triton.decode_attention as tda
 from oscarkv.kernels import ref
 from oscarkv.quant import RowFormat
-
-
-def _value(v: str) -> int | str:
-    try:
-        return int(v)
-    except ValueError:
-        return v
 
 
 def main() -> None:
@@ -84,7 +77,9 @@ def main() -> None:
         args.programs, args.group_tokens = str(c["programs"]), str(c["group_tokens"])
         args.min_split, args.token_groups = str(c["min_split"]), str(int(c["token_groups"]))
     extra_keys = [kv.split("=", 1)[0] for kv in args.set]
-    extra = list(itertools.product(*[[_value(v) for v in kv.split("=", 1)[1].split(",")] for kv in args.set]))
+    extra = list(
+        itertools.product(*[[config_value(v) for v in kv.split("=", 1)[1].split(",")] for kv in args.set])
+    )
     grid = list(
         itertools.product(
             ints(args.block_n),

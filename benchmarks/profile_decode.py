@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import config_value
 from gpu_check import SINK_RECENT, make_pools
 
 import oscarkv.kernels.triton.decode_attention as tda
@@ -33,8 +34,7 @@ def main() -> None:
         key, val = kv.split("=", 1)
         if key not in tda.CONFIG:
             raise SystemExit(f"unknown CONFIG key {key!r}; known: {sorted(tda.CONFIG)}")
-        old = tda.CONFIG[key]
-        tda.CONFIG[key] = val if isinstance(old, str) else type(old)(int(val))
+        tda.CONFIG[key] = config_value(val)
     hq, hkv, d = 32, 8, 128
     fmt = RowFormat(d, 2, d)
     lq = args.len - SINK_RECENT
