@@ -125,3 +125,42 @@ def test_reference_quantizer_is_the_same_on_cpu_and_gpu(meta):
     c_gpu, m_gpu = ref.quantize_pack(x.cuda(), None, fmt)
     c_cpu, m_cpu = ref.quantize_pack(x, None, fmt)
     assert torch.equal(c_gpu.cpu(), c_cpu) and torch.equal(m_gpu.cpu(), m_cpu)
+
+
+def test_cached_launches_repeat_the_first_launch():
+    """The second and later calls of a specialization go through ``Launcher``'s cached compiled
+    kernel: they must give what the ordinary (first) launch gave, also after the arguments change
+    between calls of one key (other pools, list lengths, scale) and for a new key (a misaligned
+    row view)."""
+    from oscarkv.kernels.triton import decode_attention as tda
+    from oscarkv.kernels.triton import quantize_pack as tqp
+
+    dev, d, hkv = "cuda", 128, 8
+    fmt = RowFormat(d, 2, d, clip=0.96)
+    outs = []
+    for seed, lens in ((1, [3000, 40000]), (2, [3000, 40000]), (3, [123, 50000])):
+        torch.manual_seed(seed)
+        x = torch.randn(sum(lens), 2 * hkv, d, device=dev, dtype=torch.bfloat16)
+        kc, km = tqp.quantize_pack(x[:, :hkv], None, fmt)
+        vc, vm = tqp.quantize_pack(x[:, hkv:], None, fmt)
+        assert torch.equal(kc, ref.quantize_pack(x[:, :hkv], None, fmt)[0])
+        hk, hv = x[:64, :hkv].contiguous(), x[:64, hkv:].contiguous()
+        qi, qx = _lists(lens, dev, shuffle=True)
+        hi, hx = _lists([32, 32], dev, shuffle=False)
+        q = torch.randn(2, 32, d, device=dev, dtype=torch.bfloat16)
+        args = (q, kc, km, vc, vm, hk, hv, qi, qx, hi, hx, d**-0.5 * seed, fmt, fmt)
+        first = tda.decode_attention(*args)
+        again = tda.decode_attention(*args)
+        assert torch.equal(first, again)
+        want = ref.decode_attention(q.float(), *args[1:5], hk.float(), hv.float(), *args[7:])
+        assert _rel(again, want) < 1e-2
+        outs.append(again)
+    assert not torch.equal(outs[0], outs[1])  # new arguments reached the cached kernel
+    # rows at a 2-byte offset: another specialization (no 16-byte alignment), same codes
+    buf = torch.randn(4097 * d + 1, device=dev, dtype=torch.bfloat16)
+    rows = buf[1:].view(4097, 1, d)
+    assert rows.data_ptr() % 16
+    for _ in range(2):
+        c, m = tqp.quantize_pack(rows, None, fmt)
+        c_ref, m_ref = ref.quantize_pack(rows, None, fmt)
+        assert torch.equal(c, c_ref) and torch.equal(m, m_ref)

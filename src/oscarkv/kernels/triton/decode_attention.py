@@ -40,6 +40,7 @@ from .decode_groups import int2_split_groups
 from .decode_plan import CONFIG, heads_per_program, num_splits, split_size, token_groups
 from .decode_tiles import hp_split, int2_split_bytes
 from .decode_words import int2_split_words
+from .launch import Launcher
 
 __all__ = ["CONFIG", "decode_attention", "heads_per_program", "num_splits", "token_groups"]
 
@@ -105,6 +106,12 @@ def _merge(O, LSE, OUT, total, S_BLOCK: tl.constexpr, D: tl.constexpr, DB: tl.co
 
 
 _PARTIALS = {"fp32": torch.float32, "fp16": torch.float16}
+_STAGE1, _MERGE = Launcher(_stage1), Launcher(_merge)
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (``n >= 1``)."""
+    return 1 << (n - 1).bit_length()
 
 
 def _check_config() -> None:
@@ -121,6 +128,7 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.cache
 def _check(fmt: RowFormat) -> None:
     if fmt.bits != 2 or fmt.groups != 1 or fmt.quantizer not in ("asymmetric", "symmetric", "lloyd_max"):
         raise ValueError(
@@ -130,6 +138,7 @@ def _check(fmt: RowFormat) -> None:
 
 
 # metadata dtype -> (the word one (scale, zero) pair is read as, the kernel's META id)
+_POOL_NAMES = ("k_codes", "k_meta", "v_codes", "v_meta", "hp_k", "hp_v")
 _META_WORDS = {
     torch.float16: (torch.int32, 0),
     torch.bfloat16: (torch.int32, 1),
@@ -137,24 +146,24 @@ _META_WORDS = {
 }
 
 
-def _check_layout(d: int, hkv: int, meta_word: torch.dtype, **tensors: torch.Tensor) -> None:
+def _check_layout(d: int, hkv: int, meta_word: torch.dtype, pools: tuple[torch.Tensor, ...]) -> None:
     """Strides are derived from ``d``, ``hkv`` and the contiguous layouts, and the codes (head dim
     >= 128, whichever tile loop the size picks) and the ``(scale, zero)`` pairs are read as words:
-    refuse pools that would be read out of bounds or off a word boundary."""
+    refuse pools that would be read out of bounds or off a word boundary. ``pools``: k_codes,
+    k_meta, v_codes, v_meta, hp_k, hp_v."""
     # per pool: (dtype or None for any, shape after the slot dim, bytes of the word it is read in)
-    kinds = {
-        "codes": (torch.uint8, (hkv, d // 4), 2 if d >= 128 else 1),
-        "meta": (None, (hkv, 1, 2), meta_word.itemsize),
-        "hp": (None, (hkv, d), 1),
-    }
-    for name, t in tensors.items():
-        dtype, rows, size = kinds["hp" if name.startswith("hp") else name[2:]]
+    codes = (torch.uint8, (hkv, d // 4), 2 if d >= 128 else 1)
+    meta = (None, (hkv, 1, 2), meta_word.itemsize)
+    hp = (None, (hkv, d), 1)
+    for name, t, (dtype, rows, size) in zip(
+        _POOL_NAMES, pools, (codes, meta, codes, meta, hp, hp), strict=True
+    ):
         if not t.is_contiguous():
             raise ValueError(
                 f"decode_attention: {name} must be contiguous (shape {tuple(t.shape)}, stride "
                 f"{t.stride()}); the kernel derives its strides from the pool layout"
             )
-        if dtype not in (None, t.dtype) or tuple(t.shape[1:]) != rows:
+        if (dtype is not None and t.dtype != dtype) or t.shape[1:] != rows:
             raise ValueError(
                 f"decode_attention: {name} must be {str(dtype or t.dtype)[6:]} [N, {', '.join(map(str, rows))}]; "
                 f"got {t.dtype} {tuple(t.shape)}"
@@ -184,9 +193,7 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
             f"{v_meta.dtype} {tuple(v_meta.shape)} (use backend='torch' for grouped formats)"
         )
     word, meta_id = _META_WORDS[k_meta.dtype]
-    _check_layout(
-        d, hkv, word, k_codes=k_codes, k_meta=k_meta, v_codes=v_codes, v_meta=v_meta, hp_k=hp_k, hp_v=hp_v
-    )
+    _check_layout(d, hkv, word, (k_codes, k_meta, v_codes, v_meta, hp_k, hp_v))
     if lens_hint is None:
         lens = torch.stack(
             [(int2_indptr[1:] - int2_indptr[:-1]).max(), (hp_indptr[1:] - hp_indptr[:-1]).max()]
@@ -215,10 +222,10 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     kc, vc = (k_codes.view(torch.int16), v_codes.view(torch.int16)) if words else (k_codes, v_codes)
     hp_first = CONFIG["hp_first"] and words
     grid = (hkv // hpb, bsz, total) if hp_first else (hkv // hpb, total, bsz)
-    _stage1[grid](
-        q, kc, k_meta.view(word), vc, v_meta.view(word), hp_k, hp_v, int2_indptr, int2_indices, hp_indptr, hp_indices,
+    _STAGE1(
+        grid, q, kc, k_meta.view(word), vc, v_meta.view(word), hp_k, hp_v, int2_indptr, int2_indices, hp_indptr, hp_indices,
         o_part, lse, sm_scale * LOG2E, split_q, CONFIG["hp_split"], sq, total,
-        HKV=hkv, G=g, HPB=hpb, R_PAD=max(16, triton.next_power_of_2(hpb * g)), G_PAD=max(16, triton.next_power_of_2(g)),
+        HKV=hkv, G=g, HPB=hpb, R_PAD=max(16, _pow2(hpb * g)), G_PAD=max(16, _pow2(g)),
         D=d, BLOCK_N=block_n,
         BLOCK_H=CONFIG["hp_block"], ASM=q.is_cuda, META=meta_id, WORDS=words, TG=tg, HP_STAGES=CONFIG["hp_stages"],
         HP_FIRST=hp_first,
@@ -226,8 +233,8 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     )  # fmt: skip
     out = torch.empty_like(q_rot)
     db = min(d, CONFIG["merge_d"])
-    _merge[(bsz * hq, d // db)](
-        o_part, lse, out, total, S_BLOCK=min(64, max(2, triton.next_power_of_2(total))), D=d, DB=db,
+    _MERGE(
+        (bsz * hq, d // db), o_part, lse, out, total, S_BLOCK=min(64, max(2, _pow2(total))), D=d, DB=db,
         num_warps=CONFIG["merge_warps"],
     )  # fmt: skip
     return out

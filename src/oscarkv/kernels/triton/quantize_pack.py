@@ -36,6 +36,7 @@ import triton.language as tl
 
 from ...quant import RowFormat
 from ...quant.quantizer import META_TORCH_DTYPES, clip_index
+from .launch import Launcher
 from .quantize_nets import _clip_threshold, _threshold
 
 __all__ = ["dequantize", "quantize_pack"]
@@ -206,6 +207,9 @@ def _dequantize(C, M, OUT, n_rows, s_cr, s_mr, s_or, D4: tl.constexpr, BLOCK_R: 
     tl.store(base + 3 * D4, ((((c >> 6) & 3).to(tl.float32) - z) * s).to(ty), mask=rmask[:, None])
 
 
+_QUANTIZE_PACK, _DEQUANTIZE = Launcher(_quantize_pack), Launcher(_dequantize)
+
+
 def _check(fmt: RowFormat) -> None:
     if (
         fmt.bits != 2
@@ -261,8 +265,8 @@ def quantize_pack(rows: torch.Tensor, rotation: torch.Tensor | None, fmt: RowFor
             opts["maxnreg"] = ROT_MAXNREG
     if not x.is_cuda:
         tree = (d // 8).bit_length() - 1
-    _quantize_pack[(programs, heads)](
-        x, r, codes, meta, n * h // heads, tiny, x.stride(0), r.stride(0) if per_head else 0, d // 4, 2,
+    _QUANTIZE_PACK(
+        (programs, heads), x, r, codes, meta, n * h // heads, tiny, x.stride(0), r.stride(0) if per_head else 0, d // 4, 2,
         D=d, BLOCK_R=block_r, ROTATE=rotation is not None, HEADS=heads, CLIP=fmt.clip > 0, N_DROP=n_drop,
         ROUNDS=-(-(n_drop + 1) // 6), TREE=tree, KC=kc, STAGES=stages, num_warps=warps, **opts,
     )  # fmt: skip
@@ -283,7 +287,7 @@ def dequantize(
         return out
     c, m = codes.reshape(n * h, p), meta.reshape(n * h, 2)
     block_r = 64
-    _dequantize[(math.ceil(n * h / block_r),)](
-        c, m, out, n * h, c.stride(0), m.stride(0), p * 4, D4=p, BLOCK_R=block_r
-    )
+    _DEQUANTIZE(
+        (math.ceil(n * h / block_r),), c, m, out, n * h, c.stride(0), m.stride(0), p * 4, D4=p, BLOCK_R=block_r
+    )  # fmt: skip
     return out
