@@ -413,3 +413,58 @@ def test_decode_attention_refuses_pools_off_their_word_boundary(tk, small_tokens
     odd_meta.copy_(km)
     with pytest.raises(ValueError, match="k_meta must start at a multiple of 4 bytes"):
         da.decode_attention(q, kc, odd_meta, vc, vm, hk, hv, ip, idx, hp, hidx, 0.1, fmt, fmt)
+
+
+def _rotation(d: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))[0].float()
+
+
+@pytest.mark.parametrize("d", [16, 64, 128, 256])
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rotate_heads_matches_reference(d, per_head, inverse, dtype):
+    """fp32 products in another order: at most one rounding step apart in the output dtype (the
+    interpreter truncates to bf16 where the GPU rounds to nearest, so a bf16 ulp here)."""
+    from oscarkv.kernels.triton.rotate import rotate_heads
+
+    r = _rotation(d, d)
+    if per_head:  # 8 heads sharing 4 matrices, in pairs
+        r = torch.stack([r, r.T, -r, r.flip(0)])
+    x = torch.randn(17, 8, d, generator=torch.Generator().manual_seed(1)).to(dtype)  # 17: two batch blocks
+    got, want = rotate_heads(x, r, inverse), ref.rotate_heads(x, r, inverse)
+    tol = 2**-7 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("rotate", [True, False])
+def test_rotate_heads_scatters_rows_to_their_slots(rotate):
+    from oscarkv.kernels.triton.rotate import rotate_heads
+
+    d = 64
+    r = _rotation(d, 3) if rotate else None
+    x = torch.randn(5, 4, d).bfloat16()
+    dst = torch.tensor([7, -1, 0, 3, -1])
+    pool = torch.randn(9, 4, d).bfloat16()
+    got = rotate_heads(x, r, False, pool.clone(), dst)
+    want = ref.rotate_heads(x, r, False, pool.clone(), dst)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2**-7)
+    untouched = torch.tensor([1, 2, 4, 5, 6, 8])
+    assert torch.equal(got[untouched], pool[untouched])  # slots of -1 and other slots kept
+    if not rotate:
+        assert torch.equal(got[torch.tensor([7, 0, 3])], x[torch.tensor([0, 2, 3])])
+
+
+def test_rotate_heads_refuses_bad_arguments():
+    from oscarkv.kernels.triton.rotate import rotate_heads
+
+    x = torch.randn(2, 4, 64).bfloat16()
+    with pytest.raises(ValueError, match="r must be float32"):
+        rotate_heads(x, torch.eye(64).bfloat16())
+    with pytest.raises(ValueError, match="4 heads cannot share 3"):
+        rotate_heads(x, torch.eye(64).repeat(3, 1, 1))
+    with pytest.raises(ValueError, match="out and dst go together"):
+        rotate_heads(x, None, False, torch.zeros(3, 4, 64))
+    with pytest.raises(ValueError, match="head dims 16-256"):
+        rotate_heads(torch.randn(2, 4, 48), None)

@@ -112,32 +112,55 @@ class OscarCacheLayer(DynamicLayer):
         self.seen += t
         plan = owner.plan(past, t, mask, bsz, query.device)
         scale = scaling if scaling is not None else 1.0 / math.sqrt(d)
+        if plan.is_decode:
+            return self._decode(plan, query[:, :, 0], key[:, :, 0], value[:, :, 0], scale, ops)[:, None]
         # Rotations run in float32 and round once to the model dtype. With 16-bit R (and 16-bit
         # products) R·Rᵀ ≠ I by ~2^-8, which perturbs every logit q·k, sink and window included.
         q_rot = self._rotate(query, self.r_k).transpose(1, 2)  # [B, T, Hq, d]
         k_rot = self._rotate(key, self.r_k).transpose(1, 2)
         v_rot = (value if owner.values_prerotated else self._rotate(value, self.r_v)).transpose(1, 2)
-        if plan.is_decode:
-            self.pools.apply(plan, k_rot, v_rot, ops)
-            p = self.pools
-            o = ops.decode_attention(
-                q_rot[:, 0],
-                p.k_codes,
-                p.k_meta,
-                p.v_codes,
-                p.v_meta,
-                p.hp_k,
-                p.hp_v,
-                *plan.post,
-                scale,
-                self.k_fmt,
-                self.v_fmt,
-                lens_hint=plan.post_lens,
-            )[:, None]
-        else:
-            o = self._prefill(plan, q_rot, k_rot, v_rot, scale, ops)
-            self.pools.apply(plan, k_rot, v_rot, ops)
+        o = self._prefill(plan, q_rot, k_rot, v_rot, scale, ops)
+        self.pools.apply(plan, k_rot, v_rot, ops)
         return self._rotate(o.transpose(1, 2), self.r_v, inverse=True).transpose(1, 2).contiguous()
+
+    def _decode(
+        self,
+        plan: StepPlan,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        ops: KernelOps,
+    ) -> torch.Tensor:
+        """One decode step: ``query [B, Hq, d]``, new ``key/value [B, Hkv, d]`` -> ``[B, Hq, d]``.
+
+        The same fp32 rotations as a prefill, by ``ops.rotate_heads`` (one launch each on the
+        GPU; the new K/V rows go straight to their 16-bit slots, after the step's demotions).
+        """
+        p = self.pools
+        assert p is not None and plan.decode_dst is not None
+        p.ensure(plan.cap_q, plan.cap_h)
+        p.demote(plan, ops)
+        q_rot = ops.rotate_heads(query, self.r_k)
+        ops.rotate_heads(key, self.r_k, out=p.hp_k, dst=plan.decode_dst)
+        ops.rotate_heads(
+            value, None if self.owner.values_prerotated else self.r_v, out=p.hp_v, dst=plan.decode_dst
+        )
+        o = ops.decode_attention(
+            q_rot,
+            p.k_codes,
+            p.k_meta,
+            p.v_codes,
+            p.v_meta,
+            p.hp_k,
+            p.hp_v,
+            *plan.post,
+            scale,
+            self.k_fmt,
+            self.v_fmt,
+            lens_hint=plan.post_lens,
+        )
+        return ops.rotate_heads(o, self.r_v, inverse=True)
 
     @staticmethod
     def _rotate(x: torch.Tensor, r: torch.Tensor, inverse: bool = False) -> torch.Tensor:

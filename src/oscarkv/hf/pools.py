@@ -67,9 +67,7 @@ class LayerPools:
         Demotions run first: a slot they free may receive a new token in the same step.
         """
         self.ensure(plan.cap_q, plan.cap_h)
-        src, dst = plan.demote
-        if src.numel():
-            self._write_q(dst, self.hp_k[src], self.hp_v[src], ops)
+        self.demote(plan, ops)
         b, t, s = plan.new_q
         if s.numel():
             self._write_q(s, k_rot[b, t], v_rot[b, t], ops)
@@ -77,6 +75,12 @@ class LayerPools:
         if s.numel():
             self.hp_k[s] = k_rot[b, t].to(self.hp_k.dtype)
             self.hp_v[s] = v_rot[b, t].to(self.hp_v.dtype)
+
+    def demote(self, plan: StepPlan, ops: KernelOps) -> None:
+        """Move the step's demoted 16-bit rows to their quantized slots (before any new writes)."""
+        src, dst = plan.demote
+        if src.numel():
+            self._write_q(dst, self.hp_k[src], self.hp_v[src], ops)
 
     def _write_q(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ops: KernelOps) -> None:
         kc, km = ops.quantize_pack(k, None, self.k_fmt)

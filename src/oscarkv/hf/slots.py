@@ -51,6 +51,8 @@ class StepPlan:
     valid: torch.Tensor  # bool [B, T]
     is_decode: bool
     post_lens: tuple[int, int] = (0, 0)  # longest quantized / 16-bit list after the step (host ints)
+    # decode steps: the 16-bit slot of each sequence's new token, -1 where it is not stored
+    decode_dst: torch.Tensor | None = None
 
 
 def ranges_to_csr(ranges: list[list[tuple[int, int]]], device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -179,6 +181,13 @@ class SlotTable:
         def lt(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=device)
 
+        decode_dst = None
+        if is_decode:  # a decode token never goes to the quantized tier directly (new_q is empty)
+            dst = [-1] * bsz
+            for b, slot in zip(hp_b, hp_s, strict=True):
+                dst[b] = slot
+            decode_dst = lt(dst)
+
         return StepPlan(
             new_hp=(lt(hp_b), lt(hp_t), lt(hp_s)),
             new_q=(lt(q_b), lt(q_t), lt(q_s)),
@@ -193,6 +202,7 @@ class SlotTable:
                 max((st.n_q for st in self.seqs), default=0),
                 max((st.n_sink + st.n_recent for st in self.seqs), default=0),
             ),
+            decode_dst=decode_dst,
         )
 
     def _remap_pre(self, pre, old_q: int, old_h: int, device: torch.device) -> tuple[torch.Tensor, ...]:

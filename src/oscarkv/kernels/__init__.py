@@ -36,6 +36,7 @@ class KernelOps:
     dequantize: Callable[..., torch.Tensor]
     decode_attention: Callable[..., torch.Tensor]
     prefill_attention: Callable[..., torch.Tensor]
+    rotate_heads: Callable[..., torch.Tensor]
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:
@@ -57,7 +58,12 @@ def _torch_ops() -> KernelOps:
     from . import ref
 
     return KernelOps(
-        Backend.TORCH, ref.quantize_pack, ref.dequantize, ref.decode_attention, ref.prefill_attention
+        Backend.TORCH,
+        ref.quantize_pack,
+        ref.dequantize,
+        ref.decode_attention,
+        ref.prefill_attention,
+        ref.rotate_heads,
     )
 
 

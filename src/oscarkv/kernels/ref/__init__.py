@@ -3,6 +3,7 @@
 from .decode_attention import decode_attention, merge_states, partial_attention
 from .prefill_attention import prefill_attention
 from .quantize_pack import dequantize, quantize_pack
+from .rotate import rotate_heads
 
 __all__ = [
     "decode_attention",
@@ -11,4 +12,5 @@ __all__ = [
     "partial_attention",
     "prefill_attention",
     "quantize_pack",
+    "rotate_heads",
 ]

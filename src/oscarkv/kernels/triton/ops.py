@@ -7,6 +7,7 @@ import torch
 from .. import Backend, KernelOps
 from .decode_attention import decode_attention
 from .quantize_pack import dequantize, quantize_pack
+from .rotate import rotate_heads
 
 __all__ = ["KERNEL_OPS", "prefill_attention"]
 
@@ -36,4 +37,6 @@ def prefill_attention(q_rot, prefix_k, prefix_v, new_k, new_v, sm_scale):
     return out[0].transpose(0, 1)
 
 
-KERNEL_OPS = KernelOps(Backend.TRITON, quantize_pack, dequantize, decode_attention, prefill_attention)
+KERNEL_OPS = KernelOps(
+    Backend.TRITON, quantize_pack, dequantize, decode_attention, prefill_attention, rotate_heads
+)

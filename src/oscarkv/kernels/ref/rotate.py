@@ -1,0 +1,64 @@
+"""Torch twin of the decode step's rotations: rows of a head rotated in fp32, rounded once.
+
+A decode step rotates the new query, key and value rows into the cache's basis and the attention
+output back (spec §5.6); the key and value rows go straight to their 16-bit slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["check_rotate_args", "rotate_heads"]
+
+
+def check_rotate_args(
+    x: torch.Tensor, r: torch.Tensor | None, out: torch.Tensor | None, dst: torch.Tensor | None
+) -> None:
+    """Shapes and dtypes both backends accept; raises ``ValueError`` naming the problem."""
+    if x.dim() != 3:
+        raise ValueError(f"rotate_heads: x must be [B, H, d]; got {tuple(x.shape)}")
+    b, h, d = x.shape
+    if r is not None:
+        if r.dtype != torch.float32 or r.shape[-2:] != (d, d) or r.dim() not in (2, 3):
+            raise ValueError(
+                f"rotate_heads: r must be float32 [{d}, {d}] or [H_r, {d}, {d}]; got {r.dtype} {tuple(r.shape)}"
+            )
+        if r.dim() == 3 and h % r.shape[0]:
+            raise ValueError(f"rotate_heads: {h} heads cannot share {r.shape[0]} per-head rotations")
+    if (out is None) != (dst is None):
+        raise ValueError("rotate_heads: out and dst go together (rows are written to out[dst[b]])")
+    if out is not None and dst is not None:
+        if out.dim() != 3 or out.shape[1:] != (h, d):
+            raise ValueError(f"rotate_heads: out must be [N, {h}, {d}]; got {tuple(out.shape)}")
+        if dst.shape != (b,) or dst.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"rotate_heads: dst must be int32/int64 [{b}]; got {dst.dtype} {tuple(dst.shape)}"
+            )
+
+
+def rotate_heads(
+    x: torch.Tensor,
+    r: torch.Tensor | None,
+    inverse: bool = False,
+    out: torch.Tensor | None = None,
+    dst: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rows ``x [B, H, d]`` (16-bit or fp32) times ``r`` (``rᵀ`` if ``inverse``) in fp32.
+
+    ``r``: float32 ``[d, d]`` for every head, ``[H_r, d, d]`` shared by groups of ``H / H_r``
+    consecutive heads, or ``None`` (no rotation: a copy). Without ``out``: returns the rotated rows
+    in ``x.dtype``. With ``out [N, H, d]`` and ``dst`` int ``[B]``: writes row ``b`` to
+    ``out[dst[b]]`` in ``out.dtype`` where ``dst[b] >= 0`` (skipped where negative); returns ``out``.
+    """
+    check_rotate_args(x, r, out, dst)
+    y = x.float()
+    if r is not None:
+        m = r.transpose(-1, -2) if inverse else r
+        if m.dim() == 3:
+            m = m.repeat_interleave(x.shape[1] // m.shape[0], dim=0)
+        y = (y.unsqueeze(2) @ m.to(y.device)).squeeze(2)
+    if out is None or dst is None:
+        return y.to(x.dtype)
+    keep = dst >= 0
+    out[dst[keep].long()] = y[keep].to(out.dtype)
+    return out

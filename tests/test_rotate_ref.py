@@ -1,0 +1,59 @@
+"""The reference ``rotate_heads`` (decode-step rotations): the same numbers as the prefill's
+float32 rotation, slot writes, and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oscarkv.kernels import ref
+from oscarkv.rotation import rotate_heads as rotate_4d
+
+
+def _rot(d: int) -> torch.Tensor:
+    return torch.linalg.qr(
+        torch.randn(d, d, generator=torch.Generator().manual_seed(d), dtype=torch.float64)
+    )[0].float()
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_same_as_the_prefill_rotation_of_one_token(per_head, inverse):
+    r = _rot(32)
+    if per_head:
+        r = torch.stack([r, r.T])
+    x = torch.randn(3, 4, 32).bfloat16()
+    want = rotate_4d(x[:, :, None].float(), r, inverse=inverse)[:, :, 0].to(x.dtype)
+    assert torch.equal(ref.rotate_heads(x, r, inverse), want)
+
+
+def test_rows_go_to_their_slots_and_negative_slots_are_skipped():
+    x = torch.randn(3, 2, 16)
+    pool = torch.zeros(5, 2, 16, dtype=torch.bfloat16)
+    out = ref.rotate_heads(x, None, False, pool, torch.tensor([4, -1, 1]))
+    assert out is pool
+    assert torch.equal(pool[4], x[0].bfloat16()) and torch.equal(pool[1], x[2].bfloat16())
+    assert not pool[torch.tensor([0, 2, 3])].any()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"x": torch.zeros(2, 16)}, r"x must be \[B, H, d\]"),
+        ({"r": torch.eye(8)}, r"r must be float32 \[16, 16\]"),
+        ({"r": torch.eye(16).repeat(3, 1, 1)}, "4 heads cannot share 3"),
+        ({"out": torch.zeros(2, 4, 16)}, "out and dst go together"),
+        (
+            {"out": torch.zeros(2, 3, 16), "dst": torch.zeros(2, dtype=torch.long)},
+            r"out must be \[N, 4, 16\]",
+        ),
+        (
+            {"out": torch.zeros(2, 4, 16), "dst": torch.zeros(3, dtype=torch.long)},
+            r"dst must be int32/int64 \[2\]",
+        ),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, match):
+    args = {"x": torch.zeros(2, 4, 16), "r": None, "out": None, "dst": None, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        ref.rotate_heads(args["x"], args["r"], False, args["out"], args["dst"])
