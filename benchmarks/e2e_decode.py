@@ -1,12 +1,13 @@
 """End-to-end decode speed and KV memory: OscarCache vs BF16 DynamicCache in ``model.generate``.
 
 A random-weight model with Qwen3-8B's configuration (speed needs no trained weights), batch 16,
-32K-token prompts. Both caches are prefilled in 4K-token chunks (to bound activation memory),
-then ``model.generate`` decodes ``--new`` tokens; decode tokens/s = batch × new / time. KV memory
+32K-token prompts (``--shapes`` for others). Both caches are prefilled in 4K-token chunks (to
+bound activation memory), ``model.generate`` decodes 2 tokens (warm-up), then ``--new`` more are
+timed; decode tokens/s = batch × new / time. KV memory
 is the ``torch.cuda.max_memory_allocated`` growth over the prefill (and, for OscarCache,
 ``memory_report()``). Run on the GPU machine:
 
-    python benchmarks/e2e_decode.py [--batch 16] [--context 32768] [--new 32]
+    python benchmarks/e2e_decode.py [--shapes 16x32768,1x4096] [--caches bf16,oscar] [--new 32]
 """
 
 from __future__ import annotations
@@ -69,34 +70,14 @@ def warm_kernels(batch: int, context: int, cfg) -> None:
     torch.cuda.synchronize()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--context", type=int, default=32768)
-    ap.add_argument("--new", type=int, default=32)
-    ap.add_argument("--chunk", type=int, default=4096)
-    ap.add_argument("--decode-config", default=None, help="gpu_check.json whose tuned decode config to use")
-    args = ap.parse_args()
-    if args.decode_config:
-        import json
+def run_shape(model, cfg, rots, batch: int, context: int, args) -> tuple[dict, list[str]]:
+    """Prefill and decode one (batch, context) with each cache of ``args.caches``."""
+    from transformers import DynamicCache
 
-        from oscarkv.kernels.triton import decode_attention as tda
-
-        tda.CONFIG.update(json.loads(Path(args.decode_config).read_text())["config"]["decode"])
-        print("decode config:", tda.CONFIG, flush=True)
-    from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3Config(**QWEN3_8B)
-    with torch.device("cuda"):
-        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
-    model.config._attn_implementation = "sdpa"
-    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.context), device="cuda")
+    ids = torch.randint(0, cfg.vocab_size, (batch, context), device="cuda")
+    warm_kernels(batch, context, cfg)
     res = {}
-    # the same RotationSet shape OSCAR uses (per-layer Hadamard here: speed does not depend on U)
-    rots = RotationSet({i: fixed_layer("hadamard", 128, 8, "layer") for i in range(cfg.num_hidden_layers)})
-    warm_kernels(args.batch, args.context, cfg)
-    for name in ("bf16", "oscar"):
+    for name in args.caches.split(","):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -106,30 +87,66 @@ def main() -> None:
         torch.cuda.synchronize()
         t_pre = time.perf_counter() - t0
         kv_alloc = torch.cuda.memory_allocated() - base
-        dt = decode(model, ids, cache, args.new)
+        decode(model, ids, cache, 2)  # warm-up (allocator, first steps); then the timed decode
+        dt = decode(model, torch.cat([ids, ids[:, -2:]], 1), cache, args.new)
         peak = torch.cuda.max_memory_allocated() - base
-        r = {"prefill_s": round(t_pre, 1), "decode_s": round(dt, 3), "tok_per_s": args.batch * args.new / dt,
+        r = {"prefill_s": round(t_pre, 1), "decode_s": round(dt, 3), "tok_per_s": batch * args.new / dt,
              "kv_bytes_allocated": kv_alloc, "peak_extra_bytes": peak}  # fmt: skip
         if name == "oscar":
             rep = cache.memory_report()
             r.update({k: rep[k] for k in ("total_bytes", "allocated_bytes", "bits_per_element")})
         res[name] = r
-        print(name, r, flush=True)
+        print(batch, context, name, r, flush=True)
         del cache
-    ratio = res["oscar"]["tok_per_s"] / res["bf16"]["tok_per_s"]
-    mem = res["oscar"]["kv_bytes_allocated"] / res["bf16"]["kv_bytes_allocated"]
-    md = [f"End-to-end decode, random-weight Qwen3-8B config (bf16), batch {args.batch}, context {args.context}, "
-          f"{args.new} new tokens, model.generate", "",
-          "| cache | decode tok/s | KV memory (GB, allocated) | peak extra (GB) |", "|---|---|---|---|"]  # fmt: skip
+    md = [f"batch {batch}, context {context}, {args.new} new tokens, model.generate", "",
+          "| cache | decode tok/s | ms / step | KV memory (GB, allocated) | peak extra (GB) |", "|---|---|---|---|---|"]  # fmt: skip
     for n, r in res.items():
         md.append(
-            f"| {n} | {r['tok_per_s']:.0f} | {r['kv_bytes_allocated'] / 1e9:.2f} | {r['peak_extra_bytes'] / 1e9:.2f} |"
+            f"| {n} | {r['tok_per_s']:.0f} | {1e3 * batch / r['tok_per_s']:.1f} | "
+            f"{r['kv_bytes_allocated'] / 1e9:.2f} | {r['peak_extra_bytes'] / 1e9:.2f} |"
         )
-    md += ["", f"speedup {ratio:.2f}x; KV memory ratio {mem:.3f} (1/{1 / mem:.1f}); "
-           f"OscarCache memory_report: {res['oscar']['total_bytes'] / 1e9:.2f} GB, "
-           f"{res['oscar']['bits_per_element']:.2f} bits/element"]  # fmt: skip
+    if "bf16" in res and "oscar" in res:
+        ratio = res["oscar"]["tok_per_s"] / res["bf16"]["tok_per_s"]
+        mem = res["oscar"]["kv_bytes_allocated"] / res["bf16"]["kv_bytes_allocated"]
+        md += ["", f"speedup {ratio:.2f}x; KV memory ratio {mem:.3f} (1/{1 / mem:.1f}); "
+               f"OscarCache memory_report: {res['oscar']['total_bytes'] / 1e9:.2f} GB, "
+               f"{res['oscar']['bits_per_element']:.2f} bits/element"]  # fmt: skip
+    return res, md
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="16x32768", help="comma list of BATCHxCONTEXT")
+    ap.add_argument("--caches", default="bf16,oscar", help="comma list of bf16, oscar")
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--name", default="e2e_decode", help="results file name")
+    ap.add_argument("--decode-config", default=None, help="gpu_check.json whose tuned decode config to use")
+    args = ap.parse_args()
+    if args.decode_config:
+        import json
+
+        from oscarkv.kernels.triton import decode_attention as tda
+
+        tda.CONFIG.update(json.loads(Path(args.decode_config).read_text())["config"]["decode"])
+        print("decode config:", tda.CONFIG, flush=True)
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(**QWEN3_8B)
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
+    model.config._attn_implementation = "sdpa"
+    # the same RotationSet shape OSCAR uses (per-layer Hadamard here: speed does not depend on U)
+    rots = RotationSet({i: fixed_layer("hadamard", 128, 8, "layer") for i in range(cfg.num_hidden_layers)})
+    results, md = {}, ["End-to-end decode, random-weight Qwen3-8B config (bf16), eager model.generate", ""]
+    for shape in args.shapes.split(","):
+        batch, context = (int(v) for v in shape.split("x"))
+        res, lines = run_shape(model, cfg, rots, batch, context, args)
+        results[shape] = res
+        md += [f"## {shape}", "", *lines, ""]
     print("\n".join(md))
-    save("e2e_decode", {"args": vars(args), "results": res}, "\n".join(md))
+    save(args.name, {"args": vars(args), "results": results}, "\n".join(md))
 
 
 if __name__ == "__main__":
