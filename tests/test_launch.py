@@ -61,7 +61,7 @@ def test_second_call_goes_to_the_compiled_kernel_with_all_parameters_in_order():
     _launch(launcher, a, b, 7, x=2.0)  # floats are not specialized: same kernel
     assert [c[0] for c in fn.calls] == ["jit", "compiled"]
     _, grid, args, stream = fn.calls[1]
-    assert grid == (2, 1) and stream == 1234
+    assert grid == (2, 1, 1) and stream == 1234  # padded to the three dims the runner indexes
     assert args[:4] == (a, b, 7, 2.0) and args[4:] == (3, 5)  # C from the call, D its default
 
 
