@@ -11,6 +11,7 @@ top ops by host time and by GPU time. Run on the GPU machine:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 import time
@@ -35,6 +36,7 @@ from oscarkv.rotation import RotationSet
 STAGES = [
     (OscarCacheLayer, "attend", "oscarkv.attend"),
     (LayerPools, "apply", "oscarkv.pools.apply"),
+    (LayerPools, "demote", "oscarkv.pools.demote"),
     (SlotTable, "plan", "oscarkv.plan"),
 ]
 
@@ -51,16 +53,21 @@ def _labelled(fn, label: str):
 def label_stages(cache: OscarCache) -> list[str]:
     """Wrap oscarkv's stages (and the cache's kernel ops) in profiler ranges; returns the labels."""
     for owner, name, label in STAGES:
-        setattr(owner, name, _labelled(getattr(owner, name), label))
-    import dataclasses
-
+        if hasattr(owner, name):  # LayerPools.demote is newer than the other stages
+            setattr(owner, name, _labelled(getattr(owner, name), label))
     ops = cache.ops
     cache.ops = dataclasses.replace(
         ops,
         decode_attention=_labelled(ops.decode_attention, "oscarkv.decode_attention"),
         quantize_pack=_labelled(ops.quantize_pack, "oscarkv.quantize_pack"),
     )
-    return [s[2] for s in STAGES] + ["oscarkv.decode_attention", "oscarkv.quantize_pack"]
+    extra = ["oscarkv.decode_attention", "oscarkv.quantize_pack"]
+    if hasattr(ops, "rotate_heads"):  # not in builds before the fused rotations
+        cache.ops = dataclasses.replace(
+            cache.ops, rotate_heads=_labelled(ops.rotate_heads, "oscarkv.rotate_heads")
+        )
+        extra.append("oscarkv.rotate_heads")
+    return [s[2] for s in STAGES if hasattr(s[0], s[1])] + extra
 
 
 def profile_steps(model, ids, cache, new: int, labels: list[str], rows: int) -> dict:
@@ -69,7 +76,8 @@ def profile_steps(model, ids, cache, new: int, labels: list[str], rows: int) -> 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         wall = decode(model, ids, cache, new)
     ev = prof.key_averages()
-    gpu_us = sum(e.self_device_time_total for e in ev if e.device_type == torch.autograd.DeviceType.CUDA)
+    # kernels only: the labelled host ranges are mirrored on the device timeline too
+    gpu_us = sum(e.self_device_time_total for e in ev if not e.key.startswith("oscarkv."))
     per = {"wall_ms": 1e3 * wall / new, "gpu_busy_ms": gpu_us / 1e3 / new}
     for e in ev:
         if e.key in labels:
