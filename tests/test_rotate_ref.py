@@ -57,3 +57,37 @@ def test_bad_arguments_are_named(kwargs, match):
     args = {"x": torch.zeros(2, 4, 16), "r": None, "out": None, "dst": None, **kwargs}
     with pytest.raises(ValueError, match=match):
         ref.rotate_heads(args["x"], args["r"], False, args["out"], args["dst"])
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("rotate_v", [True, False])
+def test_new_rows_are_the_prefill_rotations_of_one_token(per_head, rotate_v):
+    r_k, r_v = _rot(32), _rot(32).T.contiguous()
+    if per_head:
+        r_k, r_v = torch.stack([r_k, r_v]), torch.stack([r_v, r_k])
+    q, k, v = (
+        torch.randn(3, 4, 32).bfloat16(),
+        torch.randn(3, 2, 32).bfloat16(),
+        torch.randn(3, 2, 32).bfloat16(),
+    )
+    k_pool, v_pool = torch.zeros(6, 2, 32, dtype=torch.bfloat16), torch.zeros(6, 2, 32, dtype=torch.bfloat16)
+    dst = torch.tensor([5, -1, 2])
+    q_rot = ref.rotate_new_rows(q, k, v, r_k, r_v if rotate_v else None, k_pool, v_pool, dst)
+
+    def one(x, r):
+        return rotate_4d(x[:, :, None].float(), r)[:, :, 0].to(x.dtype)
+
+    assert torch.equal(q_rot, one(q, r_k))
+    assert torch.equal(k_pool[5], one(k, r_k)[0]) and torch.equal(k_pool[2], one(k, r_k)[2])
+    v_want = one(v, r_v) if rotate_v else v
+    assert torch.equal(v_pool[5], v_want[0]) and torch.equal(v_pool[2], v_want[2])
+    assert not k_pool[torch.tensor([0, 1, 3, 4])].any() and not v_pool[torch.tensor([0, 1, 3, 4])].any()
+
+
+def test_new_rows_refuse_mismatched_shapes():
+    q, kv = torch.zeros(2, 4, 16), torch.zeros(2, 3, 16)
+    pool, dst = torch.zeros(4, 3, 16), torch.zeros(2, dtype=torch.long)
+    with pytest.raises(ValueError, match="4 query heads are not a multiple of 3"):
+        ref.rotate_new_rows(q, kv, kv, torch.eye(16), None, pool, pool, dst)
+    with pytest.raises(ValueError, match="must share B and d"):
+        ref.rotate_new_rows(torch.zeros(3, 6, 16), kv, kv, torch.eye(16), None, pool, pool, dst)

@@ -468,3 +468,27 @@ def test_rotate_heads_refuses_bad_arguments():
         rotate_heads(x, None, False, torch.zeros(3, 4, 64))
     with pytest.raises(ValueError, match="head dims 16-256"):
         rotate_heads(torch.randn(2, 4, 48), None)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("rotate_v", [True, False])
+def test_rotate_new_rows_matches_reference(d, per_head, rotate_v):
+    from oscarkv.kernels.triton.rotate import rotate_new_rows
+
+    r_k, r_v = _rotation(d, 5), _rotation(d, 6)
+    if per_head:  # 2 KV heads, 4 query heads per KV head
+        r_k, r_v = torch.stack([r_k, r_v]), torch.stack([r_v, r_k])
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(17, 8, d, generator=gen).bfloat16()
+    k, v = torch.randn(17, 2, d, generator=gen).bfloat16(), torch.randn(17, 2, d, generator=gen).bfloat16()
+    dst = torch.tensor([3 * i if i % 4 else -1 for i in range(17)])
+    pools = [torch.randn(60, 2, d, generator=gen).bfloat16() for _ in range(2)]
+    got_k, got_v = pools[0].clone(), pools[1].clone()
+    want_k, want_v = pools[0].clone(), pools[1].clone()
+    rv = r_v if rotate_v else None
+    got = rotate_new_rows(q, k, v, r_k, rv, got_k, got_v, dst)
+    want = ref.rotate_new_rows(q, k, v, r_k, rv, want_k, want_v, dst)
+    for a, b in ((got, want), (got_k, want_k), (got_v, want_v)):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=2**-7)
+    assert torch.equal(got_k[1], pools[0][1])  # a slot no row targets is untouched

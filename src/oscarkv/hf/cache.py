@@ -134,18 +134,16 @@ class OscarCacheLayer(DynamicLayer):
     ) -> torch.Tensor:
         """One decode step: ``query [B, Hq, d]``, new ``key/value [B, Hkv, d]`` -> ``[B, Hq, d]``.
 
-        The same fp32 rotations as a prefill, by ``ops.rotate_heads`` (one launch each on the
-        GPU; the new K/V rows go straight to their 16-bit slots, after the step's demotions).
+        The same fp32 rotations as a prefill: the new rows by ``ops.rotate_new_rows`` (one launch on
+        the GPU; K/V go straight to their 16-bit slots, after the step's demotions), the output
+        back by ``ops.rotate_heads``.
         """
         p = self.pools
         assert p is not None and plan.decode_dst is not None
         p.ensure(plan.cap_q, plan.cap_h)
         p.demote(plan, ops)
-        q_rot = ops.rotate_heads(query, self.r_k)
-        ops.rotate_heads(key, self.r_k, out=p.hp_k, dst=plan.decode_dst)
-        ops.rotate_heads(
-            value, None if self.owner.values_prerotated else self.r_v, out=p.hp_v, dst=plan.decode_dst
-        )
+        r_v = None if self.owner.values_prerotated else self.r_v
+        q_rot = ops.rotate_new_rows(query, key, value, self.r_k, r_v, p.hp_k, p.hp_v, plan.decode_dst)
         o = ops.decode_attention(
             q_rot,
             p.k_codes,

@@ -37,6 +37,7 @@ class KernelOps:
     decode_attention: Callable[..., torch.Tensor]
     prefill_attention: Callable[..., torch.Tensor]
     rotate_heads: Callable[..., torch.Tensor]
+    rotate_new_rows: Callable[..., torch.Tensor]
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:
@@ -64,6 +65,7 @@ def _torch_ops() -> KernelOps:
         ref.decode_attention,
         ref.prefill_attention,
         ref.rotate_heads,
+        ref.rotate_new_rows,
     )
 
 

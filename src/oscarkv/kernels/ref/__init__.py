@@ -3,7 +3,7 @@
 from .decode_attention import decode_attention, merge_states, partial_attention
 from .prefill_attention import prefill_attention
 from .quantize_pack import dequantize, quantize_pack
-from .rotate import rotate_heads
+from .rotate import rotate_heads, rotate_new_rows
 
 __all__ = [
     "decode_attention",
@@ -13,4 +13,5 @@ __all__ = [
     "prefill_attention",
     "quantize_pack",
     "rotate_heads",
+    "rotate_new_rows",
 ]

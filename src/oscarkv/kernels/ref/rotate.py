@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_rotate_args", "rotate_heads"]
+__all__ = ["check_new_rows_args", "check_rotate_args", "rotate_heads", "rotate_new_rows"]
 
 
 def check_rotate_args(
@@ -62,3 +62,48 @@ def rotate_heads(
     keep = dst >= 0
     out[dst[keep].long()] = y[keep].to(out.dtype)
     return out
+
+
+def check_new_rows_args(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    r_k: torch.Tensor,
+    r_v: torch.Tensor | None,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+    dst: torch.Tensor,
+) -> None:
+    """``rotate_new_rows``' shapes: the three row sets share batch and head dim, K and V their heads."""
+    check_rotate_args(query, r_k, None, None)
+    check_rotate_args(key, r_k, k_out, dst)
+    check_rotate_args(value, r_v, v_out, dst)
+    if query.shape[0] != key.shape[0] or key.shape != value.shape or query.shape[2] != key.shape[2]:
+        raise ValueError(
+            "rotate_new_rows: query [B, Hq, d] and key/value [B, Hkv, d] must share B and d; got "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(
+            f"rotate_new_rows: {query.shape[1]} query heads are not a multiple of {key.shape[1]}"
+        )
+
+
+def rotate_new_rows(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    r_k: torch.Tensor,
+    r_v: torch.Tensor | None,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+    dst: torch.Tensor,
+) -> torch.Tensor:
+    """A decode step's new rows: returns ``query [B, Hq, d]`` rotated by ``r_k``; writes ``key`` rotated
+    by ``r_k`` to ``k_out[dst[b]]`` and ``value`` rotated by ``r_v`` (``None``: as it is) to
+    ``v_out[dst[b]]`` (``[B, Hkv, d]`` rows, negative slots skipped). Same math as three
+    :func:`rotate_heads` calls."""
+    check_new_rows_args(query, key, value, r_k, r_v, k_out, v_out, dst)
+    rotate_heads(key, r_k, False, k_out, dst)
+    rotate_heads(value, r_v, False, v_out, dst)
+    return rotate_heads(query, r_k)

@@ -7,7 +7,7 @@ import torch
 from .. import Backend, KernelOps
 from .decode_attention import decode_attention
 from .quantize_pack import dequantize, quantize_pack
-from .rotate import rotate_heads
+from .rotate import rotate_heads, rotate_new_rows
 
 __all__ = ["KERNEL_OPS", "prefill_attention"]
 
@@ -38,5 +38,11 @@ def prefill_attention(q_rot, prefix_k, prefix_v, new_k, new_v, sm_scale):
 
 
 KERNEL_OPS = KernelOps(
-    Backend.TRITON, quantize_pack, dequantize, decode_attention, prefill_attention, rotate_heads
+    Backend.TRITON,
+    quantize_pack,
+    dequantize,
+    decode_attention,
+    prefill_attention,
+    rotate_heads,
+    rotate_new_rows,
 )

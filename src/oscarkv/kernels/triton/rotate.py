@@ -1,11 +1,13 @@
-"""Triton twin of ``kernels.ref.rotate_heads``: a decode step's rotations in one launch each.
+"""Triton twins of ``kernels.ref.rotate_heads`` / ``rotate_new_rows``: a decode step's rotations.
 
 Program ``(head, batch block)`` loads ``BLOCK_B`` rows of one head, multiplies them by the head's
 fp32 matrix with an IEEE fp32 ``tl.dot`` (no TF32: R·Rᵀ must stay I to fp32 rounding), in column
 blocks of ``BLOCK_C`` (R of d=256 is 256 KB), rounds once to the output dtype and stores the rows
-densely or to their slots ``dst[b]`` (skipping negative ones). Replaces the 3-4 PyTorch ops per
-rotation (upcast, matmul, downcast, scatter) whose launches dominated an eager decode step's host
-time (benchmarks/results/profile_e2e.md).
+densely or to their slots ``dst[b]`` (skipping negative ones). ``rotate_new_rows`` does a decode
+step's query, key and value rows in one launch (program axis 0 runs over the query heads, then the
+key heads, then the value heads). They replace the 3-4 PyTorch ops per rotation (upcast, matmul,
+downcast, scatter) whose launches dominated an eager decode step's host time
+(benchmarks/results/host_overhead_h200.md).
 """
 
 from __future__ import annotations
@@ -14,20 +16,20 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ref.rotate import check_rotate_args
+from ..ref.rotate import check_new_rows_args, check_rotate_args
 from .launch import Launcher
 
-__all__ = ["rotate_heads"]
+__all__ = ["rotate_heads", "rotate_new_rows"]
 
 BLOCK_B = 16  # tl.dot needs M >= 16; smaller batches are masked
 BLOCK_C = 64
 
 
 @triton.jit
-def _rotate(X, R, Y, DST, n_b, s_xb, s_xh, s_rh, s_yb, s_yh, D: tl.constexpr, GROUP: tl.constexpr,
-            ROTATE: tl.constexpr, INVERSE: tl.constexpr, SCATTER: tl.constexpr, BLOCK_B: tl.constexpr,
-            BLOCK_C: tl.constexpr):  # fmt: skip
-    h = tl.program_id(0)
+def _rotate_rows(X, R, Y, DST, h, n_b, s_xb, s_xh, s_rh, s_yb, s_yh, D: tl.constexpr, GROUP: tl.constexpr,
+                 ROTATE: tl.constexpr, INVERSE: tl.constexpr, SCATTER: tl.constexpr, BLOCK_B: tl.constexpr,
+                 BLOCK_C: tl.constexpr):  # fmt: skip
+    """Rows ``b`` of this program's batch block, head ``h``: ``Y[b or DST[b], h] = X[b, h] @ R_(h // GROUP)``."""
     offs_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     bmask = offs_b < n_b
     offs_d = tl.arange(0, D)
@@ -54,7 +56,49 @@ def _rotate(X, R, Y, DST, n_b, s_xb, s_xh, s_rh, s_yb, s_yh, D: tl.constexpr, GR
         tl.store(yp + offs_d[None, :], x.to(Y.dtype.element_ty), mask=keep[:, None])
 
 
-_ROTATE = Launcher(_rotate)
+@triton.jit
+def _rotate(X, R, Y, DST, n_b, s_xb, s_xh, s_rh, s_yb, s_yh, D: tl.constexpr, GROUP: tl.constexpr,
+            ROTATE: tl.constexpr, INVERSE: tl.constexpr, SCATTER: tl.constexpr, BLOCK_B: tl.constexpr,
+            BLOCK_C: tl.constexpr):  # fmt: skip
+    _rotate_rows(X, R, Y, DST, tl.program_id(0), n_b, s_xb, s_xh, s_rh, s_yb, s_yh, D, GROUP, ROTATE, INVERSE,
+                 SCATTER, BLOCK_B, BLOCK_C)  # fmt: skip
+
+
+@triton.jit
+def _rotate_new(Q, K, V, RK, RV, QO, KO, VO, DST, n_b, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_rkh, s_rvh, s_ob,
+                s_pb, s_ph, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GQ: tl.constexpr,
+                GK: tl.constexpr, ROT_V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+    # program_id(0) runs over the query heads, then the key heads, then the value heads
+    h = tl.program_id(0)
+    if h < HQ:
+        _rotate_rows(Q, RK, QO, DST, h, n_b, s_qb, s_qh, s_rkh, s_ob, D, D, GQ, True, False, False, BLOCK_B,
+                     BLOCK_C)  # fmt: skip
+    elif h < HQ + HKV:
+        _rotate_rows(K, RK, KO, DST, h - HQ, n_b, s_kb, s_kh, s_rkh, s_pb, s_ph, D, GK, True, False, True,
+                     BLOCK_B, BLOCK_C)  # fmt: skip
+    else:
+        _rotate_rows(V, RV, VO, DST, h - HQ - HKV, n_b, s_vb, s_vh, s_rvh, s_pb, s_ph, D, GK, ROT_V, False, True,
+                     BLOCK_B, BLOCK_C)  # fmt: skip
+
+
+_ROTATE, _ROTATE_NEW = Launcher(_rotate), Launcher(_rotate_new)
+
+
+def _check_dim(d: int) -> None:
+    if d < 16 or d > 256 or d & (d - 1):
+        raise ValueError(f"the Triton rotate kernels take head dims 16-256, powers of two; got {d}")
+
+
+def _matrix(r: torch.Tensor | None, heads: int, d: int, like: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """``(R or a placeholder pointer, heads per matrix, stride between matrices)``."""
+    if r is None:
+        return like, 1, 0
+    r = r.contiguous()
+    return (r, heads // r.shape[0], d * d) if r.dim() == 3 else (r, 1, 0)
+
+
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def rotate_heads(
@@ -67,24 +111,54 @@ def rotate_heads(
     """Same contract as ``kernels.ref.rotate_heads`` (tensors on one CUDA device)."""
     check_rotate_args(x, r, out, dst)
     b, h, d = x.shape
-    if d < 16 or d > 256 or d & (d - 1):
-        raise ValueError(f"the Triton rotate_heads kernel takes head dims 16-256, powers of two; got {d}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    _check_dim(d)
+    x = _unit_stride(x)
     scatter = out is not None
     y = out if out is not None else torch.empty_like(x)
     if y.stride(-1) != 1:
         raise ValueError("rotate_heads: out must have unit stride in its last dim")
     if b == 0:
         return y
-    group, s_rh = 1, 0
-    if r is not None:
-        r = r.contiguous()
-        if r.dim() == 3:
-            group, s_rh = h // r.shape[0], d * d
+    r, group, s_rh = _matrix(r, h, d, x)
+    rotate = r is not x
     _ROTATE(
-        (h, triton.cdiv(b, BLOCK_B)), x, r if r is not None else x, y, dst if scatter else x, b, x.stride(0),
-        x.stride(1), s_rh, y.stride(0), y.stride(1), D=d, GROUP=group, ROTATE=r is not None, INVERSE=inverse,
-        SCATTER=scatter, BLOCK_B=BLOCK_B, BLOCK_C=min(d, BLOCK_C), num_warps=4,
+        (h, triton.cdiv(b, BLOCK_B)), x, r, y, dst if scatter else x, b, x.stride(0), x.stride(1), s_rh, y.stride(0),
+        y.stride(1), D=d, GROUP=group, ROTATE=rotate, INVERSE=inverse, SCATTER=scatter, BLOCK_B=BLOCK_B,
+        BLOCK_C=min(d, BLOCK_C), num_warps=4,
     )  # fmt: skip
     return y
+
+
+def rotate_new_rows(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    r_k: torch.Tensor,
+    r_v: torch.Tensor | None,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+    dst: torch.Tensor,
+) -> torch.Tensor:
+    """Same contract as ``kernels.ref.rotate_new_rows``: the three rotations in one launch."""
+    check_new_rows_args(query, key, value, r_k, r_v, k_out, v_out, dst)
+    b, hq, d = query.shape
+    hkv = key.shape[1]
+    _check_dim(d)
+    if k_out.stride() != v_out.stride() or k_out.stride(-1) != 1:
+        raise ValueError(
+            "rotate_new_rows: k_out and v_out must share one layout with unit stride in the last dim"
+        )
+    q_out = torch.empty(b, hq, d, dtype=query.dtype, device=query.device)
+    if b == 0:
+        return q_out
+    query, key, value = _unit_stride(query), _unit_stride(key), _unit_stride(value)
+    r_k, gq, s_rk = _matrix(r_k, hq, d, query)
+    gk = hkv // r_k.shape[0] if r_k.dim() == 3 else 1
+    r_v, _, s_rv = _matrix(r_v, hkv, d, query)
+    _ROTATE_NEW(
+        (hq + 2 * hkv, triton.cdiv(b, BLOCK_B)), query, key, value, r_k, r_v, q_out, k_out, v_out, dst, b,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1), s_rk,
+        s_rv, hq * d, k_out.stride(0), k_out.stride(1), HQ=hq, HKV=hkv, D=d, GQ=gq, GK=gk, ROT_V=r_v is not query,
+        BLOCK_B=BLOCK_B, BLOCK_C=min(d, BLOCK_C), num_warps=4,
+    )  # fmt: skip
+    return q_out
