@@ -15,20 +15,22 @@ def check_rotate_args(
     x: torch.Tensor, r: torch.Tensor | None, out: torch.Tensor | None, dst: torch.Tensor | None
 ) -> None:
     """Shapes and dtypes both backends accept; raises ``ValueError`` naming the problem."""
-    if x.dim() != 3:
-        raise ValueError(f"rotate_heads: x must be [B, H, d]; got {tuple(x.shape)}")
-    b, h, d = x.shape
+    shape = x.shape
+    if len(shape) != 3:
+        raise ValueError(f"rotate_heads: x must be [B, H, d]; got {tuple(shape)}")
+    b, h, d = shape
     if r is not None:
-        if r.dtype != torch.float32 or r.shape[-2:] != (d, d) or r.dim() not in (2, 3):
+        rs = r.shape
+        if r.dtype != torch.float32 or rs[-2:] != (d, d) or len(rs) not in (2, 3):
             raise ValueError(
-                f"rotate_heads: r must be float32 [{d}, {d}] or [H_r, {d}, {d}]; got {r.dtype} {tuple(r.shape)}"
+                f"rotate_heads: r must be float32 [{d}, {d}] or [H_r, {d}, {d}]; got {r.dtype} {tuple(rs)}"
             )
-        if r.dim() == 3 and h % r.shape[0]:
-            raise ValueError(f"rotate_heads: {h} heads cannot share {r.shape[0]} per-head rotations")
+        if len(rs) == 3 and h % rs[0]:
+            raise ValueError(f"rotate_heads: {h} heads cannot share {rs[0]} per-head rotations")
     if (out is None) != (dst is None):
         raise ValueError("rotate_heads: out and dst go together (rows are written to out[dst[b]])")
     if out is not None and dst is not None:
-        if out.dim() != 3 or out.shape[1:] != (h, d):
+        if out.shape[1:] != (h, d) or len(out.shape) != 3:
             raise ValueError(f"rotate_heads: out must be [N, {h}, {d}]; got {tuple(out.shape)}")
         if dst.shape != (b,) or dst.dtype not in (torch.int32, torch.int64):
             raise ValueError(

@@ -122,7 +122,7 @@ def rotate_heads(
     r, group, s_rh = _matrix(r, h, d, x)
     rotate = r is not x
     _ROTATE(
-        (h, triton.cdiv(b, BLOCK_B)), x, r, y, dst if scatter else x, b, x.stride(0), x.stride(1), s_rh, y.stride(0),
+        (h, -(-b // BLOCK_B)), x, r, y, dst if scatter else x, b, x.stride(0), x.stride(1), s_rh, y.stride(0),
         y.stride(1), D=d, GROUP=group, ROTATE=rotate, INVERSE=inverse, SCATTER=scatter, BLOCK_B=BLOCK_B,
         BLOCK_C=min(d, BLOCK_C), num_warps=4,
     )  # fmt: skip
@@ -144,7 +144,8 @@ def rotate_new_rows(
     b, hq, d = query.shape
     hkv = key.shape[1]
     _check_dim(d)
-    if k_out.stride() != v_out.stride() or k_out.stride(-1) != 1:
+    ps = k_out.stride()
+    if v_out.stride() != ps or ps[2] != 1:
         raise ValueError(
             "rotate_new_rows: k_out and v_out must share one layout with unit stride in the last dim"
         )
@@ -152,11 +153,22 @@ def rotate_new_rows(
     if b == 0:
         return q_out
     query, key, value = _unit_stride(query), _unit_stride(key), _unit_stride(value)
+    qs, ks, vs = query.stride(), key.stride(), value.stride()
     r_k, gq, s_rk = _matrix(r_k, hq, d, query)
     gk = hkv // r_k.shape[0] if r_k.dim() == 3 else 1
     r_v, _, s_rv = _matrix(r_v, hkv, d, query)
     _ROTATE_NEW(
-        (hq + 2 * hkv, triton.cdiv(b, BLOCK_B)), query, key, value, r_k, r_v, q_out, k_out, v_out, dst, b,
+        (hq + 2 * hkv, -(-b // BLOCK_B)), query, key, value, r_k, r_v, q_out, k_out, v_out, dst, b, qs[0], qs[1],
+        ks[0], ks[1], vs[0], vs[1], s_rk, s_rv, hq * d, ps[0], ps[1], HQ=hq, HKV=hkv, D=d, GQ=gq, GK=gk,
+        ROT_V=r_v is not query, BLOCK_B=BLOCK_B, BLOCK_C=min(d, BLOCK_C), num_warps=4,
+    )  # fmt: skip
+    return q_out
+    query, key, value = _unit_stride(query), _unit_stride(key), _unit_stride(value)
+    r_k, gq, s_rk = _matrix(r_k, hq, d, query)
+    gk = hkv // r_k.shape[0] if r_k.dim() == 3 else 1
+    r_v, _, s_rv = _matrix(r_v, hkv, d, query)
+    _ROTATE_NEW(
+        (hq + 2 * hkv, -(-b // BLOCK_B)), query, key, value, r_k, r_v, q_out, k_out, v_out, dst, b,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1), s_rk,
         s_rv, hq * d, k_out.stride(0), k_out.stride(1), HQ=hq, HKV=hkv, D=d, GQ=gq, GK=gk, ROT_V=r_v is not query,
         BLOCK_B=BLOCK_B, BLOCK_C=min(d, BLOCK_C), num_warps=4,
