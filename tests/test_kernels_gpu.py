@@ -256,7 +256,8 @@ def test_rotate_new_rows_matches_the_oracle():
     v = torch.randn(40, 8, d, device="cuda", generator=gen).bfloat16()
     dst = torch.tensor([7 * i if i % 5 else -1 for i in range(40)], device="cuda")
     for r_k, r_v in ((orth(), orth()), (torch.stack([orth() for _ in range(8)]), None)):
-        pools = [torch.randn(300, 8, d, device="cuda", generator=gen).bfloat16() for _ in range(4)]
+        pools = [torch.randn(300, 8, d, device="cuda", generator=gen).bfloat16() for _ in range(2)]
+        pools += [p.clone() for p in pools]
         got = rotate_new_rows(q, k, v, r_k, r_v, pools[0], pools[1], dst)
         want = ref.rotate_new_rows(q, k, v, r_k, r_v, pools[2], pools[3], dst)
         for a, b in ((got, want), (pools[0], pools[2]), (pools[1], pools[3])):
