@@ -34,6 +34,27 @@ def host_us(fn: Callable[[], object], n: int = 300) -> float:
     return 1e6 * dt / n
 
 
+def graph_us(fn: Callable[[], object], n: int = 20, reps: int = 20) -> float:
+    """Median device µs per call of ``fn``, replaying a CUDA graph of ``n`` calls."""
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        fn()  # compile and warm the launcher outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(1e3 * a.elapsed_time(b) / n)
+    return sorted(times)[reps // 2]
+
+
 def main() -> None:
     d, hq, hkv = 128, 32, 8
     fmt = RowFormat(d, 2, d)
@@ -51,6 +72,8 @@ def main() -> None:
             pass
         else:
             line += f"; rotate_heads {host_us(lambda: rotate_heads(q, r)):.1f} us"  # noqa: B023
+            line += f" (device {graph_us(lambda: rotate_heads(q, r, True)):.1f} us"  # noqa: B023
+            line += f", PyTorch {graph_us(lambda: (q.float() @ r.T).to(q.dtype)):.1f} us)"  # noqa: B023
         print(line, flush=True)
 
 

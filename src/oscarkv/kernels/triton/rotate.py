@@ -23,17 +23,17 @@ __all__ = ["rotate_heads", "rotate_new_rows"]
 
 BLOCK_B = 16  # tl.dot needs M >= 16; smaller batches are masked
 BLOCK_C = 64
+BLOCK_K = 16
 
 
 @triton.jit
 def _rotate_rows(X, R, Y, DST, h, n_b, s_xb, s_xh, s_rh, s_yb, s_yh, D: tl.constexpr, GROUP: tl.constexpr,
                  ROTATE: tl.constexpr, INVERSE: tl.constexpr, SCATTER: tl.constexpr, BLOCK_B: tl.constexpr,
-                 BLOCK_C: tl.constexpr):  # fmt: skip
+                 BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """Rows ``b`` of this program's batch block, head ``h``: ``Y[b or DST[b], h] = X[b, h] @ R_(h // GROUP)``."""
     offs_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     bmask = offs_b < n_b
     offs_d = tl.arange(0, D)
-    x = tl.load(X + offs_b[:, None] * s_xb + h * s_xh + offs_d[None, :], mask=bmask[:, None], other=0.0)
     if SCATTER:
         rows = tl.load(DST + offs_b, mask=bmask, other=-1).to(tl.int64)
         keep = bmask & (rows >= 0)
@@ -42,43 +42,51 @@ def _rotate_rows(X, R, Y, DST, h, n_b, s_xb, s_xh, s_rh, s_yb, s_yh, D: tl.const
         keep = bmask
     yp = Y + rows[:, None] * s_yb + h * s_yh
     if ROTATE:
-        x = x.to(tl.float32)
         rh = R + (h // GROUP) * s_rh
+        xp = X + offs_b[:, None] * s_xb + h * s_xh
         offs_c = tl.arange(0, BLOCK_C)
+        offs_k = tl.arange(0, BLOCK_K)
         for c0 in tl.static_range(0, D, BLOCK_C):
-            if INVERSE:  # (Rᵀ)[k, c] = R[c, k]
-                m = tl.load(rh + (c0 + offs_c)[None, :] * D + offs_d[:, None])
-            else:
-                m = tl.load(rh + offs_d[:, None] * D + (c0 + offs_c)[None, :])
-            y = tl.dot(x, m, input_precision="ieee")
+            y = tl.zeros([BLOCK_B, BLOCK_C], tl.float32)
+            # K in chunks, the rows re-read per chunk: a whole [16, d] x [d, BLOCK_C] IEEE fp32 dot
+            # (FMA path) spilled kilobytes per thread
+            for k0 in tl.static_range(0, D, BLOCK_K):
+                xk = tl.load(xp + (k0 + offs_k)[None, :], mask=bmask[:, None], other=0.0).to(tl.float32)
+                if INVERSE:  # (Rᵀ)[k, c] = R[c, k]
+                    m = tl.load(rh + (c0 + offs_c)[None, :] * D + (k0 + offs_k)[:, None])
+                else:
+                    m = tl.load(rh + (k0 + offs_k)[:, None] * D + (c0 + offs_c)[None, :])
+                y = tl.dot(xk, m, y, input_precision="ieee")
             tl.store(yp + (c0 + offs_c)[None, :], y.to(Y.dtype.element_ty), mask=keep[:, None])
     else:
+        x = tl.load(X + offs_b[:, None] * s_xb + h * s_xh + offs_d[None, :], mask=bmask[:, None], other=0.0)
         tl.store(yp + offs_d[None, :], x.to(Y.dtype.element_ty), mask=keep[:, None])
 
 
 @triton.jit
 def _rotate(X, R, Y, DST, n_b, s_xb, s_xh, s_rh, s_yb, s_yh, D: tl.constexpr, GROUP: tl.constexpr,
             ROTATE: tl.constexpr, INVERSE: tl.constexpr, SCATTER: tl.constexpr, BLOCK_B: tl.constexpr,
-            BLOCK_C: tl.constexpr):  # fmt: skip
+            BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     _rotate_rows(X, R, Y, DST, tl.program_id(0), n_b, s_xb, s_xh, s_rh, s_yb, s_yh, D, GROUP, ROTATE, INVERSE,
-                 SCATTER, BLOCK_B, BLOCK_C)  # fmt: skip
+                 SCATTER, BLOCK_B, BLOCK_C, BLOCK_K)  # fmt: skip
 
 
 @triton.jit
 def _rotate_new(Q, K, V, RK, RV, QO, KO, VO, DST, n_b, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_rkh, s_rvh, s_ob,
                 s_pb, s_ph, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GQ: tl.constexpr,
-                GK: tl.constexpr, ROT_V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+                GK: tl.constexpr, ROT_V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr,
+                BLOCK_K: tl.constexpr):  # fmt: skip
     # program_id(0) runs over the query heads, then the key heads, then the value heads
     h = tl.program_id(0)
     if h < HQ:
         _rotate_rows(Q, RK, QO, DST, h, n_b, s_qb, s_qh, s_rkh, s_ob, D, D, GQ, True, False, False, BLOCK_B,
-                     BLOCK_C)  # fmt: skip
+                     BLOCK_C, BLOCK_K)  # fmt: skip
     elif h < HQ + HKV:
         _rotate_rows(K, RK, KO, DST, h - HQ, n_b, s_kb, s_kh, s_rkh, s_pb, s_ph, D, GK, True, False, True,
-                     BLOCK_B, BLOCK_C)  # fmt: skip
+                     BLOCK_B, BLOCK_C, BLOCK_K)  # fmt: skip
     else:
         _rotate_rows(V, RV, VO, DST, h - HQ - HKV, n_b, s_vb, s_vh, s_rvh, s_pb, s_ph, D, GK, ROT_V, False, True,
-                     BLOCK_B, BLOCK_C)  # fmt: skip
+                     BLOCK_B, BLOCK_C, BLOCK_K)  # fmt: skip
 
 
 _ROTATE, _ROTATE_NEW = Launcher(_rotate), Launcher(_rotate_new)
@@ -124,7 +132,7 @@ def rotate_heads(
     _ROTATE(
         (h, -(-b // BLOCK_B)), x, r, y, dst if scatter else x, b, x.stride(0), x.stride(1), s_rh, y.stride(0),
         y.stride(1), D=d, GROUP=group, ROTATE=rotate, INVERSE=inverse, SCATTER=scatter, BLOCK_B=BLOCK_B,
-        BLOCK_C=min(d, BLOCK_C), num_warps=4,
+        BLOCK_C=min(d, BLOCK_C), BLOCK_K=BLOCK_K, num_warps=4,
     )  # fmt: skip
     return y
 
@@ -160,7 +168,7 @@ def rotate_new_rows(
     _ROTATE_NEW(
         (hq + 2 * hkv, -(-b // BLOCK_B)), query, key, value, r_k, r_v, q_out, k_out, v_out, dst, b, qs[0], qs[1],
         ks[0], ks[1], vs[0], vs[1], s_rk, s_rv, hq * d, ps[0], ps[1], HQ=hq, HKV=hkv, D=d, GQ=gq, GK=gk,
-        ROT_V=r_v is not query, BLOCK_B=BLOCK_B, BLOCK_C=min(d, BLOCK_C), num_warps=4,
+        ROT_V=r_v is not query, BLOCK_B=BLOCK_B, BLOCK_C=min(d, BLOCK_C), BLOCK_K=BLOCK_K, num_warps=4,
     )  # fmt: skip
     return q_out
     query, key, value = _unit_stride(query), _unit_stride(key), _unit_stride(value)
@@ -171,6 +179,6 @@ def rotate_new_rows(
         (hq + 2 * hkv, -(-b // BLOCK_B)), query, key, value, r_k, r_v, q_out, k_out, v_out, dst, b,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1), s_rk,
         s_rv, hq * d, k_out.stride(0), k_out.stride(1), HQ=hq, HKV=hkv, D=d, GQ=gq, GK=gk, ROT_V=r_v is not query,
-        BLOCK_B=BLOCK_B, BLOCK_C=min(d, BLOCK_C), num_warps=4,
+        BLOCK_B=BLOCK_B, BLOCK_C=min(d, BLOCK_C), BLOCK_K=BLOCK_K, num_warps=4,
     )  # fmt: skip
     return q_out
