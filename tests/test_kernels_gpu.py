@@ -138,6 +138,8 @@ def test_cached_launches_repeat_the_first_launch():
 
     dev, d, hkv = "cuda", 128, 8
     fmt = RowFormat(d, 2, d, clip=0.96)
+    for launcher in (tda._STAGE1, tda._MERGE, tqp._QUANTIZE_PACK):  # so the first call is an ordinary launch
+        launcher._cache.clear()
     outs = []
     for seed, lens in ((1, [3000, 40000]), (2, [3000, 40000]), (3, [123, 50000])):
         torch.manual_seed(seed)
@@ -150,7 +152,9 @@ def test_cached_launches_repeat_the_first_launch():
         hi, hx = _lists([32, 32], dev, shuffle=False)
         q = torch.randn(2, 32, d, device=dev, dtype=torch.bfloat16)
         args = (q, kc, km, vc, vm, hk, hv, qi, qx, hi, hx, d**-0.5 * seed, fmt, fmt)
+        n_keys = tda._STAGE1.cache_size()
         first = tda.decode_attention(*args)
+        assert seed > 1 or tda._STAGE1.cache_size() == n_keys + 1  # the first call compiled and cached
         again = tda.decode_attention(*args)
         assert torch.equal(first, again)
         want = ref.decode_attention(q.float(), *args[1:5], hk.float(), hv.float(), *args[7:])
@@ -167,25 +171,32 @@ def test_cached_launches_repeat_the_first_launch():
         assert torch.equal(c, c_ref) and torch.equal(m, m_ref)
 
 
+def _close_rotations(got: torch.Tensor, want: torch.Tensor) -> None:
+    """One rounding step of fp32 sums in another order (relative 2^-7 = one bf16 step); the
+    absolute slack covers outputs near 0, where the fp32 sums' own error dominates."""
+    if got.dtype == torch.bfloat16:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-5)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rotate_heads_matches_the_oracle(per_head, dtype):
+def test_rotate_heads_matches_the_oracle(d, per_head, dtype):
     from oscarkv.kernels.triton.rotate import rotate_heads
 
-    d, gen = 128, torch.Generator(device="cuda").manual_seed(4)
+    gen = torch.Generator(device="cuda").manual_seed(4)
     r = torch.linalg.qr(torch.randn(d, d, device="cuda", dtype=torch.float64, generator=gen))[0].float()
     if per_head:
         r = torch.stack([r, r.T, -r, r.flip(0), r, r.T, -r, r.flip(0)])
     x = torch.randn(33, 32, d, device="cuda", generator=gen).to(dtype)
-    tol = 2**-7 if dtype == torch.bfloat16 else 1e-5  # one rounding step of fp32 sums in another order
     for inverse in (False, True):
-        got, want = rotate_heads(x, r, inverse), ref.rotate_heads(x, r, inverse)
-        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
-    dst = torch.tensor([5 * i if i % 3 else -1 for i in range(33)], device="cuda")
+        _close_rotations(rotate_heads(x, r, inverse), ref.rotate_heads(x, r, inverse))
+    dst = torch.tensor([5 * i if i % 3 else -1 for i in range(33)], device="cuda", dtype=torch.int32)
     pool = torch.randn(200, 32, d, device="cuda", generator=gen).to(dtype)
     got = rotate_heads(x, r, False, pool.clone(), dst)
-    want = ref.rotate_heads(x, r, False, pool.clone(), dst)
-    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    _close_rotations(got, ref.rotate_heads(x, r, False, pool.clone(), dst.long()))
 
 
 @pytest.mark.parametrize("granularity", ["layer", "kv_head"])
@@ -241,10 +252,11 @@ def test_oscar_cache_decodes_on_the_gpu_like_the_reference_backend(granularity):
     assert _rel(logits["triton"], logits["torch"]) < 2e-2
 
 
-def test_rotate_new_rows_matches_the_oracle():
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_rotate_new_rows_matches_the_oracle(d):
     from oscarkv.kernels.triton.rotate import rotate_new_rows
 
-    d, gen = 128, torch.Generator(device="cuda").manual_seed(5)
+    gen = torch.Generator(device="cuda").manual_seed(5)
 
     def orth():
         return torch.linalg.qr(torch.randn(d, d, device="cuda", dtype=torch.float64, generator=gen))[
@@ -255,10 +267,11 @@ def test_rotate_new_rows_matches_the_oracle():
     k = torch.randn(40, 8, d, device="cuda", generator=gen).bfloat16()
     v = torch.randn(40, 8, d, device="cuda", generator=gen).bfloat16()
     dst = torch.tensor([7 * i if i % 5 else -1 for i in range(40)], device="cuda")
-    for r_k, r_v in ((orth(), orth()), (torch.stack([orth() for _ in range(8)]), None)):
+    per_head = torch.stack([orth() for _ in range(8)])
+    for r_k, r_v in ((orth(), orth()), (per_head, None), (orth(), per_head[:2])):
         pools = [torch.randn(300, 8, d, device="cuda", generator=gen).bfloat16() for _ in range(2)]
         pools += [p.clone() for p in pools]
         got = rotate_new_rows(q, k, v, r_k, r_v, pools[0], pools[1], dst)
         want = ref.rotate_new_rows(q, k, v, r_k, r_v, pools[2], pools[3], dst)
         for a, b in ((got, want), (pools[0], pools[2]), (pools[1], pools[3])):
-            torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=2**-7)  # one bf16 step
+            _close_rotations(a, b)

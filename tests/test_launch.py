@@ -28,7 +28,7 @@ class FakeJIT:
     def __init__(self):
         self.calls: list = []
 
-        def kernel(A, B, n, x, C, D=5):  # C, D: constexprs in a real kernel
+        def kernel(A, B, n, x, C: tl.constexpr, D: tl.constexpr = 5):  # noqa: F821 (a string annotation)
             pass
 
         self.fn = kernel
@@ -36,9 +36,11 @@ class FakeJIT:
     def __getitem__(self, grid):
         def run(*args, **kwargs):
             self.calls.append(("jit", grid, args, kwargs))
-            return FakeCompiled(self.calls)
+            return None if self.no_handle else FakeCompiled(self.calls)
 
         return run
+
+    no_handle = False
 
 
 class FakeDriver:
@@ -104,3 +106,42 @@ def test_cpu_tensors_take_the_ordinary_launch():
     for _ in range(2):
         launcher((1,), torch.zeros(4), torch.zeros(4), 7, 0.5, C=3)
     assert [c[0] for c in fn.calls] == ["jit", "jit"] and launcher.cache_size() == 0
+
+
+def test_constexprs_must_come_by_keyword_and_runtime_arguments_positionally():
+    launcher = Launcher(FakeJIT())
+    a = torch.zeros(4)
+    with pytest.raises(TypeError, match=r"constexprs \['C'\] positionally"):
+        launcher.launch(FakeDriver(), (1,), (a, a, 7, 0.5, 3), {})
+    with pytest.raises(TypeError, match=r"runtime parameters \['x'\] by keyword"):
+        launcher.launch(FakeDriver(), (1,), (a, a, 7), {"x": 0.5, "C": 3})
+
+
+def test_a_launch_without_a_compiled_handle_is_not_cached():
+    fn = FakeJIT()
+    fn.no_handle = True
+    launcher = Launcher(fn)
+    for _ in range(2):
+        _launch(launcher, torch.zeros(4), torch.zeros(4), 7)
+    assert [c[0] for c in fn.calls] == ["jit", "jit"] and launcher.cache_size() == 0
+
+
+def test_equal_keys_mean_equal_triton_specializations():
+    """Against Triton's own specializer (callable on the CPU): two arguments that share a Launcher
+    key must get the same type and specialization from Triton, so a cache hit never runs a binary
+    specialized for other arguments."""
+    native = pytest.importorskip("triton._C.libtriton").native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from oscarkv.kernels.triton.launch import _spec
+
+    buf = torch.zeros(64, dtype=torch.uint8)
+    samples = [0, 1, 2, 15, 16, 17, 32, -1, -16, 2**31 - 1, 2**31, 2**31 + 16, -(2**31), -(2**31) - 1,
+               -(2**31) - 16, 2**40, 2**63 - 1, 2**63, 2**63 + 16, True, False, 0.5, -2.0,
+               buf, buf[1:], buf[16:], buf.view(torch.int16)[1:], torch.zeros(4), torch.zeros(4)[1:]]  # fmt: skip
+    keys = [(type(a), _spec(a)) for a in samples]
+    specs = [native(BaseBackend, a, False, True, True) for a in samples]
+    for i in range(len(samples)):
+        for j in range(i):
+            if keys[i] == keys[j]:
+                assert specs[i] == specs[j], (samples[i], samples[j], specs[i], specs[j])

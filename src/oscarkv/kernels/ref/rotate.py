@@ -60,7 +60,7 @@ def rotate_heads(
             m = m.repeat_interleave(x.shape[1] // m.shape[0], dim=0)
         y = (y.unsqueeze(2) @ m.to(y.device)).squeeze(2)
     if out is None or dst is None:
-        return y.to(x.dtype)
+        return y.to(x.dtype, copy=True)  # a new tensor also without rotation (fp32 x)
     keep = dst >= 0
     out[dst[keep].long()] = y[keep].to(out.dtype)
     return out
@@ -76,7 +76,10 @@ def check_new_rows_args(
     v_out: torch.Tensor,
     dst: torch.Tensor,
 ) -> None:
-    """``rotate_new_rows``' shapes: the three row sets share batch and head dim, K and V their heads."""
+    """``rotate_new_rows``' shapes: the three row sets share batch and head dim, K and V their heads;
+    ``r_k`` is required (``r_v`` may be ``None``: values stored as they are)."""
+    if r_k is None:
+        raise ValueError("rotate_new_rows: r_k is required (queries and keys are always rotated)")
     check_rotate_args(query, r_k, None, None)
     check_rotate_args(key, r_k, k_out, dst)
     check_rotate_args(value, r_v, v_out, dst)

@@ -5,13 +5,15 @@ specialization and then launched directly.
 kernel up on every call: about 40-60 µs of Python per launch on the H200 machine
 (benchmarks/results/profile_e2e.md), more than many decode kernels take on the GPU. A
 :class:`Launcher` keys its own dict on what Triton specializes a kernel on (device; per tensor
-its dtype and 16-byte alignment; per int whether it is 1, a multiple of 16 and fits in 32 bits;
+its dtype and 16-byte alignment; per int whether it is 1, a multiple of 16, and its i32/i64/u64 range;
 the keyword arguments, i.e. constexprs and launch options), gets the ``CompiledKernel`` from one
 ordinary launch, and afterwards calls it with all parameters in signature order, as Triton's own
 launch does. The key is at least as fine as Triton's (ints are keyed on 1 / 16 / 32 bits even
 where Triton does not specialize), so a hit never runs a kernel compiled for other arguments.
 
-Tensors off the GPU (the CPU interpreter) take the ordinary launch.
+Tensors off the GPU (the CPU interpreter) take the ordinary launch. Cached launches skip what
+Triton re-checks per call for debugging (changed globals, pre-run hooks, the debug knobs); launch
+hooks (profilers) still run.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ def _spec(a: Any) -> Any:
         return a.dtype, a.data_ptr() & 15 == 0
     if isinstance(a, bool) or a is None:
         return a
-    if isinstance(a, int):
-        return a == 1, a & 15 == 0, -_I32 <= a < _I32
+    if isinstance(a, int):  # Triton: 1 -> constexpr; multiple of 16; i32 / i64 / u64 by range
+        return a == 1, a & 15 == 0, -_I32 <= a < _I32, a >= 1 << 63
     if isinstance(a, float):
         return float
     raise TypeError(f"Launcher: unsupported kernel argument of type {type(a).__name__}")
@@ -52,7 +54,18 @@ class Launcher:
         params = inspect.signature(getattr(fn, "fn", fn)).parameters
         self._names = list(params)
         self._defaults = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
+        self._constexpr = {n for n, p in params.items() if "constexpr" in str(p.annotation)}
         self._cache: dict[tuple, tuple[Any, tuple]] = {}
+
+    def _check_call(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        """The key assumes runtime parameters come positionally and constexprs by keyword."""
+        positional = set(self._names[: len(args)]) & self._constexpr
+        runtime_kw = [k for k in kwargs if k in self._names and k not in self._constexpr]
+        if positional or runtime_kw:
+            raise TypeError(
+                f"Launcher: pass runtime parameters positionally and constexprs by keyword; got constexprs "
+                f"{sorted(positional)} positionally and runtime parameters {runtime_kw} by keyword"
+            )
 
     def __call__(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
         if not args[0].is_cuda:  # the CPU interpreter
@@ -68,7 +81,10 @@ class Launcher:
         key = (dev, tuple(map(_spec, args)), tuple(kwargs.items()))
         hit = self._cache.get(key)
         if hit is None:
+            self._check_call(args, kwargs)
             compiled = self.fn[grid](*args, **kwargs)
+            if compiled is None:  # nothing to cache (e.g. a compile hook took over): launched already
+                return
             # the ordinary launch bound every parameter: the rest are keyword arguments or defaults
             tail = tuple(kwargs[n] if n in kwargs else self._defaults[n] for n in self._names[len(args) :])
             self._cache[key] = (compiled, tail)

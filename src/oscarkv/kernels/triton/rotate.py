@@ -74,7 +74,7 @@ def _rotate(X, R, Y, DST, n_b, s_xb, s_xh, s_rh, s_yb, s_yh, D: tl.constexpr, GR
 @triton.jit
 def _rotate_new(Q, K, V, RK, RV, QO, KO, VO, DST, n_b, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_rkh, s_rvh, s_ob,
                 s_pb, s_ph, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GQ: tl.constexpr,
-                GK: tl.constexpr, ROT_V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr,
+                GK: tl.constexpr, GV: tl.constexpr, ROT_V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr,
                 BLOCK_K: tl.constexpr):  # fmt: skip
     # program_id(0) runs over the query heads, then the key heads, then the value heads
     h = tl.program_id(0)
@@ -85,7 +85,7 @@ def _rotate_new(Q, K, V, RK, RV, QO, KO, VO, DST, n_b, s_qb, s_qh, s_kb, s_kh, s
         _rotate_rows(K, RK, KO, DST, h - HQ, n_b, s_kb, s_kh, s_rkh, s_pb, s_ph, D, GK, True, False, True,
                      BLOCK_B, BLOCK_C, BLOCK_K)  # fmt: skip
     else:
-        _rotate_rows(V, RV, VO, DST, h - HQ - HKV, n_b, s_vb, s_vh, s_rvh, s_pb, s_ph, D, GK, ROT_V, False, True,
+        _rotate_rows(V, RV, VO, DST, h - HQ - HKV, n_b, s_vb, s_vh, s_rvh, s_pb, s_ph, D, GV, ROT_V, False, True,
                      BLOCK_B, BLOCK_C, BLOCK_K)  # fmt: skip
 
 
@@ -163,22 +163,11 @@ def rotate_new_rows(
     query, key, value = _unit_stride(query), _unit_stride(key), _unit_stride(value)
     qs, ks, vs = query.stride(), key.stride(), value.stride()
     r_k, gq, s_rk = _matrix(r_k, hq, d, query)
-    gk = hkv // r_k.shape[0] if r_k.dim() == 3 else 1
-    r_v, _, s_rv = _matrix(r_v, hkv, d, query)
+    _, gk, _ = _matrix(r_k, hkv, d, query)
+    r_v, gv, s_rv = _matrix(r_v, hkv, d, query)
     _ROTATE_NEW(
         (hq + 2 * hkv, -(-b // BLOCK_B)), query, key, value, r_k, r_v, q_out, k_out, v_out, dst, b, qs[0], qs[1],
-        ks[0], ks[1], vs[0], vs[1], s_rk, s_rv, hq * d, ps[0], ps[1], HQ=hq, HKV=hkv, D=d, GQ=gq, GK=gk,
+        ks[0], ks[1], vs[0], vs[1], s_rk, s_rv, hq * d, ps[0], ps[1], HQ=hq, HKV=hkv, D=d, GQ=gq, GK=gk, GV=gv,
         ROT_V=r_v is not query, BLOCK_B=BLOCK_B, BLOCK_C=min(d, BLOCK_C), BLOCK_K=BLOCK_K, num_warps=4,
-    )  # fmt: skip
-    return q_out
-    query, key, value = _unit_stride(query), _unit_stride(key), _unit_stride(value)
-    r_k, gq, s_rk = _matrix(r_k, hq, d, query)
-    gk = hkv // r_k.shape[0] if r_k.dim() == 3 else 1
-    r_v, _, s_rv = _matrix(r_v, hkv, d, query)
-    _ROTATE_NEW(
-        (hq + 2 * hkv, -(-b // BLOCK_B)), query, key, value, r_k, r_v, q_out, k_out, v_out, dst, b,
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1), s_rk,
-        s_rv, hq * d, k_out.stride(0), k_out.stride(1), HQ=hq, HKV=hkv, D=d, GQ=gq, GK=gk, ROT_V=r_v is not query,
-        BLOCK_B=BLOCK_B, BLOCK_C=min(d, BLOCK_C), BLOCK_K=BLOCK_K, num_warps=4,
     )  # fmt: skip
     return q_out
