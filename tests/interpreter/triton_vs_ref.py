@@ -424,7 +424,7 @@ def _rotation(d: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("inverse", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rotate_heads_matches_reference(d, per_head, inverse, dtype):
+def test_rotate_heads_matches_reference(d, per_head, inverse, dtype, close_rotations):
     """fp32 products in another order: at most one rounding step apart in the output dtype (the
     interpreter truncates to bf16 where the GPU rounds to nearest, so a bf16 ulp here)."""
     from oscarkv.kernels.triton.rotate import rotate_heads
@@ -434,11 +434,11 @@ def test_rotate_heads_matches_reference(d, per_head, inverse, dtype):
         r = torch.stack([r, r.T, -r, r.flip(0)])
     x = torch.randn(17, 8, d, generator=torch.Generator().manual_seed(1)).to(dtype)  # 17: two batch blocks
     got, want = rotate_heads(x, r, inverse), ref.rotate_heads(x, r, inverse)
-    _close_rotations(got, want)
+    close_rotations(got, want)
 
 
 @pytest.mark.parametrize("rotate", [True, False])
-def test_rotate_heads_scatters_rows_to_their_slots(rotate):
+def test_rotate_heads_scatters_rows_to_their_slots(rotate, close_rotations):
     from oscarkv.kernels.triton.rotate import rotate_heads
 
     d = 64
@@ -448,7 +448,7 @@ def test_rotate_heads_scatters_rows_to_their_slots(rotate):
     pool = torch.randn(9, 4, d).bfloat16()
     got = rotate_heads(x, r, False, pool.clone(), dst)
     want = ref.rotate_heads(x, r, False, pool.clone(), dst)
-    _close_rotations(got, want)
+    close_rotations(got, want)
     untouched = torch.tensor([1, 2, 4, 5, 6, 8])
     assert torch.equal(got[untouched], pool[untouched])  # slots of -1 and other slots kept
     if not rotate:
@@ -469,20 +469,10 @@ def test_rotate_heads_refuses_bad_arguments():
         rotate_heads(torch.randn(2, 4, 48), None)
 
 
-def _close_rotations(got: torch.Tensor, want: torch.Tensor) -> None:
-    """One rounding step apart in the output dtype: fp32 sums in another order, and the interpreter
-    truncates to bf16 where the GPU rounds (relative 2^-7 = one bf16 step at the bottom of a
-    binade); the absolute slack covers outputs near 0, where the fp32 sums' own error dominates."""
-    if got.dtype == torch.bfloat16:
-        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-5)
-    else:
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize(("k_mats", "v_mats"), [(0, 0), (2, 2), (0, 2), (1, 2), (2, 1), (1, 0), (2, None)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rotate_new_rows_matches_reference(d, k_mats, v_mats, dtype):
+def test_rotate_new_rows_matches_reference(d, k_mats, v_mats, dtype, close_rotations):
     """``k_mats``/``v_mats``: 0 a shared [d, d] matrix, n per-head [n, d, d] (K and V may differ),
     None no value rotation."""
     from oscarkv.kernels.triton.rotate import rotate_new_rows
@@ -502,7 +492,7 @@ def test_rotate_new_rows_matches_reference(d, k_mats, v_mats, dtype):
     got = rotate_new_rows(q, k, v, r_k, r_v, got_k, got_v, dst)
     want = ref.rotate_new_rows(q, k, v, r_k, r_v, want_k, want_v, dst.long())
     for a, b in ((got, want), (got_k, want_k), (got_v, want_v)):
-        _close_rotations(a, b)
+        close_rotations(a, b)
     assert torch.equal(got_k[1], pools[0][1])  # a slot no row targets is untouched
     empty = rotate_new_rows(q[:0], k[:0], v[:0], r_k, r_v, got_k, got_v, dst[:0])
     assert empty.shape == (0, 8, d)
