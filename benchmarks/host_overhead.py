@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check import SINK_RECENT, make_pools
+from gpu_check import SINK_RECENT, bench_graph, make_pools
 
 import oscarkv.kernels.triton.decode_attention as tda
 from oscarkv.quant import RowFormat
@@ -32,27 +32,6 @@ def host_us(fn: Callable[[], object], n: int = 300) -> float:
     dt = time.perf_counter() - t0
     torch.cuda.synchronize()
     return 1e6 * dt / n
-
-
-def graph_us(fn: Callable[[], object], n: int = 20, reps: int = 20) -> float:
-    """Median device µs per call of ``fn``, replaying a CUDA graph of ``n`` calls."""
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        fn()  # compile and warm the launcher outside the capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(1e3 * a.elapsed_time(b) / n)
-    return sorted(times)[reps // 2]
 
 
 def main() -> None:
@@ -72,8 +51,8 @@ def main() -> None:
             pass
         else:
             line += f"; rotate_heads {host_us(lambda: rotate_heads(q, r)):.1f} us"  # noqa: B023
-            line += f" (device {graph_us(lambda: rotate_heads(q, r, True)):.1f} us"  # noqa: B023
-            line += f", PyTorch {graph_us(lambda: (q.float() @ r.T).to(q.dtype)):.1f} us)"  # noqa: B023
+            line += f" (device {1e3 * bench_graph(lambda: rotate_heads(q, r, True)):.1f} us"  # noqa: B023
+            line += f", PyTorch {1e3 * bench_graph(lambda: (q.float() @ r.T).to(q.dtype)):.1f} us)"  # noqa: B023
         print(line, flush=True)
 
 

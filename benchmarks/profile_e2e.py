@@ -56,18 +56,12 @@ def label_stages(cache: OscarCache) -> list[str]:
         if hasattr(owner, name):  # LayerPools.demote is newer than the other stages
             setattr(owner, name, _labelled(getattr(owner, name), label))
     ops = cache.ops
-    cache.ops = dataclasses.replace(
-        ops,
-        decode_attention=_labelled(ops.decode_attention, "oscarkv.decode_attention"),
-        quantize_pack=_labelled(ops.quantize_pack, "oscarkv.quantize_pack"),
-    )
-    extra = ["oscarkv.decode_attention", "oscarkv.quantize_pack"]
-    if hasattr(ops, "rotate_heads"):  # not in builds before the fused rotations
-        cache.ops = dataclasses.replace(
-            cache.ops, rotate_heads=_labelled(ops.rotate_heads, "oscarkv.rotate_heads")
-        )
-        extra.append("oscarkv.rotate_heads")
-    return [s[2] for s in STAGES if hasattr(s[0], s[1])] + extra
+    # kernel ops that exist in this build (older ones lack the rotations)
+    names = [
+        n for n in ("decode_attention", "quantize_pack", "rotate_heads", "rotate_new_rows") if hasattr(ops, n)
+    ]
+    cache.ops = dataclasses.replace(ops, **{n: _labelled(getattr(ops, n), f"oscarkv.{n}") for n in names})
+    return [s[2] for s in STAGES if hasattr(s[0], s[1])] + [f"oscarkv.{n}" for n in names]
 
 
 def profile_steps(model, ids, cache, new: int, labels: list[str], rows: int) -> dict:

@@ -496,3 +496,16 @@ def test_rotate_new_rows_matches_reference(d, k_mats, v_mats, dtype, close_rotat
     assert torch.equal(got_k[1], pools[0][1])  # a slot no row targets is untouched
     empty = rotate_new_rows(q[:0], k[:0], v[:0], r_k, r_v, got_k, got_v, dst[:0])
     assert empty.shape == (0, 8, d)
+
+
+def test_rotate_kernels_refuse_outputs_they_cannot_address():
+    from oscarkv.kernels.triton.rotate import rotate_heads, rotate_new_rows
+
+    x, dst = torch.randn(2, 4, 64).bfloat16(), torch.tensor([0, 1])
+    strided = torch.zeros(3, 4, 128).bfloat16()[:, :, ::2]
+    with pytest.raises(ValueError, match="out must have unit stride in its last dim"):
+        rotate_heads(x, None, False, strided, dst)
+    q, kv = torch.randn(2, 8, 64).bfloat16(), torch.randn(2, 4, 64).bfloat16()
+    pool = torch.zeros(3, 4, 64).bfloat16()
+    with pytest.raises(ValueError, match="k_out and v_out must share one layout"):
+        rotate_new_rows(q, kv, kv, torch.eye(64), None, pool, strided, dst)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ...rotation import rotate_heads as rotate_rows
+
 __all__ = ["check_new_rows_args", "check_rotate_args", "rotate_heads", "rotate_new_rows"]
 
 
@@ -54,11 +56,8 @@ def rotate_heads(
     """
     check_rotate_args(x, r, out, dst)
     y = x.float()
-    if r is not None:
-        m = r.transpose(-1, -2) if inverse else r
-        if m.dim() == 3:
-            m = m.repeat_interleave(x.shape[1] // m.shape[0], dim=0)
-        y = (y.unsqueeze(2) @ m.to(y.device)).squeeze(2)
+    if r is not None:  # the prefill's rotation, of one token
+        y = rotate_rows(y.unsqueeze(2), r.to(y.device), inverse=inverse).squeeze(2)
     if out is None or dst is None:
         return y.to(x.dtype, copy=True)  # a new tensor also without rotation (fp32 x)
     keep = dst >= 0

@@ -22,6 +22,7 @@ import inspect
 from typing import Any
 
 import torch
+from triton.runtime import driver
 
 __all__ = ["Launcher"]
 
@@ -71,8 +72,6 @@ class Launcher:
         if not args[0].is_cuda:  # the CPU interpreter
             self.fn[grid](*args, **kwargs)
             return
-        from triton.runtime import driver
-
         self.launch(driver.active, grid, args, kwargs)
 
     def launch(self, drv: Any, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> None:

@@ -127,8 +127,8 @@ def rotate_heads(
         raise ValueError("rotate_heads: out must have unit stride in its last dim")
     if b == 0:
         return y
+    rotate = r is not None
     r, group, s_rh = _matrix(r, h, d, x)
-    rotate = r is not x
     _ROTATE(
         (h, -(-b // BLOCK_B)), x, r, y, dst if scatter else x, b, x.stride(0), x.stride(1), s_rh, y.stride(0),
         y.stride(1), D=d, GROUP=group, ROTATE=rotate, INVERSE=inverse, SCATTER=scatter, BLOCK_B=BLOCK_B,
@@ -162,12 +162,13 @@ def rotate_new_rows(
         return q_out
     query, key, value = _unit_stride(query), _unit_stride(key), _unit_stride(value)
     qs, ks, vs = query.stride(), key.stride(), value.stride()
+    rot_v = r_v is not None
     r_k, gq, s_rk = _matrix(r_k, hq, d, query)
-    _, gk, _ = _matrix(r_k, hkv, d, query)
+    gk = hkv // r_k.shape[0] if r_k.dim() == 3 else 1
     r_v, gv, s_rv = _matrix(r_v, hkv, d, query)
     _ROTATE_NEW(
         (hq + 2 * hkv, -(-b // BLOCK_B)), query, key, value, r_k, r_v, q_out, k_out, v_out, dst, b, qs[0], qs[1],
         ks[0], ks[1], vs[0], vs[1], s_rk, s_rv, hq * d, ps[0], ps[1], HQ=hq, HKV=hkv, D=d, GQ=gq, GK=gk, GV=gv,
-        ROT_V=r_v is not query, BLOCK_B=BLOCK_B, BLOCK_C=min(d, BLOCK_C), BLOCK_K=BLOCK_K, num_warps=4,
+        ROT_V=rot_v, BLOCK_B=BLOCK_B, BLOCK_C=min(d, BLOCK_C), BLOCK_K=BLOCK_K, num_warps=4,
     )  # fmt: skip
     return q_out
