@@ -44,11 +44,12 @@ def _lists(lens: list[int], device: str, shuffle: bool) -> tuple[torch.Tensor, t
         ([513] * 64, [0] * 64, 32, 8, 128),
         ([0] * 4, [100] * 4, 32, 8, 128),
         ([131072 - 320], [320], 32, 8, 128),
+        ([3000, 70], [40, 320], 16, 4, 256),
     ],
 )
 @pytest.mark.parametrize("meta", ["fp16", "bf16"])
 @pytest.mark.parametrize("grouped", [False, True], ids=["auto-heads", "grouped-heads"])
-@pytest.mark.parametrize("planes", ["auto", "words", "groups"])
+@pytest.mark.parametrize("planes", ["auto", "words", "groups", "swap"])
 def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta, grouped, planes, monkeypatch):
     from oscarkv.kernels.triton import decode_attention as tda
 
@@ -63,6 +64,11 @@ def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta, g
             pytest.skip("token groups need the word planes and one KV head per program")
         monkeypatch.setitem(tda.CONFIG, "small_tokens", 0)
         monkeypatch.setitem(tda.CONFIG, "token_groups", True)
+    if planes == "swap":  # tokens as the MMA rows (one KV head per program, word planes)
+        if d < 128 or grouped:
+            pytest.skip("the swap loop needs the word planes and one KV head per program")
+        monkeypatch.setitem(tda.CONFIG, "small_tokens", 0)
+        monkeypatch.setitem(tda.CONFIG, "swap", True)
 
     dev = "cuda"
     fmt = RowFormat(d, 2, d, meta_dtype=meta)

@@ -202,16 +202,19 @@ def test_decode_attention_matches_reference(tk, lens_q, lens_h, hq, hkv, d, meta
         ([50], [3], 4, 4, 256, "fp16"),  # head dim 256
     ],
 )
-@pytest.mark.parametrize("grouped", [False, True], ids=["auto-heads", "grouped-heads"])
+@pytest.mark.parametrize("loop", ["auto-heads", "grouped-heads", "swap"])
 def test_decode_attention_word_planes_match_reference(
-    tk, lens_q, lens_h, hq, hkv, d, meta, grouped, monkeypatch
+    tk, lens_q, lens_h, hq, hkv, d, meta, loop, monkeypatch
 ):
-    """The int16-word tile loop (decode_words.py), which the launch takes for head dim >= 128 from
-    ``CONFIG['small_tokens']`` quantized tokens on, forced at these small sizes."""
+    """The int16-word tile loops, which the launch takes for head dim >= 128 from
+    ``CONFIG['small_tokens']`` quantized tokens on, forced at these small sizes: query heads as the
+    MMA rows (decode_words.py, one or several KV heads per program) and tokens as the MMA rows
+    (decode_swap.py, ``CONFIG['swap']``, one KV head per program)."""
     _, da = tk
     monkeypatch.setitem(da.CONFIG, "small_tokens", 0)
-    if grouped:
+    if loop == "grouped-heads":
         monkeypatch.setitem(da.CONFIG, "group_tokens", 0)
+    monkeypatch.setitem(da.CONFIG, "swap", loop == "swap")
     _check_decode(da, lens_q, lens_h, hq, hkv, d, meta)
 
 

@@ -38,6 +38,7 @@ import triton.language as tl
 from ...quant import RowFormat
 from .decode_groups import int2_split_groups
 from .decode_plan import CONFIG, heads_per_program, num_splits, split_size, token_groups
+from .decode_swap import int2_split_swap
 from .decode_tiles import hp_split, int2_split_bytes
 from .decode_words import int2_split_words
 from .launch import Launcher
@@ -52,7 +53,7 @@ def _stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale,
             n_q_splits, total, HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr,
             G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
             ASM: tl.constexpr, META: tl.constexpr, WORDS: tl.constexpr, TG: tl.constexpr = 0,
-            HP_STAGES: tl.constexpr = 3, HP_FIRST: tl.constexpr = False):  # fmt: skip
+            HP_STAGES: tl.constexpr = 3, HP_FIRST: tl.constexpr = False, SWAP: tl.constexpr = False):  # fmt: skip
     # axis 0 is the group of HPB KV heads, so that programs reading the same tokens run together
     hg = tl.program_id(0)
     if HP_FIRST:  # grid (head group, sequence, split): the 16-bit tier's splits launch first
@@ -68,6 +69,9 @@ def _stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale,
         if TG > 1:  # opt-in: one KV head's g rows times TG token groups fill the MMA rows
             int2_split_groups(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
                               HKV, G, R_PAD, D, BLOCK_N, TG, ASM, META)  # fmt: skip
+        elif SWAP:  # one KV head per program, tokens as the MMA rows (decode_swap.py)
+            int2_split_swap(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
+                            HKV, G, R_PAD, D, BLOCK_N, ASM, META)  # fmt: skip
         elif WORDS:  # codes read as int16 words (head dim >= 128)
             int2_split_words(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
                              HKV, G, HPB, R_PAD, D, BLOCK_N, ASM, META)  # fmt: skip
@@ -203,14 +207,23 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     hpb = heads_per_program(g, hkv, bsz * max_q)
     # int16 code words need K = d/8 >= 16 per tl.dot (decode_words.py)
     words = d >= 128 and bsz * max_q >= CONFIG["small_tokens"]
-    if words:
+    swap = words and hpb == 1 and CONFIG["swap"]
+    if swap:
+        block_n, warps = CONFIG["swap_block_n"], CONFIG["num_warps"]
+    elif words:
         block_n, warps = (CONFIG["block_n"] if hpb == 1 else CONFIG["block_n_grouped"]), CONFIG["num_warps"]
     else:
         block_n, warps = CONFIG["bytes"]["block_n"], CONFIG["bytes"]["num_warps"]
-    tg = token_groups(g, hpb, block_n) if words else 0
+    tg = token_groups(g, hpb, block_n) if words and not swap else 0
+    r_pad = _pow2(g) if swap else max(16, _pow2(hpb * g))
+    hp_block, hp_stages = (
+        (CONFIG["swap_hp_block"], CONFIG["swap_hp_stages"])
+        if swap
+        else (CONFIG["hp_block"], CONFIG["hp_stages"])
+    )
     opts = {"maxnreg": CONFIG["maxnreg"]} if words and CONFIG["maxnreg"] and q_rot.is_cuda else {}
     sms = CONFIG["sms"] or (_sm_count(q_rot.device) if q_rot.is_cuda else 0)
-    split_q = split_size(bsz, hkv // hpb, max_q, block_n, sms, words)
+    split_q = split_size(bsz, hkv // hpb, max_q, block_n, sms, words, CONFIG["swap_per_sm"] if swap else None)
     sq = math.ceil(max_q / split_q)
     sh = math.ceil(max_h / CONFIG["hp_split"])
     total = sq + sh
@@ -225,10 +238,10 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     _STAGE1(
         grid, q, kc, k_meta.view(word), vc, v_meta.view(word), hp_k, hp_v, int2_indptr, int2_indices, hp_indptr, hp_indices,
         o_part, lse, sm_scale * LOG2E, split_q, CONFIG["hp_split"], sq, total,
-        HKV=hkv, G=g, HPB=hpb, R_PAD=max(16, _pow2(hpb * g)), G_PAD=max(16, _pow2(g)),
+        HKV=hkv, G=g, HPB=hpb, R_PAD=r_pad, G_PAD=max(16, _pow2(g)),
         D=d, BLOCK_N=block_n,
-        BLOCK_H=CONFIG["hp_block"], ASM=q.is_cuda, META=meta_id, WORDS=words, TG=tg, HP_STAGES=CONFIG["hp_stages"],
-        HP_FIRST=hp_first,
+        BLOCK_H=hp_block, ASM=q.is_cuda, META=meta_id, WORDS=words, TG=tg, HP_STAGES=hp_stages,
+        HP_FIRST=hp_first, SWAP=swap,
         num_warps=warps, num_stages=CONFIG["num_stages"], **opts,
     )  # fmt: skip
     out = torch.empty_like(q_rot)

@@ -84,6 +84,16 @@ CONFIG = {
     # split), so that the short programs do not trail the INT2 ones into an extra wave (batch
     # 16 / 32K 0.187 -> 0.169 ms; the byte path lost 4% at batch 1 / 16K and keeps the old grid)
     "hp_first": True,
+    # one KV head per program on the word-plane path: tokens as the MMA rows and the query heads
+    # as its N side (decode_swap.py) instead of the query heads padded to 16 rows; its tile, the
+    # 16-bit tier's tile and pipeline depth in that kernel (16 tokens and 2 stages keep the kernel
+    # at the swap loop's own ~170 registers instead of 255, offline sm_90), and the one-warp
+    # programs per SM that then fit (for the wave-filling splits)
+    "swap": False,
+    "swap_block_n": 64,
+    "swap_hp_block": 16,
+    "swap_hp_stages": 2,
+    "swap_per_sm": 12,
 }
 
 
@@ -156,24 +166,27 @@ _SPLIT_KEYS = ("fill_waves", "few_units", "per_sm", "min_waves", "max_waves", "s
                "programs", "programs_few", "split_gran")  # fmt: skip
 
 
-def split_size(batch: int, head_groups: int, max_len: int, block_n: int, sms: int, words: bool) -> int:
+def split_size(batch: int, head_groups: int, max_len: int, block_n: int, sms: int, words: bool,
+               per_sm: int | None = None) -> int:  # fmt: skip
     """Tokens per split of the quantized lists (``max_len`` tokens at most, ``max_len >= 1``) for
-    ``batch × head_groups`` (sequence, head group) pairs: wave-filling splits (:func:`wave_split`)
-    on the word-plane path (``words``) with ``CONFIG['fill_waves']``, ``sms`` > 0 and more than
+    ``batch × head_groups`` (sequence, head group) pairs: wave-filling splits (:func:`wave_split`
+    over ``sms × per_sm`` slots, ``per_sm`` defaulting to ``CONFIG['per_sm']``) on the word-plane
+    path (``words``) with ``CONFIG['fill_waves']``, ``sms`` > 0 and more than
     ``CONFIG['few_units']`` pairs; otherwise :func:`num_splits` splits, rounded up to multiples of
     ``CONFIG['split_gran']`` tokens, or of the tile when that would leave fewer splits. Cached:
     this runs on every decode call (the wave search alone costs ~15 µs of Python)."""
     return _split_size(
-        batch, head_groups, max_len, block_n, sms, words, tuple(CONFIG[k] for k in _SPLIT_KEYS)
-    )
+        batch, head_groups, max_len, block_n, sms, words, per_sm or CONFIG["per_sm"],
+        tuple(CONFIG[k] for k in _SPLIT_KEYS),
+    )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=4096)
-def _split_size(batch: int, head_groups: int, max_len: int, block_n: int, sms: int, words: bool,
+def _split_size(batch: int, head_groups: int, max_len: int, block_n: int, sms: int, words: bool, per_sm: int,
                 _config: tuple) -> int:  # fmt: skip
     units = batch * head_groups
     if words and CONFIG["fill_waves"] and sms and units > CONFIG["few_units"]:
-        return wave_split(units, max_len, block_n, sms * CONFIG["per_sm"])
+        return wave_split(units, max_len, block_n, sms * per_sm)
     sq = num_splits(batch, head_groups, max_len)
     gran = CONFIG["split_gran"] if max_len >= CONFIG["split_gran"] * sq else block_n
     return math.ceil(max_len / sq / gran) * gran

@@ -23,16 +23,19 @@ __all__ = ["hp_split", "int2_split_bytes"]
 SUBNORMAL = tl.constexpr(16777216.0)
 
 
-def _planes_ptx(lo: str, hi: str) -> str:
+def _planes_ptx(lo: str | None, hi: str) -> str:
     """PTX that turns one 32-bit register of codes into eight registers of fp16-subnormal pairs:
-    two byte permutes (selectors ``lo``, ``hi``) spread bytes over 16-bit lanes, then one mask per
+    byte permutes (selectors ``lo``, ``hi``) spread bytes over 16-bit lanes, then one mask per
     2-bit plane (plane ``i`` keeps its bits in place, so it holds ``c·4^i``; callers scale by
-    ``4^-i``). Outputs ``$2i`` / ``$2i+1`` are plane ``i`` of the ``lo`` / ``hi`` spread."""
+    ``4^-i``). Outputs ``$2i`` / ``$2i+1`` are plane ``i`` of the ``lo`` / ``hi`` spread.
+    ``lo=None``: the register as it is (bytes 0 and 2 already sit at the bottom of the 16-bit
+    lanes, and the masks keep only their bits), one permute fewer."""
     ands = "".join(
         f"and.b32 ${2 * i}, lo, 0x{m:08x};\nand.b32 ${2 * i + 1}, hi, 0x{m:08x};\n"
         for i, m in enumerate((0x00030003, 0x000C000C, 0x00300030, 0x00C000C0))
     )
-    return f"{{\n.reg .b32 lo, hi;\nprmt.b32 lo, $8, 0, {lo};\nprmt.b32 hi, $8, 0, {hi};\n{ands}}}"
+    spread_lo = "mov.b32 lo, $8;" if lo is None else f"prmt.b32 lo, $8, 0, {lo};"
+    return f"{{\n.reg .b32 lo, hi;\n{spread_lo}\nprmt.b32 hi, $8, 0, {hi};\n{ands}}}"
 
 
 # four code bytes in one register -> their four planes, bytes (0, 1) in ``lo`` and (2, 3) in ``hi``

@@ -35,8 +35,9 @@ from .decode_tiles import (
 __all__ = ["int2_split_words"]
 
 # two 16-bit code words in one register -> the eight planes ``(i, e)`` (plane ``i`` of byte ``e`` of
-# each word): byte 0 of both words in ``lo``, byte 1 in ``hi``
-_PLANES_PTX = tl.constexpr(_planes_ptx("0x4240", "0x4341"))
+# each word): byte 0 of both words is already at the bottom of its 16-bit lane (``lo`` = the
+# register), byte 1 is moved there (``hi``)
+_PLANES_PTX = tl.constexpr(_planes_ptx(None, "0x4341"))
 
 
 @triton.jit

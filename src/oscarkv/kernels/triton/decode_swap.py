@@ -1,0 +1,127 @@
+"""INT2 tile loop with tokens as the MMA rows ("swap AB"): one KV head per program, code words.
+
+:mod:`.decode_words` computes ``q·c`` as ``[rows, D/8] × [D/8, tokens]`` with the ``g`` query heads
+of the KV head as MMA rows, padded to 16: with Qwen3-8B's GQA 12 of the 16 rows, and so 3/4 of the
+online softmax, the score scaling and the rescales, are padding. Here the product is transposed,
+``S^T = planes [tokens, D/8] × q^T [D/8, g]``, and ``p·V`` is ``O^T = V-planes^T [D/8, tokens] ×
+(p∘s_V) [tokens, g]``: the tokens fill the 16 MMA rows and the query heads are the MMA's N side,
+which ``tl.dot`` pads to the 8-wide instruction across lanes (the padding costs no extra
+instructions per thread). Every tile does half the MMAs of the padded loop and the softmax holds a
+quarter of the values; the softmax now reduces over tokens (the rows), within the warp.
+
+The planes, their ``(i, e)`` order, the query scaling by ``4^-i`` and the final ``2²⁴ / 4^i``
+factors are those of :mod:`.decode_words`; the partial output / LSE contract is unchanged.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .decode_tiles import SUBNORMAL, _inv, _meta, _split_range, _store_lse
+from .decode_words import _planes
+
+__all__ = ["int2_split_swap"]
+
+
+@triton.jit
+def _qpart_t(qp, i: tl.constexpr, e: tl.constexpr, gmask, D4: tl.constexpr):
+    """Query part of plane ``(i, e)`` transposed, ``[D/8, GP]`` fp32 (dims ``D4·i + 2m + e``)."""
+    return tl.load(qp + D4 * i + e, mask=gmask[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _qscale_t(q, i: tl.constexpr):
+    """As ``decode_tiles._qscale``: plane ``i`` is worth ``c·4^i``, so its query part is scaled by ``4^-i``."""
+    return q.to(tl.float16) if i == 0 else (q * (0.25**i)).to(tl.float16)
+
+
+@triton.jit
+def _store_t(op, i: tl.constexpr, e: tl.constexpr, acc, inv, z, gmask, D4: tl.constexpr):
+    """Output dims ``D4·i + 2m + e`` of every head from the transposed accumulator ``[D/8, GP]``."""
+    scale = SUBNORMAL / (4.0**i)
+    tl.store(op + D4 * i + e, acc * (inv * scale)[None, :] - z[None, :], mask=gmask[None, :])
+
+
+@triton.jit
+def int2_split_swap(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, total, h, sp, b,
+                    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                    BLOCK_N: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr):  # fmt: skip
+    """Split ``sp`` of sequence ``b``'s quantized list for KV head ``h``: normalised partial output
+    and LSE of its ``G`` query heads (``GP``: ``G`` rounded up to a power of two)."""
+    D4: tl.constexpr = D // 4
+    D8: tl.constexpr = D // 8
+    lo, hi = _split_range(INDPTR, b, sp, split_size)
+    offs_g = tl.arange(0, GP)
+    gmask = offs_g < G
+    qrow = b * HKV * G + h * G + offs_g
+    row = qrow.to(tl.int64) * total + sp
+    offs_m = tl.arange(0, D8)
+    qp = Q + qrow[None, :] * D + 2 * offs_m[:, None]
+    q00, q01 = _qpart_t(qp, 0, 0, gmask, D4), _qpart_t(qp, 0, 1, gmask, D4)
+    q10, q11 = _qpart_t(qp, 1, 0, gmask, D4), _qpart_t(qp, 1, 1, gmask, D4)
+    q20, q21 = _qpart_t(qp, 2, 0, gmask, D4), _qpart_t(qp, 2, 1, gmask, D4)
+    q30, q31 = _qpart_t(qp, 3, 0, gmask, D4), _qpart_t(qp, 3, 1, gmask, D4)
+    qsum = tl.sum(q00 + q01 + q10 + q11 + q20 + q21 + q30 + q31, 0)
+    q00, q01, q10, q11 = _qscale_t(q00, 0), _qscale_t(q01, 0), _qscale_t(q10, 1), _qscale_t(q11, 1)
+    q20, q21, q30, q31 = _qscale_t(q20, 2), _qscale_t(q21, 2), _qscale_t(q30, 3), _qscale_t(q31, 3)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    zacc = tl.zeros([GP], tl.float32)
+    a00 = tl.zeros([D8, GP], tl.float32)
+    a01, a10, a11, a20, a21, a30, a31 = a00, a00, a00, a00, a00, a00, a00
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        nmask = offs_n < hi
+        sh = tl.load(IDX + offs_n, mask=nmask, other=0).to(tl.int64) * HKV + h
+        ks, kz = _meta(tl.load(KM + sh, mask=nmask, other=0), META)
+        # S^T: code-word planes [BLOCK_N, D8] (tokens as MMA rows) times query parts [D8, GP]
+        kc = tl.load(KC + sh[:, None] * D8 + offs_m[None, :], mask=nmask[:, None], other=0)
+        k00, k01, k10, k11, k20, k21, k30, k31 = _planes(kc, ASM)
+        t = tl.dot(k00, q00)
+        t = tl.dot(k01, q01, t)
+        t = tl.dot(k10, q10, t)
+        t = tl.dot(k11, q11, t)
+        t = tl.dot(k20, q20, t)
+        t = tl.dot(k21, q21, t)
+        t = tl.dot(k30, q30, t)
+        t = tl.dot(k31, q31, t)
+        s = t * (ks * (qk_scale * SUBNORMAL))[:, None] - qsum[None, :] * (ks * kz * qk_scale)[:, None]
+        s = tl.where(nmask[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        if tl.max(m_new - m_i, 0) > 8.0:  # lazy rescale, as decode_tiles._must_rescale
+            alpha = tl.exp2(m_i - m_new)
+            l_i, zacc = l_i * alpha, zacc * alpha
+            al = alpha[None, :]
+            a00, a01, a10, a11 = a00 * al, a01 * al, a10 * al, a11 * al
+            a20, a21, a30, a31 = a20 * al, a21 * al, a30 * al, a31 * al
+            m_i = m_new
+        p = tl.exp2(s - m_i[None, :])
+        l_i = l_i + tl.sum(p, 0)
+        vs, vz = _meta(tl.load(VM + sh, mask=nmask, other=0), META)
+        ps = p * vs[:, None]
+        zacc = zacc + tl.sum(ps * vz[:, None], 0)
+        ps = ps.to(tl.float16)
+        # O^T += value planes transposed [D8, BLOCK_N] times p∘s_V [BLOCK_N, GP]
+        vc = tl.load(VC + sh[None, :] * D8 + offs_m[:, None], mask=nmask[None, :], other=0)
+        v00, v01, v10, v11, v20, v21, v30, v31 = _planes(vc, ASM)
+        a00 = tl.dot(v00, ps, a00)
+        a01 = tl.dot(v01, ps, a01)
+        a10 = tl.dot(v10, ps, a10)
+        a11 = tl.dot(v11, ps, a11)
+        a20 = tl.dot(v20, ps, a20)
+        a21 = tl.dot(v21, ps, a21)
+        a30 = tl.dot(v30, ps, a30)
+        a31 = tl.dot(v31, ps, a31)
+    inv = _inv(l_i)
+    z = zacc * inv
+    op = O + row[None, :] * D + 2 * offs_m[:, None]
+    _store_t(op, 0, 0, a00, inv, z, gmask, D4)
+    _store_t(op, 0, 1, a01, inv, z, gmask, D4)
+    _store_t(op, 1, 0, a10, inv, z, gmask, D4)
+    _store_t(op, 1, 1, a11, inv, z, gmask, D4)
+    _store_t(op, 2, 0, a20, inv, z, gmask, D4)
+    _store_t(op, 2, 1, a21, inv, z, gmask, D4)
+    _store_t(op, 3, 0, a30, inv, z, gmask, D4)
+    _store_t(op, 3, 1, a31, inv, z, gmask, D4)
+    _store_lse(LSE, row, gmask, m_i, l_i)
