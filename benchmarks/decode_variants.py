@@ -135,6 +135,10 @@ def main() -> None:
                 # below CONFIG['small_tokens'] the launch takes the byte planes with their own config
                 "path": "bytes" if b * lq < mod.CONFIG.get("small_tokens", 0) else "main",
             }
+            # versions with int2_loop name the loop and its tile (the swap loop has its own)
+            lp = mod.int2_loop(d, hq // hkv, hkv, b * lq) if hasattr(mod, "int2_loop") else None
+            if lp:
+                row.update(path=lp.loop, block_n=lp.block_n)
             try:
                 err = rel(fn(), want) if want is not None else float("nan")
                 ms = bench_graph(fn)
@@ -144,7 +148,7 @@ def main() -> None:
                     ms=ms,
                     TBps=nbytes / ms / 1e9,
                     rel_err=err,
-                    hpb=mod.heads_per_program(hq // hkv, hkv, b * lq),
+                    hpb=lp.hpb if lp else mod.heads_per_program(hq // hkv, hkv, b * lq),
                 )
                 if tg:  # groups per tile the launch took (0: the padded loop, e.g. grouped heads)
                     row["groups"] = mod.token_groups(hq // hkv, row["hpb"], bn)

@@ -53,17 +53,20 @@ def _lists(lens: list[int], device: str, shuffle: bool) -> tuple[torch.Tensor, t
 def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta, grouped, planes, monkeypatch):
     from oscarkv.kernels.triton import decode_attention as tda
 
-    if grouped:  # several KV heads per program at any size (normally only for large batches)
+    if grouped:  # several KV heads per program at any size (the padded loops only)
         monkeypatch.setitem(tda.CONFIG, "group_tokens", 0)
-    if planes == "words":  # the int16-word loop at every size (head dim >= 128; 64 keeps bytes)
+        monkeypatch.setitem(tda.CONFIG, "swap", False)
+    if planes == "words":  # the padded int16-word loop at every size (head dim >= 128; 64 keeps bytes)
         if d < 128:
             pytest.skip("head dim 64 always uses the byte planes")
         monkeypatch.setitem(tda.CONFIG, "small_tokens", 0)
+        monkeypatch.setitem(tda.CONFIG, "swap", False)
     if planes == "groups":  # the opt-in token-group loop (one KV head per program, word planes)
         if d < 128 or grouped:
             pytest.skip("token groups need the word planes and one KV head per program")
         monkeypatch.setitem(tda.CONFIG, "small_tokens", 0)
         monkeypatch.setitem(tda.CONFIG, "token_groups", True)
+        monkeypatch.setitem(tda.CONFIG, "swap", False)
     if planes == "swap":  # tokens as the MMA rows (one KV head per program, word planes)
         if d < 128 or grouped:
             pytest.skip("the swap loop needs the word planes and one KV head per program")

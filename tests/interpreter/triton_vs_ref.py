@@ -242,6 +242,7 @@ def test_decode_attention_token_groups_match_reference(
     _, da = tk
     monkeypatch.setitem(da.CONFIG, "small_tokens", 0)
     monkeypatch.setitem(da.CONFIG, "token_groups", True)
+    monkeypatch.setitem(da.CONFIG, "swap", False)
     monkeypatch.setitem(da.CONFIG, "block_n", block_n)
     assert da.token_groups(hq // hkv, 1, block_n) == groups
     _check_decode(da, lens_q, lens_h, hq, hkv, d, meta)
@@ -277,22 +278,31 @@ def test_decode_attention_16bit_tier_tunables_match_reference(tk, hp_split, hp_b
 
 
 @pytest.mark.parametrize(
-    ("lens_q", "lens_h", "hq", "hkv", "grouped"),
+    ("lens_q", "lens_h", "hq", "hkv", "loop"),
     [
-        ([700, 0, 300], [100, 40, 0], 8, 2, False),  # one KV head per program, empty tiers, 4 16-bit splits
-        ([700, 0, 300], [100, 40, 0], 8, 2, True),  # 2 KV heads per program
-        ([500, 40], [5, 70], 32, 8, True),  # Qwen3-8B's GQA: 4 KV heads per program
+        (
+            [700, 0, 300],
+            [100, 40, 0],
+            8,
+            2,
+            "one-head",
+        ),  # one KV head per program, empty tiers, 4 16-bit splits
+        ([700, 0, 300], [100, 40, 0], 8, 2, "grouped"),  # 2 KV heads per program
+        ([500, 40], [5, 70], 32, 8, "grouped"),  # Qwen3-8B's GQA: 4 KV heads per program
+        ([700, 0, 300], [100, 40, 0], 8, 2, "swap"),
+        ([500, 40], [5, 70], 32, 8, "swap"),
     ],
 )
 def test_decode_attention_wave_splits_and_hp_first_match_reference(
-    tk, lens_q, lens_h, hq, hkv, grouped, monkeypatch
+    tk, lens_q, lens_h, hq, hkv, loop, monkeypatch
 ):
-    """The word-plane path with ``CONFIG['fill_waves']`` (split sizes that fill whole waves of a
+    """The word-plane paths with ``CONFIG['fill_waves']`` (split sizes that fill whole waves of a
     pretend 2-SM device) and ``CONFIG['hp_first']`` (grid (head group, sequence, split), 16-bit
     splits first), over several 16-bit splits."""
     _, da = tk
-    settings = {"fill_waves": True, "sms": 2, "per_sm": 2, "hp_first": True, "few_units": 0, "hp_split": 32,
-                "small_tokens": 0, "group_tokens": 0 if grouped else 1 << 30}  # fmt: skip
+    settings = {"fill_waves": True, "sms": 2, "per_sm": 2, "swap_per_sm": 3, "hp_first": True, "few_units": 0,
+                "hp_split": 32, "small_tokens": 0, "group_tokens": 0 if loop == "grouped" else 1 << 30,
+                "swap": loop == "swap"}  # fmt: skip
     for key, val in settings.items():
         monkeypatch.setitem(da.CONFIG, key, val)
     _check_decode(da, lens_q, lens_h, hq, hkv, 128, "fp16")

@@ -37,13 +37,13 @@ import triton.language as tl
 
 from ...quant import RowFormat
 from .decode_groups import int2_split_groups
-from .decode_plan import CONFIG, heads_per_program, num_splits, split_size, token_groups
+from .decode_plan import CONFIG, _pow2, heads_per_program, int2_loop, num_splits, split_size, token_groups
 from .decode_swap import int2_split_swap
 from .decode_tiles import hp_split, int2_split_bytes
 from .decode_words import int2_split_words
 from .launch import Launcher
 
-__all__ = ["CONFIG", "decode_attention", "heads_per_program", "num_splits", "token_groups"]
+__all__ = ["CONFIG", "decode_attention", "heads_per_program", "int2_loop", "num_splits", "token_groups"]
 
 LOG2E = 1.4426950408889634
 
@@ -111,11 +111,6 @@ def _merge(O, LSE, OUT, total, S_BLOCK: tl.constexpr, D: tl.constexpr, DB: tl.co
 
 _PARTIALS = {"fp32": torch.float32, "fp16": torch.float16}
 _STAGE1, _MERGE = Launcher(_stage1), Launcher(_merge)
-
-
-def _pow2(n: int) -> int:
-    """The smallest power of two >= ``n`` (``n >= 1``)."""
-    return 1 << (n - 1).bit_length()
 
 
 def _check_config() -> None:
@@ -204,26 +199,11 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
         )
         lens_hint = tuple(int(x) for x in lens.tolist()) if bsz else (0, 0)
     max_q, max_h = max(int(lens_hint[0]), 1), max(int(lens_hint[1]), 1)
-    hpb = heads_per_program(g, hkv, bsz * max_q)
-    # int16 code words need K = d/8 >= 16 per tl.dot (decode_words.py)
-    words = d >= 128 and bsz * max_q >= CONFIG["small_tokens"]
-    swap = words and hpb == 1 and CONFIG["swap"]
-    if swap:
-        block_n, warps = CONFIG["swap_block_n"], CONFIG["num_warps"]
-    elif words:
-        block_n, warps = (CONFIG["block_n"] if hpb == 1 else CONFIG["block_n_grouped"]), CONFIG["num_warps"]
-    else:
-        block_n, warps = CONFIG["bytes"]["block_n"], CONFIG["bytes"]["num_warps"]
-    tg = token_groups(g, hpb, block_n) if words and not swap else 0
-    r_pad = _pow2(g) if swap else max(16, _pow2(hpb * g))
-    hp_block, hp_stages = (
-        (CONFIG["swap_hp_block"], CONFIG["swap_hp_stages"])
-        if swap
-        else (CONFIG["hp_block"], CONFIG["hp_stages"])
-    )
+    lp = int2_loop(d, g, hkv, bsz * max_q)
+    swap, words, hpb, block_n = lp.loop == "swap", lp.loop != "bytes", lp.hpb, lp.block_n
     opts = {"maxnreg": CONFIG["maxnreg"]} if words and CONFIG["maxnreg"] and q_rot.is_cuda else {}
     sms = CONFIG["sms"] or (_sm_count(q_rot.device) if q_rot.is_cuda else 0)
-    split_q = split_size(bsz, hkv // hpb, max_q, block_n, sms, words, CONFIG["swap_per_sm"] if swap else None)
+    split_q = split_size(bsz, hkv // hpb, max_q, block_n, sms, words, lp.per_sm)
     sq = math.ceil(max_q / split_q)
     sh = math.ceil(max_h / CONFIG["hp_split"])
     total = sq + sh
@@ -238,11 +218,11 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     _STAGE1(
         grid, q, kc, k_meta.view(word), vc, v_meta.view(word), hp_k, hp_v, int2_indptr, int2_indices, hp_indptr, hp_indices,
         o_part, lse, sm_scale * LOG2E, split_q, CONFIG["hp_split"], sq, total,
-        HKV=hkv, G=g, HPB=hpb, R_PAD=r_pad, G_PAD=max(16, _pow2(g)),
+        HKV=hkv, G=g, HPB=hpb, R_PAD=lp.rows, G_PAD=max(16, _pow2(g)),
         D=d, BLOCK_N=block_n,
-        BLOCK_H=hp_block, ASM=q.is_cuda, META=meta_id, WORDS=words, TG=tg, HP_STAGES=hp_stages,
+        BLOCK_H=lp.hp_block, ASM=q.is_cuda, META=meta_id, WORDS=words, TG=lp.token_groups, HP_STAGES=lp.hp_stages,
         HP_FIRST=hp_first, SWAP=swap,
-        num_warps=warps, num_stages=CONFIG["num_stages"], **opts,
+        num_warps=lp.warps, num_stages=CONFIG["num_stages"], **opts,
     )  # fmt: skip
     out = torch.empty_like(q_rot)
     db = min(d, CONFIG["merge_d"])

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
-__all__ = ["CONFIG", "heads_per_program", "num_splits", "split_size", "token_groups", "wave_split"]
+__all__ = ["CONFIG", "Int2Loop", "heads_per_program", "int2_loop", "num_splits", "split_size", "token_groups",
+           "wave_split"]  # fmt: skip
 
 # Tuning, from the H200 sweeps of benchmarks/decode_variants.py (results/decode_variants_w1.md):
 # one-warp programs (no CTA barriers in the tile loop) beat 4-warp ones at every shape; tiles of
@@ -89,11 +91,11 @@ CONFIG = {
     # 16-bit tier's tile and pipeline depth in that kernel (16 tokens and 2 stages keep the kernel
     # at the swap loop's own ~170 registers instead of 255, offline sm_90), and the one-warp
     # programs per SM that then fit (for the wave-filling splits)
-    "swap": False,
-    "swap_block_n": 64,
+    "swap": True,
+    "swap_block_n": 128,
     "swap_hp_block": 16,
     "swap_hp_stages": 2,
-    "swap_per_sm": 12,
+    "swap_per_sm": 8,
 }
 
 
@@ -119,6 +121,50 @@ def token_groups(g: int, hpb: int, block_n: int) -> int:
         return 0
     t = CONFIG["rows"] // g
     return t if t > 1 and block_n // t >= 16 else 0
+
+
+class Int2Loop(NamedTuple):
+    """The INT2 tile loop a launch takes and its shape. ``loop``: ``"bytes"`` (decode_tiles.py),
+    ``"words"`` (decode_words.py, or decode_groups.py when ``token_groups`` > 0) or ``"swap"``
+    (decode_swap.py); ``rows``: the query rows a program holds (padded to 16 MMA rows, or the
+    swap loop's ``g`` rounded up to a power of two); ``hp_block``/``hp_stages``: the 16-bit tier's
+    tile and pipeline depth compiled into the same kernel; ``per_sm``: programs per SM for the
+    wave-filling splits (``None``: ``CONFIG['per_sm']``)."""
+
+    loop: str
+    hpb: int
+    block_n: int
+    warps: int
+    rows: int
+    token_groups: int
+    hp_block: int
+    hp_stages: int
+    per_sm: int | None
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (``n >= 1``)."""
+    return 1 << (n - 1).bit_length()
+
+
+def int2_loop(d: int, g: int, kv_heads: int, tokens: int) -> Int2Loop:
+    """The loop for head dim ``d``, ``g`` query heads per KV head and ``tokens`` quantized tokens
+    (batch × longest list): the byte planes below ``CONFIG['small_tokens']`` and for head dim 64
+    (int16 words need K = d/8 >= 16 per ``tl.dot``); otherwise the swap loop with
+    ``CONFIG['swap']`` (one KV head per program at every size), else the padded word loop."""
+    c = CONFIG
+    if d < 128 or tokens < c["small_tokens"]:
+        hpb = heads_per_program(g, kv_heads, tokens)
+        b = c["bytes"]
+        return Int2Loop("bytes", hpb, b["block_n"], b["num_warps"], max(16, _pow2(hpb * g)), 0,
+                        c["hp_block"], c["hp_stages"], None)  # fmt: skip
+    if c["swap"]:
+        return Int2Loop("swap", 1, c["swap_block_n"], c["num_warps"], _pow2(g), 0, c["swap_hp_block"],
+                        c["swap_hp_stages"], c["swap_per_sm"])  # fmt: skip
+    hpb = heads_per_program(g, kv_heads, tokens)
+    block_n = c["block_n"] if hpb == 1 else c["block_n_grouped"]
+    return Int2Loop("words", hpb, block_n, c["num_warps"], max(16, _pow2(hpb * g)), token_groups(g, hpb, block_n),
+                    c["hp_block"], c["hp_stages"], None)  # fmt: skip
 
 
 def num_splits(batch: int, kv_heads: int, max_len: int) -> int:
