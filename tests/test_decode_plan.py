@@ -69,3 +69,21 @@ def test_split_size_picks_the_rule_and_follows_config_edits(monkeypatch):
     assert plan.split_size(8, 8, 32441, 64, 132, True) == 768
     monkeypatch.setitem(plan.CONFIG, "split_gran", 64)
     assert plan.split_size(8, 8, 32441, 64, 132, True) == 704
+
+
+def test_int2_loop_picks_bytes_swap_or_the_padded_words_by_size(monkeypatch):
+    """Byte planes below ``small_tokens`` and for head dim 64; the swap loop (one KV head per
+    program, the query heads rounded up to a power of two) up to ``swap_max_tokens``; above it, or
+    with ``swap`` off, the padded word loop, whose KV heads are grouped from ``group_tokens``."""
+    for key, val in (("small_tokens", 100), ("swap", True), ("swap_max_tokens", 1000), ("group_tokens", 500)):
+        monkeypatch.setitem(plan.CONFIG, key, val)
+    assert plan.int2_loop(128, 4, 8, 99).loop == "bytes"
+    assert plan.int2_loop(64, 4, 8, 10_000).loop == "bytes"
+    lp = plan.int2_loop(128, 3, 8, 999)
+    assert (lp.loop, lp.hpb, lp.rows, lp.block_n) == ("swap", 1, 4, plan.CONFIG["swap_block_n"])
+    assert lp.per_sm == plan.CONFIG["swap_per_sm"]
+    lp = plan.int2_loop(256, 4, 8, 1000)
+    assert (lp.loop, lp.hpb, lp.rows, lp.per_sm) == ("words", 4, 16, None)
+    monkeypatch.setitem(plan.CONFIG, "swap", False)
+    lp = plan.int2_loop(128, 4, 8, 400)
+    assert (lp.loop, lp.hpb, lp.rows) == ("words", 1, 16)

@@ -92,6 +92,10 @@ CONFIG = {
     # at the swap loop's own ~170 registers instead of 255, offline sm_90), and the one-warp
     # programs per SM that then fit (for the wave-filling splits)
     "swap": True,
+    # from this many quantized tokens (batch x longest list) the grouped padded loop instead: at
+    # batch 32 / 128K it measured 3.38x SDPA against 3.10-3.35x for the swap loop
+    # (results/dv_swap_c.md, gpu_check.md); at 8 / 128K and 32 / 32K the swap loop wins
+    "swap_max_tokens": 3 << 20,
     "swap_block_n": 128,
     "swap_hp_block": 16,
     "swap_hp_stages": 2,
@@ -151,14 +155,15 @@ def int2_loop(d: int, g: int, kv_heads: int, tokens: int) -> Int2Loop:
     """The loop for head dim ``d``, ``g`` query heads per KV head and ``tokens`` quantized tokens
     (batch × longest list): the byte planes below ``CONFIG['small_tokens']`` and for head dim 64
     (int16 words need K = d/8 >= 16 per ``tl.dot``); otherwise the swap loop with
-    ``CONFIG['swap']`` (one KV head per program at every size), else the padded word loop."""
+    ``CONFIG['swap']`` below ``CONFIG['swap_max_tokens']`` (one KV head per program), else the
+    padded word loop (grouped KV heads from ``CONFIG['group_tokens']``)."""
     c = CONFIG
     if d < 128 or tokens < c["small_tokens"]:
         hpb = heads_per_program(g, kv_heads, tokens)
         b = c["bytes"]
         return Int2Loop("bytes", hpb, b["block_n"], b["num_warps"], max(16, _pow2(hpb * g)), 0,
                         c["hp_block"], c["hp_stages"], None)  # fmt: skip
-    if c["swap"]:
+    if c["swap"] and tokens < c["swap_max_tokens"]:
         return Int2Loop("swap", 1, c["swap_block_n"], c["num_warps"], _pow2(g), 0, c["swap_hp_block"],
                         c["swap_hp_stages"], c["swap_per_sm"])  # fmt: skip
     hpb = heads_per_program(g, kv_heads, tokens)
