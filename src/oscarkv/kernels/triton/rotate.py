@@ -49,8 +49,9 @@ def _rotate_rows(X, R, Y, DST, h, n_b, s_xb, s_xh, s_rh, s_yb, s_yh, D: tl.const
         for c0 in tl.static_range(0, D, BLOCK_C):
             y = tl.zeros([BLOCK_B, BLOCK_C], tl.float32)
             # K in chunks, the rows re-read per chunk: a whole [16, d] x [d, BLOCK_C] IEEE fp32 dot
-            # (FMA path) spilled kilobytes per thread
-            for k0 in tl.static_range(0, D, BLOCK_K):
+            # (FMA path) spilled kilobytes per thread. A runtime loop: unrolled, the three bodies of
+            # _rotate_new took 34 s to compile at d = 256 (1.7 MB of cubin, Triton 3.6, per variant)
+            for k0 in range(0, D, BLOCK_K):
                 xk = tl.load(xp + (k0 + offs_k)[None, :], mask=bmask[:, None], other=0.0).to(tl.float32)
                 if INVERSE:  # (Rᵀ)[k, c] = R[c, k]
                     m = tl.load(rh + (c0 + offs_c)[None, :] * D + (k0 + offs_k)[:, None])
