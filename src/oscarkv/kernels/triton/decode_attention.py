@@ -6,24 +6,30 @@ word-plane path launches ``(head group, sequence, split)`` with the 16-bit split
 it in ``BLOCK_N`` tiles with an online softmax (base 2), and writes a normalised partial output and
 its log-sum-exp. Stage 2 merges every split of both tiers by log-sum-exp.
 
+On the word-plane path (head dim >= 128, from ``CONFIG['small_tokens']`` quantized tokens) an
+INT2 program takes one KV head and puts the tokens on the MMA rows and the query heads on its N
+side (:mod:`.decode_swap`, ``CONFIG['swap']``), below ``CONFIG['swap_max_tokens']``. Otherwise
+the query heads are the MMA rows, padded to 16, and the rest of this paragraph applies.
 For large batches (``CONFIG['group_tokens']`` quantized tokens or more) an INT2 program takes
 ``HPB`` KV heads at once, so that their ``HPB·g`` query heads fill the 16 rows of the MMA (4 KV
 heads × 4 query heads for Qwen3-8B) instead of padding one KV head's ``g`` rows to 16: the softmax
 and the score scaling run on 16 useful rows with the same number of tensor-core instructions
 (``q·k`` is one dot per KV head whose rows are kept by head; ``p·V`` one dot per KV head with the
 other heads' rows of ``p`` zeroed). Smaller batches keep one KV head per program, which gives more
-programs to fill the GPU (measured faster there). The accumulators are rescaled only when a row's
-running maximum grows by more than 2⁸ (the probabilities then stay ≤ 256, well inside fp16),
-which skips the rescale on almost every tile.
+programs to fill the GPU (measured faster there).
 
-The INT2 tile loops live in :mod:`.decode_words` (codes read as int16 words: head dim >= 128 from
-``CONFIG['small_tokens']`` quantized tokens) and :mod:`.decode_tiles` (codes read as bytes; it
-also holds the 16-bit tier's loop and the helpers both INT2 loops share); :mod:`.decode_groups` is
+In every INT2 loop the accumulators are rescaled only when a head's running maximum grows by more
+than 2⁸ (the probabilities then stay ≤ 256, well inside fp16), which skips the rescale on almost
+every tile.
+
+The INT2 tile loops live in :mod:`.decode_swap` and :mod:`.decode_words` (codes read as int16
+words) and :mod:`.decode_tiles` (codes read as bytes; it also holds the 16-bit tier's loop and the
+helpers the INT2 loops share); :mod:`.decode_groups` is
 an opt-in word loop without padding rows for one KV head per program (``CONFIG['token_groups']``,
 measured slower on the H200). Strides are derived
 from the (validated) contiguous layouts, which keeps the launch short. The tuning ``CONFIG``, the
-heads per program and the split sizes (filling whole waves of programs) live in
-:mod:`.decode_plan`.
+loop choice (``int2_loop``), the heads per program and the split sizes (filling whole waves of
+programs) live in :mod:`.decode_plan`.
 """
 
 from __future__ import annotations
