@@ -18,22 +18,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode_tiles import SUBNORMAL, _inv, _meta, _split_range, _store_lse
+from .decode_tiles import SUBNORMAL, _inv, _meta, _qpart, _qscale, _split_range, _store_lse
 from .decode_words import _planes
 
 __all__ = ["int2_split_swap"]
-
-
-@triton.jit
-def _qpart_t(qp, i: tl.constexpr, e: tl.constexpr, gmask, D4: tl.constexpr):
-    """Query part of plane ``(i, e)`` transposed, ``[D/8, GP]`` fp32 (dims ``D4·i + 2m + e``)."""
-    return tl.load(qp + D4 * i + e, mask=gmask[None, :], other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _qscale_t(q, i: tl.constexpr):
-    """As ``decode_tiles._qscale``: plane ``i`` is worth ``c·4^i``, so its query part is scaled by ``4^-i``."""
-    return q.to(tl.float16) if i == 0 else (q * (0.25**i)).to(tl.float16)
 
 
 @triton.jit
@@ -58,13 +46,15 @@ def int2_split_swap(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size
     row = qrow.to(tl.int64) * total + sp
     offs_m = tl.arange(0, D8)
     qp = Q + qrow[None, :] * D + 2 * offs_m[:, None]
-    q00, q01 = _qpart_t(qp, 0, 0, gmask, D4), _qpart_t(qp, 0, 1, gmask, D4)
-    q10, q11 = _qpart_t(qp, 1, 0, gmask, D4), _qpart_t(qp, 1, 1, gmask, D4)
-    q20, q21 = _qpart_t(qp, 2, 0, gmask, D4), _qpart_t(qp, 2, 1, gmask, D4)
-    q30, q31 = _qpart_t(qp, 3, 0, gmask, D4), _qpart_t(qp, 3, 1, gmask, D4)
+    # query parts transposed, [D8, GP]: plane (i, e) holds the dims D4·i + 2m + e
+    qm = gmask[None, :]
+    q00, q01 = _qpart(qp, 0, 0, qm, D4), _qpart(qp, 0, 1, qm, D4)
+    q10, q11 = _qpart(qp, 1, 0, qm, D4), _qpart(qp, 1, 1, qm, D4)
+    q20, q21 = _qpart(qp, 2, 0, qm, D4), _qpart(qp, 2, 1, qm, D4)
+    q30, q31 = _qpart(qp, 3, 0, qm, D4), _qpart(qp, 3, 1, qm, D4)
     qsum = tl.sum(q00 + q01 + q10 + q11 + q20 + q21 + q30 + q31, 0)
-    q00, q01, q10, q11 = _qscale_t(q00, 0), _qscale_t(q01, 0), _qscale_t(q10, 1), _qscale_t(q11, 1)
-    q20, q21, q30, q31 = _qscale_t(q20, 2), _qscale_t(q21, 2), _qscale_t(q30, 3), _qscale_t(q31, 3)
+    q00, q01, q10, q11 = _qscale(q00, 0), _qscale(q01, 0), _qscale(q10, 1), _qscale(q11, 1)
+    q20, q21, q30, q31 = _qscale(q20, 2), _qscale(q21, 2), _qscale(q30, 3), _qscale(q31, 3)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     zacc = tl.zeros([GP], tl.float32)
