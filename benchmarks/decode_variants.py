@@ -151,7 +151,7 @@ def main() -> None:
                     hpb=lp.hpb if lp else mod.heads_per_program(hq // hkv, hkv, b * lq),
                 )
                 if tg:  # groups per tile the launch took (0: the padded loop, e.g. grouped heads)
-                    row["groups"] = mod.token_groups(hq // hkv, row["hpb"], bn)
+                    row["groups"] = lp.token_groups if lp else mod.token_groups(hq // hkv, row["hpb"], bn)
             except Exception as e:  # a config that does not compile (registers, shared memory)
                 row["error"] = str(e).splitlines()[-1][:120] if str(e) else type(e).__name__
             mod.CONFIG.clear(), mod.CONFIG.update(saved)

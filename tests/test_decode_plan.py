@@ -87,3 +87,25 @@ def test_int2_loop_picks_bytes_swap_or_the_padded_words_by_size(monkeypatch):
     monkeypatch.setitem(plan.CONFIG, "swap", False)
     lp = plan.int2_loop(128, 4, 8, 400)
     assert (lp.loop, lp.hpb, lp.rows) == ("words", 1, 16)
+
+
+def test_split_size_fills_the_waves_of_the_given_programs_per_sm():
+    """``per_sm`` (the swap loop's ``CONFIG['swap_per_sm']``) sets the wave size; None means
+    ``CONFIG['per_sm']``."""
+    a = plan.split_size(8, 8, 32441, 128, 132, True, 8)
+    b = plan.split_size(8, 8, 32441, 128, 132, True, 3)
+    assert a == plan.wave_split(64, 32441, 128, 132 * 8)
+    assert b == plan.wave_split(64, 32441, 128, 132 * 3)
+    assert a != b
+    assert plan.split_size(8, 8, 32441, 128, 132, True) == plan.wave_split(
+        64, 32441, 128, 132 * plan.CONFIG["per_sm"]
+    )
+
+
+def test_int2_loop_keeps_the_swap_loop_where_the_padded_loop_would_not_group_heads(monkeypatch):
+    """Above ``swap_max_tokens`` the padded loop wins only with grouped heads: with ``g`` not a
+    power of two (one head per program) the swap loop stays."""
+    for key, val in (("small_tokens", 0), ("swap", True), ("swap_max_tokens", 1000), ("group_tokens", 500)):
+        monkeypatch.setitem(plan.CONFIG, key, val)
+    assert plan.int2_loop(128, 3, 8, 5000).loop == "swap"
+    assert plan.int2_loop(128, 4, 8, 5000).loop == "words"

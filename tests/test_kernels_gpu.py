@@ -45,6 +45,8 @@ def _lists(lens: list[int], device: str, shuffle: bool) -> tuple[torch.Tensor, t
         ([0] * 4, [100] * 4, 32, 8, 128),
         ([131072 - 320], [320], 32, 8, 128),
         ([3000, 70], [40, 320], 16, 4, 256),
+        ([1000, 999], [50, 51], 8, 8, 128),  # g = 1: the swap loop's N side is one column
+        ([5000, 70], [30, 320], 12, 4, 128),  # g = 3: a padding head
     ],
 )
 @pytest.mark.parametrize("meta", ["fp16", "bf16"])

@@ -297,15 +297,26 @@ def test_decode_attention_wave_splits_and_hp_first_match_reference(
     tk, lens_q, lens_h, hq, hkv, loop, monkeypatch
 ):
     """The word-plane paths with ``CONFIG['fill_waves']`` (split sizes that fill whole waves of a
-    pretend 2-SM device) and ``CONFIG['hp_first']`` (grid (head group, sequence, split), 16-bit
+    pretend 16-SM device) and ``CONFIG['hp_first']`` (grid (head group, sequence, split), 16-bit
     splits first), over several 16-bit splits."""
     _, da = tk
-    settings = {"fill_waves": True, "sms": 2, "per_sm": 2, "swap_per_sm": 3, "hp_first": True, "few_units": 0,
+    settings = {"fill_waves": True, "sms": 16, "per_sm": 2, "swap_per_sm": 3, "hp_first": True, "few_units": 0,
                 "hp_split": 32, "small_tokens": 0, "group_tokens": 0 if loop == "grouped" else 1 << 30,
-                "swap": loop == "swap"}  # fmt: skip
+                "swap": loop == "swap", "min_split": 64}  # fmt: skip
     for key, val in settings.items():
         monkeypatch.setitem(da.CONFIG, key, val)
+    splits = []  # (per_sm the launch passed, tokens per split)
+    split_size = da.split_size
+
+    def spy(*args):
+        splits.append((args[6], split_size(*args)))
+        return splits[-1][1]
+
+    monkeypatch.setattr(da, "split_size", spy)
     _check_decode(da, lens_q, lens_h, hq, hkv, 128, "fp16")
+    per_sm, split = splits[0]
+    assert per_sm == (3 if loop == "swap" else None)
+    assert split < max(lens_q)  # several INT2 splits per sequence
 
 
 @pytest.mark.parametrize(

@@ -35,7 +35,7 @@ from .decode_tiles import (
     _split_range,
     _store_lse,
 )
-from .decode_words import _planes, _pv8, _qc8, _qparts8, _scale8, _zeros8
+from .decode_words import _dot8, _planes, _pv8, _qparts8, _scale8, _zeros8
 
 __all__ = ["int2_split_groups"]
 
@@ -101,7 +101,7 @@ def int2_split_groups(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_si
         kmask = tl.reshape(tl.broadcast_to(nmask[:, None, :], (T, D8, NT)), (KB, NT))
         kc = tl.load(KC + kp, mask=kmask, other=0)
         k00, k01, k10, k11, k20, k21, k30, k31 = _planes(kc, ASM)
-        qc = _qc8(
+        qc = _dot8(
             q00, q01, q10, q11, q20, q21, q30, q31, k00, k01, k10, k11, k20, k21, k30, k31
         )  # [R_PAD, NT]: q_h · c of token grp·NT + n'
         ks, kz = _meta(_spread(tl.load(KM + sh, mask=nmask, other=0), G, T), META)
@@ -110,7 +110,9 @@ def int2_split_groups(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_si
         m_new = tl.maximum(m_i, tl.max(s, 1))
         if _must_rescale(m_i, m_new):
             alpha, l_i, zacc = _rescale(m_i, m_new, l_i, zacc)
-            a00, a01, a10, a11, a20, a21, a30, a31 = _scale8(a00, a01, a10, a11, a20, a21, a30, a31, alpha)
+            a00, a01, a10, a11, a20, a21, a30, a31 = _scale8(
+                a00, a01, a10, a11, a20, a21, a30, a31, alpha[:, None]
+            )
             m_i = m_new
         p = tl.exp2(s - m_i[:, None])
         l_i = l_i + tl.sum(p, 1)

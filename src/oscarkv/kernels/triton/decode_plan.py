@@ -87,10 +87,11 @@ CONFIG = {
     # 16 / 32K 0.187 -> 0.169 ms; the byte path lost 4% at batch 1 / 16K and keeps the old grid)
     "hp_first": True,
     # one KV head per program on the word-plane path: tokens as the MMA rows and the query heads
-    # as its N side (decode_swap.py) instead of the query heads padded to 16 rows; its tile, the
+    # as its N side (decode_swap.py) instead of the query heads padded to 16 rows (the padded
+    # loops, and so token_groups, only with swap off or from swap_max_tokens); its tile, the
     # 16-bit tier's tile and pipeline depth in that kernel (16 tokens and 2 stages keep the kernel
-    # at the swap loop's own ~170 registers instead of 255, offline sm_90), and the one-warp
-    # programs per SM that then fit (for the wave-filling splits)
+    # at the swap loop's own registers, 242 with 128-token tiles and 168 with 64, instead of 255,
+    # offline sm_90), and the one-warp programs per SM that then fit (for the wave-filling splits)
     "swap": True,
     # from this many quantized tokens (batch x longest list) the grouped padded loop instead: at
     # batch 32 / 128K it measured 3.38x SDPA against 3.10-3.35x for the swap loop
@@ -155,15 +156,18 @@ def int2_loop(d: int, g: int, kv_heads: int, tokens: int) -> Int2Loop:
     """The loop for head dim ``d``, ``g`` query heads per KV head and ``tokens`` quantized tokens
     (batch × longest list): the byte planes below ``CONFIG['small_tokens']`` and for head dim 64
     (int16 words need K = d/8 >= 16 per ``tl.dot``); otherwise the swap loop with
-    ``CONFIG['swap']`` below ``CONFIG['swap_max_tokens']`` (one KV head per program), else the
-    padded word loop (grouped KV heads from ``CONFIG['group_tokens']``)."""
+    ``CONFIG['swap']`` (one KV head per program) below ``CONFIG['swap_max_tokens']`` and wherever
+    the padded loop would take one KV head per program too; else the padded word loop (grouped KV
+    heads from ``CONFIG['group_tokens']``, token groups with ``CONFIG['token_groups']``)."""
     c = CONFIG
     if d < 128 or tokens < c["small_tokens"]:
         hpb = heads_per_program(g, kv_heads, tokens)
         b = c["bytes"]
         return Int2Loop("bytes", hpb, b["block_n"], b["num_warps"], max(16, _pow2(hpb * g)), 0,
                         c["hp_block"], c["hp_stages"], None)  # fmt: skip
-    if c["swap"] and tokens < c["swap_max_tokens"]:
+    # from swap_max_tokens on only grouped heads (hpb > 1) beat the swap loop; one head per
+    # program (g not a power of two, or g >= 16) keeps it
+    if c["swap"] and (tokens < c["swap_max_tokens"] or heads_per_program(g, kv_heads, tokens) == 1):
         return Int2Loop("swap", 1, c["swap_block_n"], c["num_warps"], _pow2(g), 0, c["swap_hp_block"],
                         c["swap_hp_stages"], c["swap_per_sm"])  # fmt: skip
     hpb = heads_per_program(g, kv_heads, tokens)

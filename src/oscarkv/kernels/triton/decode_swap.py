@@ -18,10 +18,27 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode_tiles import SUBNORMAL, _inv, _meta, _qpart, _qscale, _split_range, _store_lse
-from .decode_words import _planes
+from .decode_tiles import (
+    SUBNORMAL,
+    _inv,
+    _meta,
+    _must_rescale,
+    _qpart,
+    _qscale,
+    _rescale,
+    _split_range,
+    _store_lse,
+)
+from .decode_words import _dot8, _planes, _scale8, _zeros8
 
 __all__ = ["int2_split_swap"]
+
+
+@triton.jit
+def _vp8(ps, v00, v01, v10, v11, v20, v21, v30, v31, a00, a01, a10, a11, a20, a21, a30, a31):
+    """``a_(i,e) += plane_(i,e)^T · (p∘s_V)`` for the eight transposed value planes ``[D/8, BLOCK_N]``."""
+    return (tl.dot(v00, ps, a00), tl.dot(v01, ps, a01), tl.dot(v10, ps, a10), tl.dot(v11, ps, a11),
+            tl.dot(v20, ps, a20), tl.dot(v21, ps, a21), tl.dot(v30, ps, a30), tl.dot(v31, ps, a31))  # fmt: skip
 
 
 @triton.jit
@@ -58,8 +75,7 @@ def int2_split_swap(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     zacc = tl.zeros([GP], tl.float32)
-    a00 = tl.zeros([D8, GP], tl.float32)
-    a01, a10, a11, a20, a21, a30, a31 = a00, a00, a00, a00, a00, a00, a00
+    a00, a01, a10, a11, a20, a21, a30, a31 = _zeros8(D8, GP)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < hi
@@ -68,23 +84,15 @@ def int2_split_swap(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size
         # S^T: code-word planes [BLOCK_N, D8] (tokens as MMA rows) times query parts [D8, GP]
         kc = tl.load(KC + sh[:, None] * D8 + offs_m[None, :], mask=nmask[:, None], other=0)
         k00, k01, k10, k11, k20, k21, k30, k31 = _planes(kc, ASM)
-        t = tl.dot(k00, q00)
-        t = tl.dot(k01, q01, t)
-        t = tl.dot(k10, q10, t)
-        t = tl.dot(k11, q11, t)
-        t = tl.dot(k20, q20, t)
-        t = tl.dot(k21, q21, t)
-        t = tl.dot(k30, q30, t)
-        t = tl.dot(k31, q31, t)
+        t = _dot8(k00, k01, k10, k11, k20, k21, k30, k31, q00, q01, q10, q11, q20, q21, q30, q31)
         s = t * (ks * (qk_scale * SUBNORMAL))[:, None] - qsum[None, :] * (ks * kz * qk_scale)[:, None]
         s = tl.where(nmask[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))
-        if tl.max(m_new - m_i, 0) > 8.0:  # lazy rescale, as decode_tiles._must_rescale
-            alpha = tl.exp2(m_i - m_new)
-            l_i, zacc = l_i * alpha, zacc * alpha
-            al = alpha[None, :]
-            a00, a01, a10, a11 = a00 * al, a01 * al, a10 * al, a11 * al
-            a20, a21, a30, a31 = a20 * al, a21 * al, a30 * al, a31 * al
+        if _must_rescale(m_i, m_new):
+            alpha, l_i, zacc = _rescale(m_i, m_new, l_i, zacc)
+            a00, a01, a10, a11, a20, a21, a30, a31 = _scale8(
+                a00, a01, a10, a11, a20, a21, a30, a31, alpha[None, :]
+            )
             m_i = m_new
         p = tl.exp2(s - m_i[None, :])
         l_i = l_i + tl.sum(p, 0)
@@ -95,14 +103,9 @@ def int2_split_swap(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size
         # O^T += value planes transposed [D8, BLOCK_N] times p∘s_V [BLOCK_N, GP]
         vc = tl.load(VC + sh[None, :] * D8 + offs_m[:, None], mask=nmask[None, :], other=0)
         v00, v01, v10, v11, v20, v21, v30, v31 = _planes(vc, ASM)
-        a00 = tl.dot(v00, ps, a00)
-        a01 = tl.dot(v01, ps, a01)
-        a10 = tl.dot(v10, ps, a10)
-        a11 = tl.dot(v11, ps, a11)
-        a20 = tl.dot(v20, ps, a20)
-        a21 = tl.dot(v21, ps, a21)
-        a30 = tl.dot(v30, ps, a30)
-        a31 = tl.dot(v31, ps, a31)
+        a00, a01, a10, a11, a20, a21, a30, a31 = _vp8(
+            ps, v00, v01, v10, v11, v20, v21, v30, v31, a00, a01, a10, a11, a20, a21, a30, a31
+        )
     inv = _inv(l_i)
     z = zacc * inv
     op = O + row[None, :] * D + 2 * offs_m[:, None]

@@ -90,22 +90,22 @@ def _zeros8(R_PAD: tl.constexpr, D8: tl.constexpr):
 
 
 @triton.jit
-def _qc8(q00, q01, q10, q11, q20, q21, q30, q31, k00, k01, k10, k11, k20, k21, k30, k31):
-    """``Σ_(i,e) q_(i,e) · plane_(i,e)``: eight ``tl.dot``s into one fp32 score tile."""
-    t = tl.dot(q00, k00)
-    t = tl.dot(q01, k01, t)
-    t = tl.dot(q10, k10, t)
-    t = tl.dot(q11, k11, t)
-    t = tl.dot(q20, k20, t)
-    t = tl.dot(q21, k21, t)
-    t = tl.dot(q30, k30, t)
-    return tl.dot(q31, k31, t)
+def _dot8(x00, x01, x10, x11, x20, x21, x30, x31, y00, y01, y10, y11, y20, y21, y30, y31):
+    """``Σ_(i,e) x_(i,e) · y_(i,e)``: eight ``tl.dot``s into one fp32 score tile (queries times
+    planes here, planes times queries in decode_swap.py)."""
+    t = tl.dot(x00, y00)
+    t = tl.dot(x01, y01, t)
+    t = tl.dot(x10, y10, t)
+    t = tl.dot(x11, y11, t)
+    t = tl.dot(x20, y20, t)
+    t = tl.dot(x21, y21, t)
+    t = tl.dot(x30, y30, t)
+    return tl.dot(x31, y31, t)
 
 
 @triton.jit
-def _scale8(a00, a01, a10, a11, a20, a21, a30, a31, alpha):
-    """The eight accumulators times the per-row ``alpha``."""
-    al = alpha[:, None]
+def _scale8(a00, a01, a10, a11, a20, a21, a30, a31, al):
+    """The eight accumulators times ``al`` (the rescale factors, broadcast along the heads' axis)."""
     return a00 * al, a01 * al, a10 * al, a11 * al, a20 * al, a21 * al, a30 * al, a31 * al
 
 
@@ -140,12 +140,14 @@ def int2_split_words(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_siz
             # K code words loaded transposed, [D8, BLOCK_N], so the planes are dot operands as they are
             kc = tl.load(KC + (sh + j)[None, :] * D8 + offs_m[:, None], mask=nmask[None, :], other=0)
             k00, k01, k10, k11, k20, k21, k30, k31 = _planes(kc, ASM)
-            t = _qc8(q00, q01, q10, q11, q20, q21, q30, q31, k00, k01, k10, k11, k20, k21, k30, k31)
+            t = _dot8(q00, q01, q10, q11, q20, q21, q30, q31, k00, k01, k10, k11, k20, k21, k30, k31)
             qc = _keep_head(t, qc, rhead, j, HPB)
         s, m_new = _scores(qc, qsum, ks, kz, qk_scale, nmask, m_i)
         if _must_rescale(m_i, m_new):
             alpha, l_i, zacc = _rescale(m_i, m_new, l_i, zacc)
-            a00, a01, a10, a11, a20, a21, a30, a31 = _scale8(a00, a01, a10, a11, a20, a21, a30, a31, alpha)
+            a00, a01, a10, a11, a20, a21, a30, a31 = _scale8(
+                a00, a01, a10, a11, a20, a21, a30, a31, alpha[:, None]
+            )
             m_i = m_new
         pw, l_i, zacc = _probs(s, m_i, l_i, zacc, VM, sh, nmask, G, HPB, R_PAD, META)
         for j in tl.static_range(HPB):
