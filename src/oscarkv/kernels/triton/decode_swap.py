@@ -29,7 +29,7 @@ from .decode_tiles import (
     _split_range,
     _store_lse,
 )
-from .decode_words import _dot8, _planes, _scale8, _zeros8
+from .decode_words import _dot8, _planes, _scale8, _store8, _zeros8
 
 __all__ = ["int2_split_swap"]
 
@@ -39,13 +39,6 @@ def _vp8(ps, v00, v01, v10, v11, v20, v21, v30, v31, a00, a01, a10, a11, a20, a2
     """``a_(i,e) += plane_(i,e)^T · (p∘s_V)`` for the eight transposed value planes ``[D/8, BLOCK_N]``."""
     return (tl.dot(v00, ps, a00), tl.dot(v01, ps, a01), tl.dot(v10, ps, a10), tl.dot(v11, ps, a11),
             tl.dot(v20, ps, a20), tl.dot(v21, ps, a21), tl.dot(v30, ps, a30), tl.dot(v31, ps, a31))  # fmt: skip
-
-
-@triton.jit
-def _store_t(op, i: tl.constexpr, e: tl.constexpr, acc, inv, z, gmask, D4: tl.constexpr):
-    """Output dims ``D4·i + 2m + e`` of every head from the transposed accumulator ``[D/8, GP]``."""
-    scale = SUBNORMAL / (4.0**i)
-    tl.store(op + D4 * i + e, acc * (inv * scale)[None, :] - z[None, :], mask=gmask[None, :])
 
 
 @triton.jit
@@ -109,12 +102,6 @@ def int2_split_swap(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size
     inv = _inv(l_i)
     z = zacc * inv
     op = O + row[None, :] * D + 2 * offs_m[:, None]
-    _store_t(op, 0, 0, a00, inv, z, gmask, D4)
-    _store_t(op, 0, 1, a01, inv, z, gmask, D4)
-    _store_t(op, 1, 0, a10, inv, z, gmask, D4)
-    _store_t(op, 1, 1, a11, inv, z, gmask, D4)
-    _store_t(op, 2, 0, a20, inv, z, gmask, D4)
-    _store_t(op, 2, 1, a21, inv, z, gmask, D4)
-    _store_t(op, 3, 0, a30, inv, z, gmask, D4)
-    _store_t(op, 3, 1, a31, inv, z, gmask, D4)
+    # the accumulators are transposed, [D8, GP]: per-head factors broadcast along the columns
+    _store8(op, a00, a01, a10, a11, a20, a21, a30, a31, inv[None, :], z[None, :], gmask[None, :], D4)
     _store_lse(LSE, row, gmask, m_i, l_i)

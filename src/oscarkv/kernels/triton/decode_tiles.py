@@ -213,10 +213,12 @@ def _probs(s, m_i, l_i, zacc, VM, sh, nmask, G: tl.constexpr, HPB: tl.constexpr,
 
 
 @triton.jit
-def _store_part(op, i: tl.constexpr, e: tl.constexpr, acc, inv, z, rmask, D4: tl.constexpr):
-    """Output dims ``D4·i + e`` onwards from the accumulator of code plane ``i`` (worth ``c·4^i·2⁻²⁴``)."""
+def _store_part(op, i: tl.constexpr, e: tl.constexpr, acc, inv, z, mask, D4: tl.constexpr):
+    """Output dims ``D4·i + e`` onwards from the accumulator of code plane ``i`` (worth ``c·4^i·2⁻²⁴``);
+    ``inv`` (1 / softmax sum), ``z`` (``Σ p∘s∘z``, normalised) and ``mask`` broadcast against
+    ``acc`` (per row, or per column in the transposed swap loop)."""
     scale = SUBNORMAL / (4.0**i)
-    tl.store(op + D4 * i + e, acc * (inv * scale)[:, None] - z[:, None], mask=rmask[:, None])
+    tl.store(op + D4 * i + e, acc * (inv * scale) - z, mask=mask)
 
 
 @triton.jit
@@ -274,6 +276,7 @@ def int2_split_bytes(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_siz
     inv = _inv(l_i)
     z = zacc * inv
     op = O + row[:, None] * D + offs_d[None, :]
+    inv, z, rmask = inv[:, None], z[:, None], rmask[:, None]
     _store_part(op, 0, 0, a0, inv, z, rmask, D4)
     _store_part(op, 1, 0, a1, inv, z, rmask, D4)
     _store_part(op, 2, 0, a2, inv, z, rmask, D4)

@@ -117,6 +117,20 @@ def _pv8(p, v00, v01, v10, v11, v20, v21, v30, v31, a00, a01, a10, a11, a20, a21
 
 
 @triton.jit
+def _store8(op, a00, a01, a10, a11, a20, a21, a30, a31, inv, z, mask, D4: tl.constexpr):
+    """The eight planes' output dims (``decode_tiles._store_part``; ``inv``, ``z`` and ``mask``
+    broadcast against the accumulators)."""
+    _store_part(op, 0, 0, a00, inv, z, mask, D4)
+    _store_part(op, 0, 1, a01, inv, z, mask, D4)
+    _store_part(op, 1, 0, a10, inv, z, mask, D4)
+    _store_part(op, 1, 1, a11, inv, z, mask, D4)
+    _store_part(op, 2, 0, a20, inv, z, mask, D4)
+    _store_part(op, 2, 1, a21, inv, z, mask, D4)
+    _store_part(op, 3, 0, a30, inv, z, mask, D4)
+    _store_part(op, 3, 1, a31, inv, z, mask, D4)
+
+
+@triton.jit
 def int2_split_words(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, total, hg, sp, b,
                 HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr,
                 BLOCK_N: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr):  # fmt: skip
@@ -160,12 +174,5 @@ def int2_split_words(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_siz
     inv = _inv(l_i)
     z = zacc * inv
     op = O + row[:, None] * D + 2 * offs_m[None, :]
-    _store_part(op, 0, 0, a00, inv, z, rmask, D4)
-    _store_part(op, 0, 1, a01, inv, z, rmask, D4)
-    _store_part(op, 1, 0, a10, inv, z, rmask, D4)
-    _store_part(op, 1, 1, a11, inv, z, rmask, D4)
-    _store_part(op, 2, 0, a20, inv, z, rmask, D4)
-    _store_part(op, 2, 1, a21, inv, z, rmask, D4)
-    _store_part(op, 3, 0, a30, inv, z, rmask, D4)
-    _store_part(op, 3, 1, a31, inv, z, rmask, D4)
+    _store8(op, a00, a01, a10, a11, a20, a21, a30, a31, inv[:, None], z[:, None], rmask[:, None], D4)
     _store_lse(LSE, row, rmask, m_i, l_i)
