@@ -276,11 +276,11 @@ def int2_split_bytes(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_siz
     inv = _inv(l_i)
     z = zacc * inv
     op = O + row[:, None] * D + offs_d[None, :]
-    inv, z, rmask = inv[:, None], z[:, None], rmask[:, None]
-    _store_part(op, 0, 0, a0, inv, z, rmask, D4)
-    _store_part(op, 1, 0, a1, inv, z, rmask, D4)
-    _store_part(op, 2, 0, a2, inv, z, rmask, D4)
-    _store_part(op, 3, 0, a3, inv, z, rmask, D4)
+    invr, zr, mr = inv[:, None], z[:, None], rmask[:, None]
+    _store_part(op, 0, 0, a0, invr, zr, mr, D4)
+    _store_part(op, 1, 0, a1, invr, zr, mr, D4)
+    _store_part(op, 2, 0, a2, invr, zr, mr, D4)
+    _store_part(op, 3, 0, a3, invr, zr, mr, D4)
     _store_lse(LSE, row, rmask, m_i, l_i)
 
 
