@@ -51,7 +51,7 @@ def _lists(lens: list[int], device: str, shuffle: bool) -> tuple[torch.Tensor, t
 )
 @pytest.mark.parametrize("meta", ["fp16", "bf16"])
 @pytest.mark.parametrize("grouped", [False, True], ids=["auto-heads", "grouped-heads"])
-@pytest.mark.parametrize("planes", ["auto", "words", "groups", "swap"])
+@pytest.mark.parametrize("planes", ["auto", "words", "groups", "swap", "swap-full-tiles"])
 def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta, grouped, planes, monkeypatch):
     from oscarkv.kernels.triton import decode_attention as tda
 
@@ -69,11 +69,13 @@ def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta, g
         monkeypatch.setitem(tda.CONFIG, "small_tokens", 0)
         monkeypatch.setitem(tda.CONFIG, "token_groups", True)
         monkeypatch.setitem(tda.CONFIG, "swap", False)
-    if planes == "swap":  # tokens as the MMA rows (one KV head per program, word planes)
+    if planes.startswith("swap"):  # tokens as the MMA rows (one KV head per program, word planes)
         if d < 128 or grouped:
             pytest.skip("the swap loop needs the word planes and one KV head per program")
         monkeypatch.setitem(tda.CONFIG, "small_tokens", 0)
         monkeypatch.setitem(tda.CONFIG, "swap", True)
+        # opt-in: whole tiles unmasked, then the masked tail
+        monkeypatch.setitem(tda.CONFIG, "swap_full_tiles", planes == "swap-full-tiles")
 
     dev = "cuda"
     fmt = RowFormat(d, 2, d, meta_dtype=meta)

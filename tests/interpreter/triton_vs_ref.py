@@ -202,7 +202,7 @@ def test_decode_attention_matches_reference(tk, lens_q, lens_h, hq, hkv, d, meta
         ([50], [3], 4, 4, 256, "fp16"),  # head dim 256
     ],
 )
-@pytest.mark.parametrize("loop", ["auto-heads", "grouped-heads", "swap"])
+@pytest.mark.parametrize("loop", ["auto-heads", "grouped-heads", "swap", "swap-full-tiles"])
 def test_decode_attention_word_planes_match_reference(
     tk, lens_q, lens_h, hq, hkv, d, meta, loop, monkeypatch
 ):
@@ -214,7 +214,11 @@ def test_decode_attention_word_planes_match_reference(
     monkeypatch.setitem(da.CONFIG, "small_tokens", 0)
     if loop == "grouped-heads":
         monkeypatch.setitem(da.CONFIG, "group_tokens", 0)
-    monkeypatch.setitem(da.CONFIG, "swap", loop == "swap")
+    monkeypatch.setitem(da.CONFIG, "swap", loop.startswith("swap"))
+    # whole tiles unmasked, then the tail (several 64-token tail tiles with 256-token tiles)
+    monkeypatch.setitem(da.CONFIG, "swap_full_tiles", loop == "swap-full-tiles")
+    if loop == "swap-full-tiles":
+        monkeypatch.setitem(da.CONFIG, "swap_block_n", 256)
     _check_decode(da, lens_q, lens_h, hq, hkv, d, meta)
 
 
@@ -291,6 +295,7 @@ def test_decode_attention_16bit_tier_tunables_match_reference(tk, hp_split, hp_b
         ([500, 40], [5, 70], 32, 8, "grouped"),  # Qwen3-8B's GQA: 4 KV heads per program
         ([700, 0, 300], [100, 40, 0], 8, 2, "swap"),
         ([500, 40], [5, 70], 32, 8, "swap"),
+        ([700, 0, 300], [100, 40, 0], 8, 2, "swap-full-tiles"),
     ],
 )
 def test_decode_attention_wave_splits_and_hp_first_match_reference(
@@ -302,7 +307,7 @@ def test_decode_attention_wave_splits_and_hp_first_match_reference(
     _, da = tk
     settings = {"fill_waves": True, "sms": 16, "per_sm": 2, "swap_per_sm": 3, "hp_first": True, "few_units": 0,
                 "hp_split": 32, "small_tokens": 0, "group_tokens": 0 if loop == "grouped" else 1 << 30,
-                "swap": loop == "swap", "min_split": 64}  # fmt: skip
+                "swap": loop.startswith("swap"), "swap_full_tiles": loop == "swap-full-tiles", "min_split": 64}  # fmt: skip
     for key, val in settings.items():
         monkeypatch.setitem(da.CONFIG, key, val)
     splits = []  # (per_sm the launch passed, tokens per split)
@@ -315,7 +320,7 @@ def test_decode_attention_wave_splits_and_hp_first_match_reference(
     monkeypatch.setattr(da, "split_size", spy)
     _check_decode(da, lens_q, lens_h, hq, hkv, 128, "fp16")
     per_sm, split = splits[0]
-    assert per_sm == (3 if loop == "swap" else None)
+    assert per_sm == (3 if loop.startswith("swap") else None)
     assert split < max(lens_q)  # several INT2 splits per sequence
 
 

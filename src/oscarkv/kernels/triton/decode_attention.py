@@ -60,7 +60,8 @@ def _stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale,
             n_q_splits, total, HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr,
             G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
             ASM: tl.constexpr, META: tl.constexpr, WORDS: tl.constexpr, TG: tl.constexpr = 0,
-            HP_STAGES: tl.constexpr = 3, HP_FIRST: tl.constexpr = False, SWAP: tl.constexpr = False):  # fmt: skip
+            HP_STAGES: tl.constexpr = 3, HP_FIRST: tl.constexpr = False, SWAP: tl.constexpr = False,
+            FULL_TILES: tl.constexpr = False):  # fmt: skip
     # axis 0 is the group of HPB KV heads, so that programs reading the same tokens run together
     hg = tl.program_id(0)
     if HP_FIRST:  # grid (head group, sequence, split): the 16-bit tier's splits launch first
@@ -78,7 +79,7 @@ def _stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale,
                               HKV, G, R_PAD, D, BLOCK_N, TG, ASM, META)  # fmt: skip
         elif SWAP:  # one KV head per program, tokens as the MMA rows (decode_swap.py)
             int2_split_swap(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
-                            HKV, G, R_PAD, D, BLOCK_N, ASM, META)  # fmt: skip
+                            HKV, G, R_PAD, D, BLOCK_N, ASM, META, FULL_TILES)  # fmt: skip
         elif WORDS:  # codes read as int16 words (head dim >= 128)
             int2_split_words(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
                              HKV, G, HPB, R_PAD, D, BLOCK_N, ASM, META)  # fmt: skip
@@ -228,7 +229,7 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
         HKV=hkv, G=g, HPB=hpb, R_PAD=lp.rows, G_PAD=max(16, _pow2(g)),
         D=d, BLOCK_N=block_n,
         BLOCK_H=lp.hp_block, ASM=q.is_cuda, META=meta_id, WORDS=words, TG=lp.token_groups, HP_STAGES=lp.hp_stages,
-        HP_FIRST=hp_first, SWAP=swap,
+        HP_FIRST=hp_first, SWAP=swap, FULL_TILES=swap and CONFIG["swap_full_tiles"],
         num_warps=lp.warps, num_stages=CONFIG["num_stages"], **opts,
     )  # fmt: skip
     out = torch.empty_like(q_rot)

@@ -101,6 +101,10 @@ CONFIG = {
     "swap_hp_block": 16,
     "swap_hp_stages": 2,
     "swap_per_sm": 8,
+    # opt-in, not yet measured on a GPU: whole swap-loop tiles without masks, then a masked tail
+    # (decode_swap.py). Offline sm_90 (Triton 3.6, 128-token tiles): 1644 -> 1496 instructions per
+    # tile and 242 -> 168 registers, so 12 one-warp programs per SM (set swap_per_sm to match)
+    "swap_full_tiles": False,
 }
 
 
