@@ -82,6 +82,7 @@ def test_int2_loop_picks_bytes_swap_or_the_padded_words_by_size(monkeypatch):
     lp = plan.int2_loop(128, 3, 8, 999)
     assert (lp.loop, lp.hpb, lp.rows, lp.block_n) == ("swap", 1, 4, plan.CONFIG["swap_block_n"])
     assert lp.per_sm == plan.CONFIG["swap_per_sm"]
+    assert plan.int2_loop(256, 4, 8, 999).block_n == plan.CONFIG["swap_block_n"] // 2  # same tile bytes
     lp = plan.int2_loop(256, 4, 8, 1000)
     assert (lp.loop, lp.hpb, lp.rows, lp.per_sm) == ("words", 4, 16, None)
     monkeypatch.setitem(plan.CONFIG, "swap", False)

@@ -172,8 +172,11 @@ def int2_loop(d: int, g: int, kv_heads: int, tokens: int) -> Int2Loop:
     # from swap_max_tokens on only grouped heads (hpb > 1) beat the swap loop; one head per
     # program (g not a power of two, or g >= 16) keeps it
     if c["swap"] and (tokens < c["swap_max_tokens"] or heads_per_program(g, kv_heads, tokens) == 1):
-        return Int2Loop("swap", 1, c["swap_block_n"], c["num_warps"], _pow2(g), 0, c["swap_hp_block"],
-                        c["swap_hp_stages"], c["swap_per_sm"])  # fmt: skip
+        # the tile's code bytes stay those of swap_block_n tokens at head dim 128: at head dim 256
+        # 128-token tiles spill (offline sm_90: 93 local-memory instructions per tile, 64-token 30)
+        block_n = max(16, c["swap_block_n"] * 128 // d)
+        return Int2Loop("swap", 1, block_n, c["num_warps"], _pow2(g), 0, c["swap_hp_block"], c["swap_hp_stages"],
+                        c["swap_per_sm"])  # fmt: skip
     hpb = heads_per_program(g, kv_heads, tokens)
     block_n = c["block_n"] if hpb == 1 else c["block_n_grouped"]
     return Int2Loop("words", hpb, block_n, c["num_warps"], max(16, _pow2(hpb * g)), token_groups(g, hpb, block_n),
