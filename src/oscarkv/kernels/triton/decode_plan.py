@@ -138,7 +138,8 @@ class Int2Loop(NamedTuple):
     (decode_swap.py); ``rows``: the query rows a program holds (padded to 16 MMA rows, or the
     swap loop's ``g`` rounded up to a power of two); ``hp_block``/``hp_stages``: the 16-bit tier's
     tile and pipeline depth compiled into the same kernel; ``per_sm``: programs per SM for the
-    wave-filling splits (``None``: ``CONFIG['per_sm']``)."""
+    wave-filling splits (``None``: ``CONFIG['per_sm']``); ``full_tiles``: the swap loop's whole
+    tiles run unmasked (``CONFIG['swap_full_tiles']``)."""
 
     loop: str
     hpb: int
@@ -149,6 +150,7 @@ class Int2Loop(NamedTuple):
     hp_block: int
     hp_stages: int
     per_sm: int | None
+    full_tiles: bool = False
 
 
 def _pow2(n: int) -> int:
@@ -176,7 +178,7 @@ def int2_loop(d: int, g: int, kv_heads: int, tokens: int) -> Int2Loop:
         # 128-token tiles spill (offline sm_90: 93 local-memory instructions per tile, 64-token 30)
         block_n = max(16, c["swap_block_n"] * 128 // d)
         return Int2Loop("swap", 1, block_n, c["num_warps"], _pow2(g), 0, c["swap_hp_block"], c["swap_hp_stages"],
-                        c["swap_per_sm"])  # fmt: skip
+                        c["swap_per_sm"], bool(c["swap_full_tiles"]))  # fmt: skip
     hpb = heads_per_program(g, kv_heads, tokens)
     block_n = c["block_n"] if hpb == 1 else c["block_n_grouped"]
     return Int2Loop("words", hpb, block_n, c["num_warps"], max(16, _pow2(hpb * g)), token_groups(g, hpb, block_n),

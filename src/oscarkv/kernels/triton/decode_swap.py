@@ -23,13 +23,11 @@ from .decode_tiles import (
     _inv,
     _meta,
     _must_rescale,
-    _qpart,
-    _qscale,
     _rescale,
     _split_range,
     _store_lse,
 )
-from .decode_words import _dot8, _planes, _scale8, _store8, _zeros8
+from .decode_words import _dot8, _planes, _qparts8, _scale8, _store8, _zeros8
 
 __all__ = ["int2_split_swap"]
 
@@ -97,14 +95,7 @@ def int2_split_swap(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size
     offs_m = tl.arange(0, D8)
     qp = Q + qrow[None, :] * D + 2 * offs_m[:, None]
     # query parts transposed, [D8, GP]: plane (i, e) holds the dims D4·i + 2m + e
-    qm = gmask[None, :]
-    q00, q01 = _qpart(qp, 0, 0, qm, D4), _qpart(qp, 0, 1, qm, D4)
-    q10, q11 = _qpart(qp, 1, 0, qm, D4), _qpart(qp, 1, 1, qm, D4)
-    q20, q21 = _qpart(qp, 2, 0, qm, D4), _qpart(qp, 2, 1, qm, D4)
-    q30, q31 = _qpart(qp, 3, 0, qm, D4), _qpart(qp, 3, 1, qm, D4)
-    qsum = tl.sum(q00 + q01 + q10 + q11 + q20 + q21 + q30 + q31, 0)
-    q00, q01, q10, q11 = _qscale(q00, 0), _qscale(q01, 0), _qscale(q10, 1), _qscale(q11, 1)
-    q20, q21, q30, q31 = _qscale(q20, 2), _qscale(q21, 2), _qscale(q30, 3), _qscale(q31, 3)
+    q00, q01, q10, q11, q20, q21, q30, q31, qsum = _qparts8(qp, gmask[None, :], D4, 0)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     zacc = tl.zeros([GP], tl.float32)
