@@ -72,22 +72,47 @@ def test_split_size_picks_the_rule_and_follows_config_edits(monkeypatch):
 
 
 def test_int2_loop_picks_bytes_swap_or_the_padded_words_by_size(monkeypatch):
-    """Byte planes below ``small_tokens`` and for head dim 64; the swap loop (one KV head per
-    program, the query heads rounded up to a power of two) up to ``swap_max_tokens``; above it, or
-    with ``swap`` off, the padded word loop, whose KV heads are grouped from ``group_tokens``."""
+    """Byte planes below ``small_tokens`` and for head dim 64; the swap loop (``swap_heads`` KV heads
+    per program, the query heads rounded up to a power of two) up to ``swap_max_tokens``; above it,
+    or with ``swap`` off, the padded word loop, whose KV heads are grouped from ``group_tokens``."""
     for key, val in (("small_tokens", 100), ("swap", True), ("swap_max_tokens", 1000), ("group_tokens", 500)):
         monkeypatch.setitem(plan.CONFIG, key, val)
     assert plan.int2_loop(128, 4, 8, 99).loop == "bytes"
     assert plan.int2_loop(64, 4, 8, 10_000).loop == "bytes"
     lp = plan.int2_loop(128, 3, 8, 999)
-    assert (lp.loop, lp.hpb, lp.rows, lp.block_n) == ("swap", 1, 4, plan.CONFIG["swap_block_n"])
+    # two KV heads of 4 (padded) query heads fill the 8 columns; the tile keeps its code bytes
+    assert (lp.loop, lp.hpb, lp.rows, lp.block_n) == ("swap", 2, 4, plan.CONFIG["swap_block_n"] // 2)
     assert lp.per_sm == plan.CONFIG["swap_per_sm"]
-    assert plan.int2_loop(256, 4, 8, 999).block_n == plan.CONFIG["swap_block_n"] // 2  # same tile bytes
-    lp = plan.int2_loop(256, 4, 8, 1000)
-    assert (lp.loop, lp.hpb, lp.rows, lp.per_sm) == ("words", 4, 16, None)
+    assert plan.int2_loop(256, 4, 8, 999).block_n == plan.CONFIG["swap_block_n"] // 4  # same tile bytes
+    assert lp.min_split == plan.CONFIG["min_split"] // 2  # the same head-tokens per program
+    monkeypatch.setitem(plan.CONFIG, "swap_heads", 1)
+    assert plan.int2_loop(128, 4, 8, 999)[:3] == ("swap", 1, plan.CONFIG["swap_block_n"])
+    monkeypatch.setitem(plan.CONFIG, "swap_heads", 8)
+    assert plan.int2_loop(256, 4, 8, 1000)[:2] == ("swap", 2)  # several heads: the swap loop at any size
+    lp = plan.int2_loop(256, 8, 8, 1000)  # one head per swap program: grouped padded heads
+    assert (lp.loop, lp.hpb, lp.rows, lp.per_sm) == ("words", 2, 16, None)
     monkeypatch.setitem(plan.CONFIG, "swap", False)
     lp = plan.int2_loop(128, 4, 8, 400)
     assert (lp.loop, lp.hpb, lp.rows) == ("words", 1, 16)
+
+
+@pytest.mark.parametrize(
+    ("g", "kv_heads", "d", "want"),
+    [
+        (4, 8, 128, 2),  # Qwen3-8B: 2 x 4 query heads fill the 8 columns
+        (3, 4, 128, 2),  # g = 3 is padded to 4
+        (2, 8, 128, 4),
+        (1, 8, 128, 4),  # 8 would fit the columns but not the registers (64 accumulator rows)
+        (1, 8, 256, 2),
+        (8, 8, 128, 1),
+        (16, 2, 128, 1),
+        (2, 6, 128, 2),  # a power of two dividing the KV heads
+        (1, 12, 128, 4),
+        (4, 1, 128, 1),
+    ],
+)
+def test_swap_heads_fill_the_mma_columns_within_the_register_budget(g, kv_heads, d, want):
+    assert plan.swap_heads(g, kv_heads, d) == want
 
 
 def test_split_size_fills_the_waves_of_the_given_programs_per_sm():
@@ -103,10 +128,25 @@ def test_split_size_fills_the_waves_of_the_given_programs_per_sm():
     )
 
 
+def test_min_split_sets_the_floor_of_both_split_rules():
+    """``min_split`` (the swap loop's, scaled by its heads per program) replaces
+    ``CONFIG['min_split']`` in the few-units rule and in the wave-filling one."""
+    # 4 (sequence, head group) pairs: the few-units rule, bounded by the floor
+    assert plan.split_size(1, 4, 32768, 64, 132, True) == 256
+    assert plan.split_size(1, 4, 32768, 64, 132, True, 8, 128) == 128
+    assert plan.num_splits(1, 4, 32768, 128) == 2 * plan.num_splits(1, 4, 32768)
+    # many pairs on few SMs: the wave rule; a floor above its choice wins
+    assert plan.wave_split(64, 4096, 64, 4096, 1024) == 1024
+    assert plan.split_size(16, 4, 4096, 64, 16, True, 64, 1024) == 1024
+
+
 def test_int2_loop_keeps_the_swap_loop_where_the_padded_loop_would_not_group_heads(monkeypatch):
     """Above ``swap_max_tokens`` the padded loop wins only with grouped heads: with ``g`` not a
     power of two (one head per program) the swap loop stays."""
     for key, val in (("small_tokens", 0), ("swap", True), ("swap_max_tokens", 1000), ("group_tokens", 500)):
         monkeypatch.setitem(plan.CONFIG, key, val)
     assert plan.int2_loop(128, 3, 8, 5000).loop == "swap"
+    assert plan.int2_loop(128, 4, 8, 5000).loop == "swap"  # two heads per swap program
+    assert plan.int2_loop(128, 8, 8, 5000)[:2] == ("words", 2)  # one head per swap program
+    monkeypatch.setitem(plan.CONFIG, "swap_heads", 1)
     assert plan.int2_loop(128, 4, 8, 5000).loop == "words"

@@ -47,11 +47,12 @@ def _lists(lens: list[int], device: str, shuffle: bool) -> tuple[torch.Tensor, t
         ([3000, 70], [40, 320], 16, 4, 256),
         ([1000, 999], [50, 51], 8, 8, 128),  # g = 1: the swap loop's N side is one column
         ([5000, 70], [30, 320], 12, 4, 128),  # g = 3: a padding head
+        ([2000, 33], [10, 320], 16, 8, 128),  # g = 2: four KV heads per swap program
     ],
 )
 @pytest.mark.parametrize("meta", ["fp16", "bf16"])
 @pytest.mark.parametrize("grouped", [False, True], ids=["auto-heads", "grouped-heads"])
-@pytest.mark.parametrize("planes", ["auto", "words", "groups", "swap", "swap-full-tiles"])
+@pytest.mark.parametrize("planes", ["auto", "words", "groups", "swap", "swap-one-head"])
 def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta, grouped, planes, monkeypatch):
     from oscarkv.kernels.triton import decode_attention as tda
 
@@ -69,13 +70,13 @@ def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta, g
         monkeypatch.setitem(tda.CONFIG, "small_tokens", 0)
         monkeypatch.setitem(tda.CONFIG, "token_groups", True)
         monkeypatch.setitem(tda.CONFIG, "swap", False)
-    if planes.startswith("swap"):  # tokens as the MMA rows (one KV head per program, word planes)
+    if planes.startswith("swap"):  # tokens as the MMA rows (word planes)
         if d < 128 or grouped:
-            pytest.skip("the swap loop needs the word planes and one KV head per program")
+            pytest.skip("the swap loop needs the word planes and is not the grouped padded loop")
         monkeypatch.setitem(tda.CONFIG, "small_tokens", 0)
         monkeypatch.setitem(tda.CONFIG, "swap", True)
-        # opt-in: whole tiles unmasked, then the masked tail
-        monkeypatch.setitem(tda.CONFIG, "swap_full_tiles", planes == "swap-full-tiles")
+        # KV heads per program: as many as fill the MMA's 8 columns, or one
+        monkeypatch.setitem(tda.CONFIG, "swap_heads", 1 if planes == "swap-one-head" else 8)
 
     dev = "cuda"
     fmt = RowFormat(d, 2, d, meta_dtype=meta)

@@ -200,25 +200,26 @@ def test_decode_attention_matches_reference(tk, lens_q, lens_h, hq, hkv, d, meta
         ([200, 33], [4, 0], 32, 8, 128, "fp16"),  # Qwen3-8B's GQA
         ([70], [2], 12, 4, 128, "fp16"),  # g = 3
         ([50], [3], 4, 4, 256, "fp16"),  # head dim 256
+        ([40, 9], [2, 1], 16, 8, 128, "fp16"),  # g = 2: four KV heads per swap program
+        ([60], [3], 8, 8, 128, "fp16"),  # g = 1: eight KV heads per swap program
     ],
 )
-@pytest.mark.parametrize("loop", ["auto-heads", "grouped-heads", "swap", "swap-full-tiles"])
+@pytest.mark.parametrize("loop", ["auto-heads", "grouped-heads", "swap", "swap-one-head"])
 def test_decode_attention_word_planes_match_reference(
     tk, lens_q, lens_h, hq, hkv, d, meta, loop, monkeypatch
 ):
     """The int16-word tile loops, which the launch takes for head dim >= 128 from
     ``CONFIG['small_tokens']`` quantized tokens on, forced at these small sizes: query heads as the
     MMA rows (decode_words.py, one or several KV heads per program) and tokens as the MMA rows
-    (decode_swap.py, ``CONFIG['swap']``, one KV head per program)."""
+    (decode_swap.py, ``CONFIG['swap']``: as many KV heads per program as fill the MMA's 8 columns,
+    or one with ``CONFIG['swap_heads']`` 1)."""
     _, da = tk
     monkeypatch.setitem(da.CONFIG, "small_tokens", 0)
     if loop == "grouped-heads":
         monkeypatch.setitem(da.CONFIG, "group_tokens", 0)
     monkeypatch.setitem(da.CONFIG, "swap", loop.startswith("swap"))
-    # whole tiles unmasked, then the tail (several 64-token tail tiles with 256-token tiles)
-    monkeypatch.setitem(da.CONFIG, "swap_full_tiles", loop == "swap-full-tiles")
-    if loop == "swap-full-tiles":
-        monkeypatch.setitem(da.CONFIG, "swap_block_n", 256)
+    if loop == "swap-one-head":
+        monkeypatch.setitem(da.CONFIG, "swap_heads", 1)
     _check_decode(da, lens_q, lens_h, hq, hkv, d, meta)
 
 
@@ -295,7 +296,7 @@ def test_decode_attention_16bit_tier_tunables_match_reference(tk, hp_split, hp_b
         ([500, 40], [5, 70], 32, 8, "grouped"),  # Qwen3-8B's GQA: 4 KV heads per program
         ([700, 0, 300], [100, 40, 0], 8, 2, "swap"),
         ([500, 40], [5, 70], 32, 8, "swap"),
-        ([700, 0, 300], [100, 40, 0], 8, 2, "swap-full-tiles"),
+        ([700, 0, 300], [100, 40, 0], 8, 2, "swap-one-head"),
     ],
 )
 def test_decode_attention_wave_splits_and_hp_first_match_reference(
@@ -307,7 +308,7 @@ def test_decode_attention_wave_splits_and_hp_first_match_reference(
     _, da = tk
     settings = {"fill_waves": True, "sms": 16, "per_sm": 2, "swap_per_sm": 3, "hp_first": True, "few_units": 0,
                 "hp_split": 32, "small_tokens": 0, "group_tokens": 0 if loop == "grouped" else 1 << 30,
-                "swap": loop.startswith("swap"), "swap_full_tiles": loop == "swap-full-tiles", "min_split": 64}  # fmt: skip
+                "swap": loop.startswith("swap"), "swap_heads": 1 if loop == "swap-one-head" else 8, "min_split": 64}  # fmt: skip
     for key, val in settings.items():
         monkeypatch.setitem(da.CONFIG, key, val)
     splits = []  # (per_sm the launch passed, tokens per split)

@@ -60,8 +60,7 @@ def _stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale,
             n_q_splits, total, HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr,
             G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
             ASM: tl.constexpr, META: tl.constexpr, WORDS: tl.constexpr, TG: tl.constexpr = 0,
-            HP_STAGES: tl.constexpr = 3, HP_FIRST: tl.constexpr = False, SWAP: tl.constexpr = False,
-            FULL_TILES: tl.constexpr = False):  # fmt: skip
+            HP_STAGES: tl.constexpr = 3, HP_FIRST: tl.constexpr = False, SWAP: tl.constexpr = False):  # fmt: skip
     # axis 0 is the group of HPB KV heads, so that programs reading the same tokens run together
     hg = tl.program_id(0)
     if HP_FIRST:  # grid (head group, sequence, split): the 16-bit tier's splits launch first
@@ -77,9 +76,9 @@ def _stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale,
         if TG > 1:  # opt-in: one KV head's g rows times TG token groups fill the MMA rows
             int2_split_groups(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
                               HKV, G, R_PAD, D, BLOCK_N, TG, ASM, META)  # fmt: skip
-        elif SWAP:  # one KV head per program, tokens as the MMA rows (decode_swap.py)
+        elif SWAP:  # tokens as the MMA rows, HPB KV heads' query heads as its columns (decode_swap.py)
             int2_split_swap(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
-                            HKV, G, R_PAD, D, BLOCK_N, ASM, META, FULL_TILES)  # fmt: skip
+                            HKV, G, R_PAD, HPB, D, BLOCK_N, ASM, META)  # fmt: skip
         elif WORDS:  # codes read as int16 words (head dim >= 128)
             int2_split_words(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
                              HKV, G, HPB, R_PAD, D, BLOCK_N, ASM, META)  # fmt: skip
@@ -211,7 +210,7 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     swap, words, hpb, block_n = lp.loop == "swap", lp.loop != "bytes", lp.hpb, lp.block_n
     opts = {"maxnreg": CONFIG["maxnreg"]} if words and CONFIG["maxnreg"] and q_rot.is_cuda else {}
     sms = CONFIG["sms"] or (_sm_count(q_rot.device) if q_rot.is_cuda else 0)
-    split_q = split_size(bsz, hkv // hpb, max_q, block_n, sms, words, lp.per_sm)
+    split_q = split_size(bsz, hkv // hpb, max_q, block_n, sms, words, lp.per_sm, lp.min_split)
     sq = math.ceil(max_q / split_q)
     sh = math.ceil(max_h / CONFIG["hp_split"])
     total = sq + sh
@@ -229,7 +228,7 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
         HKV=hkv, G=g, HPB=hpb, R_PAD=lp.rows, G_PAD=max(16, _pow2(g)),
         D=d, BLOCK_N=block_n,
         BLOCK_H=lp.hp_block, ASM=q.is_cuda, META=meta_id, WORDS=words, TG=lp.token_groups, HP_STAGES=lp.hp_stages,
-        HP_FIRST=hp_first, SWAP=swap, FULL_TILES=lp.full_tiles,
+        HP_FIRST=hp_first, SWAP=swap,
         num_warps=lp.warps, num_stages=CONFIG["num_stages"], **opts,
     )  # fmt: skip
     out = torch.empty_like(q_rot)

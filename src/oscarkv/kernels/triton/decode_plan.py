@@ -86,25 +86,26 @@ CONFIG = {
     # split), so that the short programs do not trail the INT2 ones into an extra wave (batch
     # 16 / 32K 0.187 -> 0.169 ms; the byte path lost 4% at batch 1 / 16K and keeps the old grid)
     "hp_first": True,
-    # one KV head per program on the word-plane path: tokens as the MMA rows and the query heads
-    # as its N side (decode_swap.py) instead of the query heads padded to 16 rows (the padded
-    # loops, and so token_groups, only with swap off or from swap_max_tokens); its tile, the
-    # 16-bit tier's tile and pipeline depth in that kernel (16 tokens and 2 stages keep the kernel
-    # at the swap loop's own registers, 242 with 128-token tiles and 168 with 64, instead of 255,
-    # offline sm_90), and the one-warp programs per SM that then fit (for the wave-filling splits)
+    # the word-plane path's loop: tokens as the MMA rows and the query heads as its N side
+    # (decode_swap.py) instead of the query heads padded to 16 rows (the padded loops, and so
+    # token_groups, only with swap off or from swap_max_tokens); its tile (the code bytes of
+    # swap_block_n tokens of one head dim 128 head), the 16-bit tier's tile and pipeline depth in
+    # that kernel (16 tokens and 2 stages keep the kernel at the swap loop's own registers, 248
+    # with 2 heads of 64-token tiles, offline sm_90), and the one-warp programs per SM that then
+    # fit (for the wave-filling splits)
     "swap": True,
-    # from this many quantized tokens (batch x longest list) the grouped padded loop instead: at
-    # batch 32 / 128K it measured 3.38x SDPA against 3.10-3.35x for the swap loop
-    # (results/dv_swap_c.md, gpu_check.md); at 8 / 128K and 32 / 32K the swap loop wins
+    # from this many quantized tokens (batch x longest list) the grouped padded loop instead where
+    # the swap loop takes one KV head per program (g >= 5) and the padded loop would group heads:
+    # at batch 32 / 128K one-head swap measured 3.30-3.35x SDPA against 3.33-3.38x for the grouped
+    # loop (results/dv_swap_c.md, dv_s10_pairs.md); the two-head swap loop measured 4.44x there
     "swap_max_tokens": 3 << 20,
     "swap_block_n": 128,
     "swap_hp_block": 16,
     "swap_hp_stages": 2,
     "swap_per_sm": 8,
-    # opt-in, not yet measured on a GPU: whole swap-loop tiles without masks, then a masked tail
-    # (decode_swap.py). Offline sm_90 (Triton 3.6, 128-token tiles): 1644 -> 1496 instructions per
-    # tile and 242 -> 168 registers, so 12 one-warp programs per SM (set swap_per_sm to match)
-    "swap_full_tiles": False,
+    # KV heads one swap program takes at most (decode_plan.swap_heads: their query heads fill the
+    # MMA's 8 columns, 2 at g = 4); 1 for one head per program, the session-9 loop
+    "swap_heads": 8,
 }
 
 
@@ -138,8 +139,8 @@ class Int2Loop(NamedTuple):
     (decode_swap.py); ``rows``: the query rows a program holds (padded to 16 MMA rows, or the
     swap loop's ``g`` rounded up to a power of two); ``hp_block``/``hp_stages``: the 16-bit tier's
     tile and pipeline depth compiled into the same kernel; ``per_sm``: programs per SM for the
-    wave-filling splits (``None``: ``CONFIG['per_sm']``); ``full_tiles``: the swap loop's whole
-    tiles run unmasked (``CONFIG['swap_full_tiles']``)."""
+    wave-filling splits (``None``: ``CONFIG['per_sm']``); ``min_split``: the least tokens per split
+    (``None``: ``CONFIG['min_split']``)."""
 
     loop: str
     hpb: int
@@ -150,7 +151,20 @@ class Int2Loop(NamedTuple):
     hp_block: int
     hp_stages: int
     per_sm: int | None
-    full_tiles: bool = False
+    min_split: int | None = None
+
+
+def swap_heads(g: int, kv_heads: int, d: int) -> int:
+    """KV heads per swap-loop program at head dim ``d``: the most, up to ``CONFIG['swap_heads']``
+    a power of two and a divisor of ``kv_heads``, whose query heads (``g`` rounded up to a power of two each) fit
+    the MMA's 8 columns (2 at ``g = 4``, 1 from ``g = 5``) and whose words fill at most 64
+    accumulator rows (``hp·d/8``; the block-diagonal query parts and accumulators grow with ``hp``:
+    offline sm_90, 8 heads of ``g = 1`` spill 568 bytes per thread, 4 heads none)."""
+    hp = max(1, min(CONFIG["swap_heads"], kv_heads, 8 // _pow2(g), 512 // d))
+    hp = 1 << (hp.bit_length() - 1)  # a power of two: the tile's columns are a tl.arange
+    while kv_heads % hp:
+        hp //= 2
+    return hp
 
 
 def _pow2(n: int) -> int:
@@ -162,42 +176,48 @@ def int2_loop(d: int, g: int, kv_heads: int, tokens: int) -> Int2Loop:
     """The loop for head dim ``d``, ``g`` query heads per KV head and ``tokens`` quantized tokens
     (batch × longest list): the byte planes below ``CONFIG['small_tokens']`` and for head dim 64
     (int16 words need K = d/8 >= 16 per ``tl.dot``); otherwise the swap loop with
-    ``CONFIG['swap']`` (one KV head per program) below ``CONFIG['swap_max_tokens']`` and wherever
-    the padded loop would take one KV head per program too; else the padded word loop (grouped KV
-    heads from ``CONFIG['group_tokens']``, token groups with ``CONFIG['token_groups']``)."""
+    ``CONFIG['swap']`` (:func:`swap_heads` KV heads per program) where it takes several heads,
+    below ``CONFIG['swap_max_tokens']``, and wherever the padded loop would take one KV head per
+    program too; else the padded word loop (grouped KV heads from ``CONFIG['group_tokens']``,
+    token groups with ``CONFIG['token_groups']``)."""
     c = CONFIG
     if d < 128 or tokens < c["small_tokens"]:
         hpb = heads_per_program(g, kv_heads, tokens)
         b = c["bytes"]
         return Int2Loop("bytes", hpb, b["block_n"], b["num_warps"], max(16, _pow2(hpb * g)), 0,
                         c["hp_block"], c["hp_stages"], None)  # fmt: skip
-    # from swap_max_tokens on only grouped heads (hpb > 1) beat the swap loop; one head per
-    # program (g not a power of two, or g >= 16) keeps it
-    if c["swap"] and (tokens < c["swap_max_tokens"] or heads_per_program(g, kv_heads, tokens) == 1):
-        # the tile's code bytes stay those of swap_block_n tokens at head dim 128: at head dim 256
-        # 128-token tiles spill (offline sm_90: 93 local-memory instructions per tile, 64-token 30)
-        block_n = max(16, c["swap_block_n"] * 128 // d)
-        return Int2Loop("swap", 1, block_n, c["num_warps"], _pow2(g), 0, c["swap_hp_block"], c["swap_hp_stages"],
-                        c["swap_per_sm"], bool(c["swap_full_tiles"]))  # fmt: skip
+    # from swap_max_tokens on, grouped padded heads beat only the one-head swap loop
+    hpb = swap_heads(g, kv_heads, d)
+    if c["swap"] and (
+        hpb > 1 or tokens < c["swap_max_tokens"] or heads_per_program(g, kv_heads, tokens) == 1
+    ):
+        # a tile's code bytes stay those of swap_block_n tokens of one head dim 128 head: at head
+        # dim 256 128-token tiles spill (offline sm_90: 93 local-memory instructions per tile, 64-token 30)
+        block_n = max(16, c["swap_block_n"] * 128 // (d * hpb))
+        # a split's floor counts the tokens of one head: hpb heads per program take 1/hpb of it
+        return Int2Loop("swap", hpb, block_n, c["num_warps"], _pow2(g), 0, c["swap_hp_block"], c["swap_hp_stages"],
+                        c["swap_per_sm"], max(1, c["min_split"] // hpb))  # fmt: skip
     hpb = heads_per_program(g, kv_heads, tokens)
     block_n = c["block_n"] if hpb == 1 else c["block_n_grouped"]
     return Int2Loop("words", hpb, block_n, c["num_warps"], max(16, _pow2(hpb * g)), token_groups(g, hpb, block_n),
                     c["hp_block"], c["hp_stages"], None)  # fmt: skip
 
 
-def num_splits(batch: int, kv_heads: int, max_len: int) -> int:
+def num_splits(batch: int, kv_heads: int, max_len: int, min_split: int | None = None) -> int:
     """Splits per sequence: about ``CONFIG['programs']`` programs in flight (latency hiding for
     the gathered loads; ``CONFIG['programs_few']`` when ``batch · kv_heads`` — the head groups —
-    is at most ``CONFIG['few_units']``), each split at least ``CONFIG['min_split']`` tokens."""
+    is at most ``CONFIG['few_units']``), each split at least ``min_split`` tokens (default
+    ``CONFIG['min_split']``)."""
     if max_len <= 0:
         return 1
     units = max(1, batch * kv_heads)
     want = max(1, CONFIG["programs_few" if units <= CONFIG["few_units"] else "programs"] // units)
-    return max(1, min(want, math.ceil(max_len / CONFIG["min_split"])))
+    return max(1, min(want, math.ceil(max_len / (min_split or CONFIG["min_split"]))))
 
 
-def wave_split(units: int, max_len: int, block_n: int, slots: int) -> int:
-    """Tokens per split (whole ``block_n`` tiles, at least ``CONFIG['min_split']`` rounded up to
+def wave_split(units: int, max_len: int, block_n: int, slots: int, min_split: int | None = None) -> int:
+    """Tokens per split (whole ``block_n`` tiles, at least ``min_split`` (default
+    ``CONFIG['min_split']``) rounded up to
     whole tiles unless the list is shorter) so that ``units`` (sequence, head group) pairs of
     ``max_len`` tokens fill whole waves of ``slots`` programs at the lowest cost
     ``waves · (split + CONFIG['split_cost'])``, over ``CONFIG['min_waves'] … CONFIG['max_waves']``
@@ -212,7 +232,7 @@ def wave_split(units: int, max_len: int, block_n: int, slots: int) -> int:
             f"{CONFIG['max_waves']}"
         )
     whole = max(1, math.ceil(max_len / block_n)) * block_n  # the whole list, in tiles
-    floor = min(math.ceil(CONFIG["min_split"] / block_n) * block_n, whole)
+    floor = min(math.ceil((min_split or CONFIG["min_split"]) / block_n) * block_n, whole)
     best = None
     for k in range(CONFIG["min_waves"], CONFIG["max_waves"] + 1):
         sq = max(1, k * slots // units)
@@ -231,7 +251,7 @@ _SPLIT_KEYS = ("fill_waves", "few_units", "per_sm", "min_waves", "max_waves", "s
 
 
 def split_size(batch: int, head_groups: int, max_len: int, block_n: int, sms: int, words: bool,
-               per_sm: int | None = None) -> int:  # fmt: skip
+               per_sm: int | None = None, min_split: int | None = None) -> int:  # fmt: skip
     """Tokens per split of the quantized lists (``max_len`` tokens at most, ``max_len >= 1``) for
     ``batch × head_groups`` (sequence, head group) pairs: wave-filling splits (:func:`wave_split`
     over ``sms × per_sm`` slots, ``per_sm`` defaulting to ``CONFIG['per_sm']``) on the word-plane
@@ -241,16 +261,16 @@ def split_size(batch: int, head_groups: int, max_len: int, block_n: int, sms: in
     this runs on every decode call (the wave search alone costs ~15 µs of Python)."""
     return _split_size(
         batch, head_groups, max_len, block_n, sms, words, per_sm or CONFIG["per_sm"],
-        tuple(CONFIG[k] for k in _SPLIT_KEYS),
+        min_split or CONFIG["min_split"], tuple(CONFIG[k] for k in _SPLIT_KEYS),
     )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=4096)
 def _split_size(batch: int, head_groups: int, max_len: int, block_n: int, sms: int, words: bool, per_sm: int,
-                _config: tuple) -> int:  # fmt: skip
+                min_split: int, _config: tuple) -> int:  # fmt: skip
     units = batch * head_groups
     if words and CONFIG["fill_waves"] and sms and units > CONFIG["few_units"]:
-        return wave_split(units, max_len, block_n, sms * per_sm)
-    sq = num_splits(batch, head_groups, max_len)
+        return wave_split(units, max_len, block_n, sms * per_sm, min_split)
+    sq = num_splits(batch, head_groups, max_len, min_split)
     gran = CONFIG["split_gran"] if max_len >= CONFIG["split_gran"] * sq else block_n
     return math.ceil(max_len / sq / gran) * gran
