@@ -115,6 +115,16 @@ def test_swap_heads_fill_the_mma_columns_within_the_register_budget(g, kv_heads,
     assert plan.swap_heads(g, kv_heads, d) == want
 
 
+def test_swap_heads_take_one_head_below_group_tokens():
+    """Small batches need every head's programs to fill the GPU: one head per swap program below
+    ``CONFIG['group_tokens']`` quantized tokens."""
+    gt = plan.CONFIG["group_tokens"]
+    assert plan.swap_heads(4, 8, 128, gt - 1) == 1
+    assert plan.swap_heads(4, 8, 128, gt) == 2
+    assert plan.int2_loop(128, 4, 8, gt - 1)[:3] == ("swap", 1, plan.CONFIG["swap_block_n"])
+    assert plan.int2_loop(128, 4, 8, gt)[:3] == ("swap", 2, plan.CONFIG["swap_block_n"] // 2)
+
+
 def test_split_size_fills_the_waves_of_the_given_programs_per_sm():
     """``per_sm`` (the swap loop's ``CONFIG['swap_per_sm']``) sets the wave size; None means
     ``CONFIG['per_sm']``."""

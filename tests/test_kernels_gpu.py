@@ -75,8 +75,9 @@ def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta, g
             pytest.skip("the swap loop needs the word planes and is not the grouped padded loop")
         monkeypatch.setitem(tda.CONFIG, "small_tokens", 0)
         monkeypatch.setitem(tda.CONFIG, "swap", True)
-        # KV heads per program: as many as fill the MMA's 8 columns, or one
+        # KV heads per program: as many as fill the MMA's 8 columns at any size, or one
         monkeypatch.setitem(tda.CONFIG, "swap_heads", 1 if planes == "swap-one-head" else 8)
+        monkeypatch.setitem(tda.CONFIG, "group_tokens", 0)
 
     dev = "cuda"
     fmt = RowFormat(d, 2, d, meta_dtype=meta)

@@ -220,6 +220,8 @@ def test_decode_attention_word_planes_match_reference(
     monkeypatch.setitem(da.CONFIG, "swap", loop.startswith("swap"))
     if loop == "swap-one-head":
         monkeypatch.setitem(da.CONFIG, "swap_heads", 1)
+    if loop == "swap":  # several KV heads per swap program at any size
+        monkeypatch.setitem(da.CONFIG, "group_tokens", 0)
     _check_decode(da, lens_q, lens_h, hq, hkv, d, meta)
 
 
@@ -307,7 +309,7 @@ def test_decode_attention_wave_splits_and_hp_first_match_reference(
     splits first), over several 16-bit splits."""
     _, da = tk
     settings = {"fill_waves": True, "sms": 16, "per_sm": 2, "swap_per_sm": 3, "hp_first": True, "few_units": 0,
-                "hp_split": 32, "small_tokens": 0, "group_tokens": 0 if loop == "grouped" else 1 << 30,
+                "hp_split": 32, "small_tokens": 0, "group_tokens": 0 if loop in ("grouped", "swap") else 1 << 30,
                 "swap": loop.startswith("swap"), "swap_heads": 1 if loop == "swap-one-head" else 8, "min_split": 64}  # fmt: skip
     for key, val in settings.items():
         monkeypatch.setitem(da.CONFIG, key, val)

@@ -154,12 +154,16 @@ class Int2Loop(NamedTuple):
     min_split: int | None = None
 
 
-def swap_heads(g: int, kv_heads: int, d: int) -> int:
-    """KV heads per swap-loop program at head dim ``d``: the most, up to ``CONFIG['swap_heads']``
+def swap_heads(g: int, kv_heads: int, d: int, tokens: int | None = None) -> int:
+    """KV heads per swap-loop program at head dim ``d``: 1 below ``CONFIG['group_tokens']``
+    quantized tokens (``tokens``; measured on the H200, two heads lose 3-40% there: 1 / 32K,
+    8 / 4K-16K, 2 / 64K, results/dv_s10_pairs_small.md), else the most, up to ``CONFIG['swap_heads']``
     a power of two and a divisor of ``kv_heads``, whose query heads (``g`` rounded up to a power of two each) fit
     the MMA's 8 columns (2 at ``g = 4``, 1 from ``g = 5``) and whose words fill at most 64
     accumulator rows (``hp·d/8``; the block-diagonal query parts and accumulators grow with ``hp``:
     offline sm_90, 8 heads of ``g = 1`` spill 568 bytes per thread, 4 heads none)."""
+    if tokens is not None and tokens < CONFIG["group_tokens"]:
+        return 1
     hp = max(1, min(CONFIG["swap_heads"], kv_heads, 8 // _pow2(g), 512 // d))
     hp = 1 << (hp.bit_length() - 1)  # a power of two: the tile's columns are a tl.arange
     while kv_heads % hp:
@@ -187,7 +191,7 @@ def int2_loop(d: int, g: int, kv_heads: int, tokens: int) -> Int2Loop:
         return Int2Loop("bytes", hpb, b["block_n"], b["num_warps"], max(16, _pow2(hpb * g)), 0,
                         c["hp_block"], c["hp_stages"], None)  # fmt: skip
     # from swap_max_tokens on, grouped padded heads beat only the one-head swap loop
-    hpb = swap_heads(g, kv_heads, d)
+    hpb = swap_heads(g, kv_heads, d, tokens)
     if c["swap"] and (
         hpb > 1 or tokens < c["swap_max_tokens"] or heads_per_program(g, kv_heads, tokens) == 1
     ):
