@@ -7,10 +7,12 @@ it in ``BLOCK_N`` tiles with an online softmax (base 2), and writes a normalised
 its log-sum-exp. Stage 2 merges every split of both tiers by log-sum-exp.
 
 On the word-plane path (head dim >= 128, from ``CONFIG['small_tokens']`` quantized tokens) an
-INT2 program takes one KV head and puts the tokens on the MMA rows and the query heads on its N
-side (:mod:`.decode_swap`, ``CONFIG['swap']``), below ``CONFIG['swap_max_tokens']`` and above it
-unless the padded loop would group KV heads (``decode_plan.int2_loop``). Otherwise the query heads
-are the MMA rows, padded to 16, and the rest of this paragraph applies.
+INT2 program puts the tokens on the MMA rows and the query heads of one KV head, or from
+``CONFIG['group_tokens']`` of the adjacent KV heads that fill its 8 columns, on its N side
+(:mod:`.decode_swap`, ``CONFIG['swap']``, ``decode_plan.swap_heads``), except where it takes one
+head above ``CONFIG['swap_max_tokens']`` and the padded loop would group KV heads
+(``decode_plan.int2_loop``). Otherwise the query heads are the MMA rows, padded to 16, and the
+rest of this paragraph applies.
 For large batches (``CONFIG['group_tokens']`` quantized tokens or more) an INT2 program takes
 ``HPB`` KV heads at once, so that their ``HPB·g`` query heads fill the 16 rows of the MMA (4 KV
 heads × 4 query heads for Qwen3-8B) instead of padding one KV head's ``g`` rows to 16: the softmax
