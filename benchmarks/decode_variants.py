@@ -6,7 +6,7 @@ over a grid of ``(block_n, num_warps, num_stages, programs, ...)`` configs (``--
 the wave-filling split rule off unless ``--set fill_waves=...`` is given), or with ``--defaults``
 each version's own launch defaults (the table then shows the current module's values in the
 launch columns) and only the ``--set KEY=V1,V2`` axes, next to the best BF16 SDPA on the same
-shapes (Qwen3-8B: 32/8 heads, d 128), all graph-timed in one run (``--eager``: eager calls too).
+shapes (Qwen3-8B's 32/8 heads and head dim 128, or ``--heads``), all graph-timed in one run (``--eager``: eager calls too).
 Every (version, config) is first checked against the fp32 torch reference.
 
     python benchmarks/decode_variants.py --baseline v0=benchmarks/baseline_kernels/v0
@@ -63,6 +63,9 @@ def main() -> None:
         help="keep the module's launch defaults (block_n ... token_groups); sweep only --set",
     )
     ap.add_argument("--eager", action="store_true", help="also time eager calls (Python launch included)")
+    ap.add_argument(
+        "--heads", default="32x8x128", help="QUERYxKVxHEAD_DIM (Qwen3-8B: 32x8x128; Qwen3.5-4B: 16x4x256)"
+    )
     ap.add_argument("--name", default="decode_variants")
     args = ap.parse_args()
     versions = {"current": tda}
@@ -92,7 +95,7 @@ def main() -> None:
             extra,
         )
     )
-    hq, hkv, d = 32, 8, 128
+    hq, hkv, d = (int(x) for x in args.heads.split("x"))
     fmt = RowFormat(d, 2, d)
     rows = []
     for shape in args.shapes.split(","):
@@ -166,7 +169,8 @@ def main() -> None:
         for r in rows:
             if (r["batch"], r["len"]) == (b, L):
                 r.update(sdpa_ms=ms_sdpa, sdpa_backend=be, speedup=ms_sdpa / r["ms"] if "ms" in r else None)
-    md = ["| batch | length | version | path | block_n | warps | stages | programs | group tokens | min split | set | heads/prog | ms | speedup vs SDPA | TB/s | rel err |",
+    md = [f"query heads {hq}, KV heads {hkv}, head dim {d}", "",
+          "| batch | length | version | path | block_n | warps | stages | programs | group tokens | min split | set | heads/prog | ms | speedup vs SDPA | TB/s | rel err |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         cfg = f"| {r['batch']} | {r['len']} | {r['version']} | {r['path']} | {r['block_n']} | {r['warps']} | {r['stages']} | {r['programs']} | {r['group_tokens']} | {r['min_split']} | {r['set']} |"
