@@ -83,14 +83,14 @@ def test_int2_loop_picks_bytes_swap_or_the_padded_words_by_size(monkeypatch):
     # two KV heads of 4 (padded) query heads fill the 8 columns; the tile keeps its code bytes
     assert (lp.loop, lp.hpb, lp.rows, lp.block_n) == ("swap", 2, 4, plan.CONFIG["swap_block_n"] // 2)
     assert lp.per_sm == plan.CONFIG["swap_per_sm"]
-    assert plan.int2_loop(256, 4, 8, 999).block_n == plan.CONFIG["swap_block_n"] // 4  # same tile bytes
+    assert plan.int2_loop(256, 4, 8, 999)[1:3] == (1, plan.CONFIG["swap_block_n"] // 2)  # same tile bytes
     assert lp.min_split == plan.CONFIG["min_split"] // 2  # the same head-tokens per program
     monkeypatch.setitem(plan.CONFIG, "swap_heads", 1)
     assert plan.int2_loop(128, 4, 8, 999)[:3] == ("swap", 1, plan.CONFIG["swap_block_n"])
     monkeypatch.setitem(plan.CONFIG, "swap_heads", 8)
-    assert plan.int2_loop(256, 4, 8, 1000)[:2] == ("swap", 2)  # several heads: the swap loop at any size
-    lp = plan.int2_loop(256, 8, 8, 1000)  # one head per swap program: grouped padded heads
-    assert (lp.loop, lp.hpb, lp.rows, lp.per_sm) == ("words", 2, 16, None)
+    assert plan.int2_loop(128, 4, 8, 1000)[:2] == ("swap", 2)  # several heads: the swap loop at any size
+    lp = plan.int2_loop(256, 4, 8, 1000)  # one head per swap program: grouped padded heads
+    assert (lp.loop, lp.hpb, lp.rows, lp.per_sm) == ("words", 4, 16, None)
     monkeypatch.setitem(plan.CONFIG, "swap", False)
     lp = plan.int2_loop(128, 4, 8, 400)
     assert (lp.loop, lp.hpb, lp.rows) == ("words", 1, 16)
@@ -101,13 +101,13 @@ def test_int2_loop_picks_bytes_swap_or_the_padded_words_by_size(monkeypatch):
     [
         (4, 8, 128, 2),  # Qwen3-8B: 2 x 4 query heads fill the 8 columns
         (3, 4, 128, 2),  # g = 3 is padded to 4
-        (2, 8, 128, 4),
-        (1, 8, 128, 4),  # 8 would fit the columns but not the registers (64 accumulator rows)
-        (1, 8, 256, 2),
+        (2, 8, 128, 2),  # 4 would fit the columns, not the 32 accumulator rows
+        (1, 8, 128, 2),
+        (4, 8, 256, 1),  # head dim 256: one head
         (8, 8, 128, 1),
         (16, 2, 128, 1),
         (2, 6, 128, 2),  # a power of two dividing the KV heads
-        (1, 12, 128, 4),
+        (1, 12, 128, 2),
         (4, 1, 128, 1),
     ],
 )

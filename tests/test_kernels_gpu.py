@@ -47,7 +47,7 @@ def _lists(lens: list[int], device: str, shuffle: bool) -> tuple[torch.Tensor, t
         ([3000, 70], [40, 320], 16, 4, 256),
         ([1000, 999], [50, 51], 8, 8, 128),  # g = 1: the swap loop's N side is one column
         ([5000, 70], [30, 320], 12, 4, 128),  # g = 3: a padding head
-        ([2000, 33], [10, 320], 16, 8, 128),  # g = 2: four KV heads per swap program
+        ([2000, 33], [10, 320], 16, 8, 128),  # g = 2: two KV heads per swap program
     ],
 )
 @pytest.mark.parametrize("meta", ["fp16", "bf16"])

@@ -200,8 +200,8 @@ def test_decode_attention_matches_reference(tk, lens_q, lens_h, hq, hkv, d, meta
         ([200, 33], [4, 0], 32, 8, 128, "fp16"),  # Qwen3-8B's GQA
         ([70], [2], 12, 4, 128, "fp16"),  # g = 3
         ([50], [3], 4, 4, 256, "fp16"),  # head dim 256
-        ([40, 9], [2, 1], 16, 8, 128, "fp16"),  # g = 2: four KV heads per swap program
-        ([60], [3], 8, 8, 128, "fp16"),  # g = 1: eight KV heads per swap program
+        ([40, 9], [2, 1], 16, 8, 128, "fp16"),  # g = 2: two KV heads per swap program
+        ([60], [3], 8, 8, 128, "fp16"),  # g = 1: two KV heads per swap program (2 of the 8 MMA columns)
     ],
 )
 @pytest.mark.parametrize("loop", ["auto-heads", "grouped-heads", "swap", "swap-one-head"])

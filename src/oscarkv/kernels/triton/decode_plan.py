@@ -159,12 +159,15 @@ def swap_heads(g: int, kv_heads: int, d: int, tokens: int | None = None) -> int:
     quantized tokens (``tokens``; measured on the H200, two heads lose 3-40% there: 1 / 32K,
     8 / 4K-16K, 2 / 64K, results/dv_s10_pairs_small.md), else the most, up to ``CONFIG['swap_heads']``
     a power of two and a divisor of ``kv_heads``, whose query heads (``g`` rounded up to a power of two each) fit
-    the MMA's 8 columns (2 at ``g = 4``, 1 from ``g = 5``) and whose words fill at most 64
-    accumulator rows (``hp·d/8``; the block-diagonal query parts and accumulators grow with ``hp``:
-    offline sm_90, 8 heads of ``g = 1`` spill 568 bytes per thread, 4 heads none)."""
+    the MMA's 8 columns (2 at ``g = 4``, 1 from ``g = 5``) and whose words fill at most 32
+    accumulator rows (``hp·d/8``, so 2 heads at head dim 128 and 1 at 256): the block-diagonal query
+    parts and accumulators grow with ``hp`` (offline sm_90: 64 rows take all 255 registers, and
+    spill at head dim 256; 128 rows spill 568 bytes per thread), and on the H200 two heads at head
+    dim 256 (Qwen3.5-4B's 16/4) measured 5.63 vs 5.37x SDPA at batch 8 / 128K but 4.36 vs 4.95x at
+    16 / 32K (results/dv_s10_d256.md)."""
     if tokens is not None and tokens < CONFIG["group_tokens"]:
         return 1
-    hp = max(1, min(CONFIG["swap_heads"], kv_heads, 8 // _pow2(g), 512 // d))
+    hp = max(1, min(CONFIG["swap_heads"], kv_heads, 8 // _pow2(g), 256 // d))
     hp = 1 << (hp.bit_length() - 1)  # a power of two: the tile's columns are a tl.arange
     while kv_heads % hp:
         hp //= 2
