@@ -541,3 +541,47 @@ def test_rotate_kernels_refuse_outputs_they_cannot_address():
     pool = torch.zeros(3, 4, 64).bfloat16()
     with pytest.raises(ValueError, match="k_out and v_out must share one layout"):
         rotate_new_rows(q, kv, kv, torch.eye(64), None, pool, strided, dst)
+
+
+@pytest.mark.parametrize(("heads", "meta", "via_idx"), [(1, 1, 1), (1, 0, 0), (2, 1, 1), (8, 1, 0)])
+def test_gather_probe_reads_every_word_of_its_heads(heads, meta, via_idx, monkeypatch):
+    """``benchmarks/gather_probe.py`` (the reads-only probe behind the paired swap heads): its
+    per-program XOR equals one computed in torch from the words of the program's heads and slots,
+    so the probe loads exactly the decode kernel's bytes (masked tails included)."""
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    gp = __import__("gather_probe")
+    sys.modules.pop("gather_probe", None)
+    g = torch.Generator().manual_seed(heads)
+    hkv, d, lens, split, block_n = 8, 128, [70, 45], 40, 16
+    n = sum(lens)
+    kc, vc = (torch.randint(0, 256, (n, hkv, d // 4), dtype=torch.uint8, generator=g) for _ in range(2))
+    km, vm = (torch.randn(n, hkv, 1, 2, generator=g).half() for _ in range(2))
+    indptr = torch.tensor([0, lens[0], n], dtype=torch.int32)
+    idx = torch.randperm(n, generator=g).to(torch.int32) if via_idx else torch.arange(n, dtype=torch.int32)
+    splits = math.ceil(max(lens) / split)
+    got = gp.launch((kc, km, vc, vm, indptr, idx), hkv, d, split, splits, 2, heads, meta, via_idx, block_n)
+    kw, vw = (
+        kc.view(torch.int16).view(n, hkv * d // 8).int(),
+        vc.view(torch.int16).view(n, hkv * d // 8).int(),
+    )
+    kmw, vmw = km.view(torch.int32).view(n, hkv), vm.view(torch.int32).view(n, hkv)
+    want = torch.zeros_like(got)
+    for b in range(2):
+        for sp in range(splits):
+            lo = int(indptr[b]) + sp * split
+            hi = min(lo + split, int(indptr[b + 1]))
+            for hg in range(hkv // heads):
+                cols = slice(hg * heads * d // 8, (hg + 1) * heads * d // 8)
+                acc = torch.zeros(block_n, heads * d // 8, dtype=torch.int32)
+                macc = torch.zeros(block_n, heads, dtype=torch.int32)
+                for n0 in range(lo, hi, block_n):
+                    rows = idx[n0:hi][:block_n].long()
+                    acc[: len(rows)] ^= kw[rows, cols] ^ (vw[rows, cols] << 16)
+                    if meta:
+                        macc[: len(rows)] ^= kmw[rows, hg * heads : (hg + 1) * heads]
+                        macc[: len(rows)] ^= vmw[rows, hg * heads : (hg + 1) * heads]
+                want[(b * splits + sp) * (hkv // heads) + hg] = acc.sum() + macc.sum()
+    assert torch.equal(got, want)
