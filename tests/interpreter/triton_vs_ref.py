@@ -333,6 +333,10 @@ def test_decode_attention_wave_splits_and_hp_first_match_reference(
         ("partials", "bf16", "'fp32' or 'fp16'"),
         ("merge_d", 48, "power of two"),
         ("merge_d", 0, "power of two"),
+        ("swap_block_n", 96, "power of two >= 16"),
+        ("hp_block", 8, "power of two >= 16"),
+        ("swap_heads", 0, "positive integer"),
+        ("swap_per_sm", 2.5, "positive integer"),
     ],
 )
 def test_decode_attention_refuses_bad_config(tk, key, value, match, monkeypatch):

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import torch
 import triton
@@ -122,13 +123,32 @@ _PARTIALS = {"fp32": torch.float32, "fp16": torch.float16}
 _STAGE1, _MERGE = Launcher(_stage1), Launcher(_merge)
 
 
+# tile sizes (tokens): tl.arange lengths and tl.dot's K or N side, so powers of two >= 16
+_TILE_KEYS = ("block_n", "block_n_grouped", "swap_block_n", "hp_block", "swap_hp_block")
+# counts that must be positive integers
+_COUNT_KEYS = ("swap_heads", "swap_per_sm", "per_sm", "num_warps", "num_stages", "hp_split", "min_split")
+_CHECKED = operator.itemgetter(*_TILE_KEYS, *_COUNT_KEYS)
+
+
 def _check_config() -> None:
     """Refuse CONFIG values the launch cannot honour (they are edited by hand in sweeps)."""
-    md = CONFIG["merge_d"]
-    if CONFIG["partials"] not in _PARTIALS:
-        raise ValueError(f"CONFIG['partials'] must be 'fp32' or 'fp16'; got {CONFIG['partials']!r}")
-    if md < 1 or md & (md - 1):
-        raise ValueError(f"CONFIG['merge_d'] must be a power of two (dims per merge program); got {md}")
+    _check_config_values(CONFIG["partials"], CONFIG["merge_d"], _CHECKED(CONFIG))
+
+
+@functools.lru_cache(maxsize=64)
+def _check_config_values(partials: str, md: int, values: tuple) -> None:
+    """The checks of :func:`_check_config`, cached on the values (it runs on every decode call)."""
+    if partials not in _PARTIALS:
+        raise ValueError(f"CONFIG['partials'] must be 'fp32' or 'fp16'; got {partials!r}")
+    if not isinstance(md, int) or md < 1 or md & (md - 1):
+        raise ValueError(f"CONFIG['merge_d'] must be a power of two (dims per merge program); got {md!r}")
+    for key, v in zip(_TILE_KEYS + _COUNT_KEYS, values, strict=True):
+        if key in _TILE_KEYS and (not isinstance(v, int) or v < 16 or v & (v - 1)):
+            raise ValueError(
+                f"CONFIG[{key!r}] must be a power of two >= 16 (tokens per tile: tl.dot needs 16); got {v!r}"
+            )
+        if key in _COUNT_KEYS and (not isinstance(v, int) or v < 1):
+            raise ValueError(f"CONFIG[{key!r}] must be a positive integer; got {v!r}")
 
 
 @functools.cache
