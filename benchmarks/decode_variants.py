@@ -95,7 +95,14 @@ def main() -> None:
             extra,
         )
     )
-    hq, hkv, d = (int(x) for x in args.heads.split("x"))
+    try:
+        hq, hkv, d = (int(x) for x in args.heads.split("x"))
+    except ValueError:
+        ap.error(f"--heads must be QUERYxKVxHEAD_DIM, e.g. 32x8x128; got {args.heads!r}")
+    if hq % hkv or d not in (64, 128, 256):
+        ap.error(
+            f"--heads: query heads must be a multiple of KV heads and head dim 64, 128 or 256; got {args.heads}"
+        )
     fmt = RowFormat(d, 2, d)
     rows = []
     for shape in args.shapes.split(","):

@@ -24,7 +24,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import save
 
-from oscarkv.kernels.triton.decode_plan import split_size
+from oscarkv.kernels.triton.decode_plan import CONFIG, split_size
 
 SWAP_TILE = 128  # tokens per tile at one head per program (the swap loop's default)
 
@@ -91,7 +91,7 @@ def time_shape(b: int, lq: int, sms: int) -> list[tuple[str, float, float]]:
     rows = [("decode kernel (defaults)", bench_graph(real))]
     for heads, meta, via in ((1, 1, 1), (1, 1, 0), (1, 0, 1), (1, 0, 0), (2, 1, 1), (8, 1, 1)):
         block_n = max(16, SWAP_TILE // heads)  # the code bytes of a one-head 128-token tile
-        split = split_size(b, hkv // heads, lq, block_n, sms, True, 8)
+        split = split_size(b, hkv // heads, lq, block_n, sms, True, 8, max(1, CONFIG["min_split"] // heads))
         splits = math.ceil(lq / split)
         args = ((kc, km, vc, vm, qi, qx), hkv, d, split, splits, b, heads, meta, via, block_n)
         rows.append((f"gather, {heads} head(s)/program, metadata {meta}, slot list {via}",

@@ -108,11 +108,20 @@ def test_int2_loop_picks_bytes_swap_or_the_padded_words_by_size(monkeypatch):
         (16, 2, 128, 1),
         (2, 6, 128, 2),  # a power of two dividing the KV heads
         (1, 12, 128, 2),
+        (4, 3, 128, 1),  # 2 does not divide 3 KV heads
         (4, 1, 128, 1),
     ],
 )
 def test_swap_heads_fill_the_mma_columns_within_the_register_budget(g, kv_heads, d, want):
     assert plan.swap_heads(g, kv_heads, d) == want
+
+
+def test_swap_heads_is_a_power_of_two_under_the_config_cap(monkeypatch):
+    """``CONFIG['swap_heads']`` caps the heads; a cap that is not a power of two rounds down."""
+    monkeypatch.setitem(plan.CONFIG, "swap_heads", 3)
+    assert plan.swap_heads(1, 8, 64) == 2  # 8 columns and 64/8 rows would allow 4
+    monkeypatch.setitem(plan.CONFIG, "swap_heads", 1)
+    assert plan.swap_heads(1, 8, 64) == 1
 
 
 def test_swap_heads_take_one_head_below_group_tokens():

@@ -222,6 +222,9 @@ def test_decode_attention_word_planes_match_reference(
         monkeypatch.setitem(da.CONFIG, "swap_heads", 1)
     if loop == "swap":  # several KV heads per swap program at any size
         monkeypatch.setitem(da.CONFIG, "group_tokens", 0)
+    if loop.startswith("swap"):  # the heads per program the launch takes (two at head dim 128)
+        want = 2 if loop == "swap" and d == 128 else 1
+        assert da.int2_loop(d, hq // hkv, hkv, sum(lens_q))[:2] == ("swap", want)
     _check_decode(da, lens_q, lens_h, hq, hkv, d, meta)
 
 
@@ -324,6 +327,8 @@ def test_decode_attention_wave_splits_and_hp_first_match_reference(
     _check_decode(da, lens_q, lens_h, hq, hkv, 128, "fp16")
     per_sm, split = splits[0]
     assert per_sm == (3 if loop.startswith("swap") else None)
+    if loop.startswith("swap"):
+        assert da.int2_loop(128, hq // hkv, hkv, max(lens_q)).hpb == (2 if loop == "swap" else 1)
     assert split < max(lens_q)  # several INT2 splits per sequence
 
 

@@ -21,8 +21,8 @@ import functools
 import math
 from typing import NamedTuple
 
-__all__ = ["CONFIG", "Int2Loop", "heads_per_program", "int2_loop", "num_splits", "split_size", "token_groups",
-           "wave_split"]  # fmt: skip
+__all__ = ["CONFIG", "Int2Loop", "heads_per_program", "int2_loop", "num_splits", "split_size", "swap_heads",
+           "token_groups", "wave_split"]  # fmt: skip
 
 # Tuning, from the H200 sweeps of benchmarks/decode_variants.py (results/decode_variants_w1.md):
 # one-warp programs (no CTA barriers in the tile loop) beat 4-warp ones at every shape; tiles of
@@ -95,9 +95,10 @@ CONFIG = {
     # fit (for the wave-filling splits)
     "swap": True,
     # from this many quantized tokens (batch x longest list) the grouped padded loop instead where
-    # the swap loop takes one KV head per program (g >= 5) and the padded loop would group heads:
-    # at batch 32 / 128K one-head swap measured 3.30-3.35x SDPA against 3.33-3.38x for the grouped
-    # loop (results/dv_swap_c.md, dv_s10_pairs.md); the two-head swap loop measured 4.44x there
+    # the swap loop takes one KV head per program (swap_heads returns 1: g >= 5, head dim 256, an
+    # odd number of KV heads) and the padded loop would group heads: at batch 32 / 128K one-head
+    # swap measured 3.10-3.35x SDPA against 3.33-3.38x for the grouped loop (results/dv_swap_c.md,
+    # gpu_check.md at 2bafed1, dv_s10_pairs.md); the two-head swap loop measured 4.44x there
     "swap_max_tokens": 3 << 20,
     "swap_block_n": 128,
     "swap_hp_block": 16,
