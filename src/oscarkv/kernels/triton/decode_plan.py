@@ -156,20 +156,25 @@ class Int2Loop(NamedTuple):
 
 
 def swap_heads(g: int, kv_heads: int, d: int, tokens: int | None = None) -> int:
-    """KV heads per swap-loop program at head dim ``d``: 1 below ``CONFIG['group_tokens']``
-    quantized tokens (``tokens``; measured on the H200, two heads lose 3-40% there: 1 / 32K,
-    8 / 4K-16K, 2 / 64K, results/dv_s10_pairs_small.md), else the most, up to ``CONFIG['swap_heads']``
-    a power of two and a divisor of ``kv_heads``, whose query heads (``g`` rounded up to a power of two each) fit
-    the MMA's 8 columns (2 at ``g = 4``, 1 from ``g = 5``) and whose words fill at most 32
-    accumulator rows (``hp·d/8``, so 2 heads at head dim 128 and 1 at 256): the block-diagonal query
-    parts and accumulators grow with ``hp`` (offline sm_90: 64 rows take all 255 registers, and
-    spill at head dim 256; 128 rows spill 568 bytes per thread), and on the H200 two heads at head
-    dim 256 (Qwen3.5-4B's 16/4) measured 5.63 vs 5.37x SDPA at batch 8 / 128K but 4.36 vs 4.95x at
-    16 / 32K (results/dv_s10_d256.md)."""
+    """KV heads per swap-loop program at head dim ``d`` with ``tokens`` quantized tokens.
+
+    1 below ``CONFIG['group_tokens']`` tokens: small batches need every head's programs to fill the
+    GPU (two heads measured 3-40% slower there on the H200, results/dv_s10_pairs_small.md).
+    Otherwise the most heads that
+
+    - fit the MMA's 8 columns with their query heads (``g`` rounded up to a power of two each:
+      2 at ``g = 4``, 1 from ``g = 5``);
+    - fill at most 32 accumulator rows, ``hp·d/8``: 2 at head dim 128, 1 at 256 (offline sm_90,
+      64 rows take all 255 registers and spill at head dim 256; on the H200 two heads at head dim
+      256 measured 5.63 vs 5.37x SDPA at batch 8 / 128K but 4.36 vs 4.95x at 16 / 32K,
+      results/dv_s10_d256.md);
+    - are at most ``CONFIG['swap_heads']``, a power of two (the tile's columns are a
+      ``tl.arange``) and a divisor of ``kv_heads``.
+    """
     if tokens is not None and tokens < CONFIG["group_tokens"]:
         return 1
     hp = max(1, min(CONFIG["swap_heads"], kv_heads, 8 // _pow2(g), 256 // d))
-    hp = 1 << (hp.bit_length() - 1)  # a power of two: the tile's columns are a tl.arange
+    hp = 1 << (hp.bit_length() - 1)
     while kv_heads % hp:
         hp //= 2
     return hp
@@ -199,8 +204,8 @@ def int2_loop(d: int, g: int, kv_heads: int, tokens: int) -> Int2Loop:
     if c["swap"] and (
         hpb > 1 or tokens < c["swap_max_tokens"] or heads_per_program(g, kv_heads, tokens) == 1
     ):
-        # a tile's code bytes stay those of swap_block_n tokens of one head dim 128 head: at head
-        # dim 256 128-token tiles spill (offline sm_90: 93 local-memory instructions per tile, 64-token 30)
+        # a tile holds the code bytes of swap_block_n tokens of one head-dim-128 head: at head dim
+        # 256, 128-token tiles spill (offline sm_90: 93 local-memory instructions per tile, 64: 30)
         block_n = max(16, c["swap_block_n"] * 128 // (d * hpb))
         # a split's floor counts the tokens of one head: hpb heads per program take 1/hpb of it
         return Int2Loop("swap", hpb, block_n, c["num_warps"], _pow2(g), 0, c["swap_hp_block"], c["swap_hp_stages"],
