@@ -20,7 +20,7 @@ def bench(monkeypatch, tmp_path):
     monkeypatch.setattr(_harness, "RESULTS", tmp_path)
     monkeypatch.setattr(_harness, "git_commit", lambda: "test")
     yield tmp_path
-    for mod in ("e2e_decode", "_harness", "calibration_speed", "gpu_check"):
+    for mod in ("e2e_decode", "_harness", "calibration_speed", "gpu_check", "trace_decode"):
         sys.modules.pop(mod, None)
 
 
@@ -37,3 +37,20 @@ def test_e2e_decode_alternates_rounds_and_keeps_each_cache_consistent(bench):
         assert res[name]["tokens_cached"] == 300 + 1 + 3 * 3  # prompt, warm-up, 3 rounds of 3 steps
     assert res["oscar"]["bits_per_element"] > 2
     assert "ratio of the medians" in (bench / "smoke.md").read_text()
+
+
+def test_trace_decode_patches_the_current_kernel_and_its_summary_reads_the_timeline(bench):
+    """``benchmarks/trace_decode.py`` edits a copy of the decode kernel by text: every edit must
+    still match the kernel's current source, and the summary must place a known timeline."""
+    import torch
+    import trace_decode
+
+    mod = trace_decode.traced_module()
+    assert "TR" in mod._stage1.arg_names and "TRM" in mod._merge.arg_names
+    # stage 1: two INT2 programs (kind 1) on SMs 0/1 and one 16-bit program (kind 0); ns
+    mod.TRACE[0] = torch.tensor([[0, 5000, 0, 1], [1000, 9000, 1, 1], [0, 2000, 1, 0]])
+    mod.TRACE[1] = torch.tensor([[10000, 12000, 0, 2], [10500, 11000, 1, 2]])
+    s = trace_decode.summarise(mod, 0.015)
+    assert (s["int2_programs"], s["hp_programs"], s["merge_programs"]) == (2, 1, 2)
+    assert s["int2_late"] == 0 and s["stage1_span_us"] == 9.0 and s["merge_gap_us"] == 1.0
+    assert s["kernel_span_us"] == 12.0 and s["outside_us"] == 3.0 and s["sm_end_us"] == [5.0, 5.0, 9.0, 9.0]

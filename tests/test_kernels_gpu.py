@@ -101,6 +101,39 @@ def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta, g
             assert _rel(got[b], want[b]) < 1e-2
 
 
+@pytest.mark.parametrize(("batch", "lq", "lh"), [(1, 5000, 320), (8, 40000, 320), (4, 0, 100), (32, 2000, 0)])
+def test_decode_with_the_merge_as_a_dependent_launch_is_exact(batch, lq, lh, monkeypatch):
+    """CONFIG['pdl']: the merge waits on stage 1 through griddepcontrol, eagerly and replayed from
+    a CUDA graph (where the dependency becomes a programmatic edge); the result must be the
+    ordinary launch's, bit for bit, every replay."""
+    from oscarkv.kernels.triton import decode_attention as tda
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    fmt = RowFormat(128, 2, 128)
+    kc, km = ref.quantize_pack(torch.randn(max(batch * lq, 1), 8, 128, device="cuda"), None, fmt)
+    vc, vm = ref.quantize_pack(torch.randn(max(batch * lq, 1), 8, 128, device="cuda"), None, fmt)
+    hk = torch.randn(max(batch * lh, 1), 8, 128, device="cuda", dtype=torch.bfloat16)
+    hv = torch.randn_like(hk)
+    qi, qx = _lists([lq] * batch, "cuda", shuffle=True)
+    hi, hx = _lists([lh] * batch, "cuda", shuffle=True)
+    q = torch.randn(batch, 32, 128, device="cuda", dtype=torch.bfloat16)
+    args = (q, kc, km, vc, vm, hk, hv, qi, qx, hi, hx, 1 / math.sqrt(128), fmt, fmt)
+    hint = (lq, lh)  # no device sync inside the graph capture
+    monkeypatch.setitem(tda.CONFIG, "pdl", False)
+    want = tda.decode_attention(*args, lens_hint=hint)
+    monkeypatch.setitem(tda.CONFIG, "pdl", True)
+    assert torch.equal(tda.decode_attention(*args, lens_hint=hint), want)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = tda.decode_attention(*args, lens_hint=hint)
+    for _ in range(3):
+        out.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+
+
 @pytest.mark.parametrize(
     ("d", "clip"), [(64, 0.92), (128, 0.96), (128, 0.92), (128, 0.8), (256, 0.96), (256, 0.0)]
 )

@@ -44,6 +44,7 @@ import operator
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ...quant import RowFormat
 from .decode_groups import int2_split_groups
@@ -63,7 +64,10 @@ def _stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale,
             n_q_splits, total, HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr,
             G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
             ASM: tl.constexpr, META: tl.constexpr, WORDS: tl.constexpr, TG: tl.constexpr = 0,
-            HP_STAGES: tl.constexpr = 3, HP_FIRST: tl.constexpr = False, SWAP: tl.constexpr = False):  # fmt: skip
+            HP_STAGES: tl.constexpr = 3, HP_FIRST: tl.constexpr = False, SWAP: tl.constexpr = False,
+            PDL: tl.constexpr = False):  # fmt: skip
+    if PDL:  # the merge may launch (and wait) once every program of this grid has started
+        gdc_launch_dependents()
     # axis 0 is the group of HPB KV heads, so that programs reading the same tokens run together
     hg = tl.program_id(0)
     if HP_FIRST:  # grid (head group, sequence, split): the 16-bit tier's splits launch first
@@ -95,10 +99,14 @@ def _stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale,
 
 
 @triton.jit(do_not_specialize=["total"])
-def _merge(O, LSE, OUT, total, S_BLOCK: tl.constexpr, D: tl.constexpr, DB: tl.constexpr):
+def _merge(
+    O, LSE, OUT, total, S_BLOCK: tl.constexpr, D: tl.constexpr, DB: tl.constexpr, PDL: tl.constexpr = False
+):
     """Log-sum-exp merge of the ``total`` partial outputs of one ``(sequence, query head)`` row,
     dims ``DB·program_id(1)`` onwards, ``S_BLOCK`` splits at a time (a running maximum keeps it
-    exact)."""
+    exact). ``PDL``: launched as a programmatic dependent of stage 1, so wait for its writes."""
+    if PDL:
+        gdc_wait()
     row = tl.program_id(0)  # b * Hq + hq
     offs_d = tl.program_id(1) * DB + tl.arange(0, DB)
     m = tl.full([1], float("-inf"), tl.float32)
@@ -154,6 +162,12 @@ def _check_config_values(partials: str, md: int, values: tuple) -> None:
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def _pdl_ok(device: torch.device) -> bool:
+    """Programmatic dependent launch needs compute capability 9.0 (Hopper) or newer."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @functools.cache
@@ -243,6 +257,8 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     q = q_rot.contiguous() if q_rot.dtype in (torch.bfloat16, torch.float16) else q_rot.half().contiguous()
     kc, vc = (k_codes.view(torch.int16), v_codes.view(torch.int16)) if words else (k_codes, v_codes)
     hp_first = CONFIG["hp_first"] and words
+    # the merge as a programmatic dependent launch of stage 1 (Hopper and newer; not the interpreter)
+    pdl = bool(CONFIG["pdl"]) and q.is_cuda and _pdl_ok(q.device)
     grid = (hkv // hpb, bsz, total) if hp_first else (hkv // hpb, total, bsz)
     _STAGE1(
         grid, q, kc, k_meta.view(word), vc, v_meta.view(word), hp_k, hp_v, int2_indptr, int2_indices, hp_indptr, hp_indices,
@@ -250,13 +266,13 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
         HKV=hkv, G=g, HPB=hpb, R_PAD=lp.rows, G_PAD=max(16, _pow2(g)),
         D=d, BLOCK_N=block_n,
         BLOCK_H=lp.hp_block, ASM=q.is_cuda, META=meta_id, WORDS=words, TG=lp.token_groups, HP_STAGES=lp.hp_stages,
-        HP_FIRST=hp_first, SWAP=swap,
+        HP_FIRST=hp_first, SWAP=swap, PDL=pdl,
         num_warps=lp.warps, num_stages=CONFIG["num_stages"], **opts,
     )  # fmt: skip
     out = torch.empty_like(q_rot)
     db = min(d, CONFIG["merge_d"])
     _MERGE(
         (bsz * hq, d // db), o_part, lse, out, total, S_BLOCK=min(64, max(2, _pow2(total))), D=d, DB=db,
-        num_warps=CONFIG["merge_warps"],
+        PDL=pdl, num_warps=CONFIG["merge_warps"], **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out

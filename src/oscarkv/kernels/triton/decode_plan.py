@@ -107,6 +107,9 @@ CONFIG = {
     # KV heads one swap program takes at most (decode_plan.swap_heads: their query heads fill the
     # MMA's 8 columns, 2 at g = 4); 1 for one head per program, the session-9 loop
     "swap_heads": 8,
+    # launch the merge as a programmatic dependent of stage 1 (compute capability >= 9): its
+    # launch overlaps stage 1's last programs and it waits for their writes (griddepcontrol)
+    "pdl": False,
 }
 
 
