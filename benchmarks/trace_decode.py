@@ -44,11 +44,19 @@ def _sm():
 
 
 @triton.jit
-def _record(TR, t0, kind):
-    pid = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
-    t1 = _now()
-    tl.store(TR + pid * 4, t0)
-    tl.store(TR + pid * 4 + 1, t1)
+def _pid():
+    return tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
+
+
+@triton.jit
+def _start(TR):
+    tl.store(TR + _pid() * 4, _now())  # stored at once: a live timer would cost registers
+
+
+@triton.jit
+def _record(TR, kind):
+    pid = _pid()
+    tl.store(TR + pid * 4 + 1, _now())
     tl.store(TR + pid * 4 + 2, _sm().to(tl.int64))
     tl.store(TR + pid * 4 + 3, kind)
 
@@ -61,19 +69,19 @@ _EDITS = [
         "\n" + _TIMER + '\n@triton.jit(do_not_specialize=["split_q"',
     ),
     ("def _stage1(Q, KC,", "def _stage1(TR, Q, KC,"),
-    ("    hg = tl.program_id(0)\n", "    _t0 = _now()\n    hg = tl.program_id(0)\n"),
+    ("    hg = tl.program_id(0)\n", "    _start(TR)\n    hg = tl.program_id(0)\n"),
     (
         '\n\n\n@triton.jit(do_not_specialize=["total"])\ndef _merge(\n    O,',
-        "\n    _record(TR, _t0, (sp < n_q_splits).to(tl.int64))\n\n\n"
+        "\n    _record(TR, (sp < n_q_splits).to(tl.int64))\n\n\n"
         '@triton.jit(do_not_specialize=["total"])\ndef _merge(\n    TRM, O,',
     ),
     (
         "    row = tl.program_id(0)  # b * Hq + hq\n",
-        "    _t0 = _now()\n    row = tl.program_id(0)  # b * Hq + hq\n",
+        "    _start(TRM)\n    row = tl.program_id(0)  # b * Hq + hq\n",
     ),
     (
         "(acc / tl.where(den > 0, den, 1.0)).to(OUT.dtype.element_ty))\n",
-        "(acc / tl.where(den > 0, den, 1.0)).to(OUT.dtype.element_ty))\n    _record(TRM, _t0, 2)\n",
+        "(acc / tl.where(den > 0, den, 1.0)).to(OUT.dtype.element_ty))\n    _record(TRM, 2)\n",
     ),
     (
         "    _STAGE1(\n        grid, q,",
@@ -143,6 +151,17 @@ def summarise(mod, ms: float) -> dict:
     ends = [int(s1[s1[:, 2] == sm, 1].max()) for sm in s1[:, 2].unique()]
     out["sm_end_us"] = [round(us(v), 2) for v in pct(torch.tensor(ends))]
     out["sms"] = len(ends)
+    # per SM: its INT2 and 16-bit programs and when its last program ended, grouped by the
+    # number of INT2 programs it ran ("n: SMs, mean end µs, hp programs per SM")
+    per_sm: dict[int, list] = {}
+    for sm in s1[:, 2].unique():
+        on = s1[s1[:, 2] == sm]
+        n_q = int((on[:, 3] == 1).sum())
+        per_sm.setdefault(n_q, []).append((us(int(on[:, 1].max())), int((on[:, 3] == 0).sum())))
+    out["by_int2_per_sm"] = "; ".join(
+        f"{k}: {len(v)} SMs, {sum(e for e, _ in v) / len(v):.1f} µs, {sum(h for _, h in v) / len(v):.1f} hp"
+        for k, v in sorted(per_sm.items())
+    )
     out["stage1_span_us"] = round(us(int(s1[:, 1].max())), 2)
     out["merge_gap_us"] = round(us(int(mg[:, 0].min())) - out["stage1_span_us"], 2)
     out["kernel_span_us"] = round(us(int(mg[:, 1].max())), 2)
@@ -156,6 +175,7 @@ def main() -> None:
     ap.add_argument("--heads", default="32x8x128", help="QUERYxKVxHEAD_DIM")
     ap.add_argument("--set", action="append", default=[], help="KEY=V1,V2: CONFIG entries to compare")
     ap.add_argument("--name", default="trace_decode")
+    ap.add_argument("--raw", default="", help="directory for the raw [programs, 4] timelines (torch.save)")
     args = ap.parse_args()
     mod = traced_module()
     hq, hkv, d = (int(x) for x in args.heads.split("x"))
@@ -179,8 +199,12 @@ def main() -> None:
             def fn(m=mod, call=call, hint=(lq, SINK_RECENT)):
                 return m.decode_attention(*call, lens_hint=hint)
 
+            seen = set(tda._STAGE1._cache)
             traced = bench_graph(fn)
             ref_ms = bench_graph(lambda f=fn: f(tda))  # the untraced kernel, same config
+            # registers and spills of the untraced stage 1 this config compiled (or reused)
+            new = [k for k in tda._STAGE1._cache if k not in seen] or list(tda._STAGE1._cache)[-1:]
+            regs = "/".join(f"{c.n_regs}r{c.n_spills}s" for c, _ in (tda._STAGE1._cache[k] for k in new))
             g = torch.cuda.CUDAGraph()
             fn()
             torch.cuda.synchronize()
@@ -190,8 +214,12 @@ def main() -> None:
                 g.replay()
             torch.cuda.synchronize()
             lp = mod.int2_loop(d, hq // hkv, hkv, b * lq)
+            if args.raw:
+                Path(args.raw).mkdir(parents=True, exist_ok=True)
+                tag = f"{b}x{L}" + "".join(f"_{k}{v}" for k, v in zip(keys, combo, strict=True))
+                torch.save([t.cpu() for t in mod.TRACE], Path(args.raw) / f"trace_{tag}.pt")
             row = {"batch": b, "len": L, "set": " ".join(f"{k}={v}" for k, v in zip(keys, combo, strict=True)),
-                   "loop": lp.loop, "hpb": lp.hpb, "untraced_ms": ref_ms, **summarise(mod, traced)}  # fmt: skip
+                   "loop": lp.loop, "hpb": lp.hpb, "regs": regs, "untraced_ms": ref_ms, **summarise(mod, traced)}  # fmt: skip
             mod.CONFIG.clear(), mod.CONFIG.update(saved)
             tda.CONFIG.clear(), tda.CONFIG.update(saved)
             rows.append(row)
@@ -200,9 +228,9 @@ def main() -> None:
         del pools, call
         torch.cuda.empty_cache()
     fmt_l = lambda v: "/".join(f"{x:.1f}" for x in v) if isinstance(v, list) else str(v)  # noqa: E731
-    cols = ["batch", "len", "set", "loop", "hpb", "untraced_ms", "graph_ms", "int2_programs", "hp_programs",
+    cols = ["batch", "len", "set", "loop", "hpb", "regs", "untraced_ms", "graph_ms", "int2_programs", "hp_programs",
             "int2_late", "int2_start_us", "int2_end_us", "int2_dur_us", "hp_end_us", "hp_dur_us", "sm_end_us",
-            "stage1_span_us", "merge_gap_us", "merge_dur_us", "kernel_span_us", "outside_us"]  # fmt: skip
+            "stage1_span_us", "merge_gap_us", "merge_dur_us", "kernel_span_us", "outside_us", "by_int2_per_sm"]  # fmt: skip
     md = [
         "Per-program timelines (µs from stage 1's first program start); lists are min/median/p90/max.",
         "`outside`: graph-timed ms minus the span from stage 1's first start to the merge's last end.",

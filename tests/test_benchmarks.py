@@ -53,4 +53,5 @@ def test_trace_decode_patches_the_current_kernel_and_its_summary_reads_the_timel
     s = trace_decode.summarise(mod, 0.015)
     assert (s["int2_programs"], s["hp_programs"], s["merge_programs"]) == (2, 1, 2)
     assert s["int2_late"] == 0 and s["stage1_span_us"] == 9.0 and s["merge_gap_us"] == 1.0
+    assert s["by_int2_per_sm"] == "1: 2 SMs, 7.0 µs, 0.5 hp"
     assert s["kernel_span_us"] == 12.0 and s["outside_us"] == 3.0 and s["sm_end_us"] == [5.0, 5.0, 9.0, 9.0]
