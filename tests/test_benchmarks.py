@@ -47,6 +47,10 @@ def test_trace_decode_patches_the_current_kernel_and_its_summary_reads_the_timel
 
     mod = trace_decode.traced_module()
     assert "TR" in mod._stage1.arg_names and "TRM" in mod._merge.arg_names
+    # the end-of-program record sits in _stage1 itself, after both tiers
+    src = mod._stage1.src
+    assert src.rstrip().endswith("_record(TR, (sp < n_q_splits).to(tl.int64))") and "_start(TR)" in src
+    assert mod._merge.src.rstrip().endswith("_record(TRM, 2)")
     # stage 1: two INT2 programs (kind 1) on SMs 0/1 and one 16-bit program (kind 0); ns
     mod.TRACE[0] = torch.tensor([[0, 5000, 0, 1], [1000, 9000, 1, 1], [0, 2000, 1, 0]])
     mod.TRACE[1] = torch.tensor([[10000, 12000, 0, 2], [10500, 11000, 1, 2]])

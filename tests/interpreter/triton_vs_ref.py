@@ -288,40 +288,41 @@ def test_decode_attention_16bit_tier_tunables_match_reference(tk, hp_split, hp_b
 
 
 @pytest.mark.parametrize(
-    ("lens_q", "lens_h", "hq", "hkv", "loop", "fused"),
+    ("lens_q", "lens_h", "hq", "hkv", "loop", "sms"),
     [
-        ([700, 0, 300], [100, 40, 0], 8, 2, "swap-one-head", True),  # 6 INT2 splits: 16-bit ones of 17
-        ([500, 40], [5, 70], 32, 8, "swap", True),  # two heads per program, each with its 16-bit split
-        ([700, 0, 300], [100, 40, 0], 8, 2, "words", True),  # the padded word loop
-        ([0, 0, 5], [64, 3, 0], 8, 2, "swap-one-head", False),  # one INT2 split: 64 > hp_split tokens
-        ([700, 30], [300, 2], 8, 2, "swap-one-head", False),  # 300 / 6 splits > hp_split: separate
+        ([700, 0, 300], [100, 40, 0], 8, 2, "swap-one-head", 4),  # 7 tiles dealt over 6 INT2 splits
+        ([500, 40], [5, 70], 32, 8, "swap", 4),  # two heads per program, 5 tiles over 8 splits
+        ([700, 0, 300], [100, 40, 0], 8, 2, "words", 4),  # the padded word loop (32-token tiles)
+        ([90, 0, 5], [330, 3, 0], 8, 2, "swap-one-head", 4),  # 21 tiles over one INT2 split
+        ([700, 0, 300], [100, 40, 0], 8, 2, "swap-one-head", 64),  # all programs fit: separate
     ],
 )
 def test_decode_attention_16bit_tier_in_the_int2_programs_matches_reference(
-    tk, lens_q, lens_h, hq, hkv, loop, fused, monkeypatch
+    tk, lens_q, lens_h, hq, hkv, loop, sms, monkeypatch
 ):
-    """``CONFIG['hp_fused']``: INT2 program (head group, split sp) also takes the 16-bit tier's
-    split sp (the tier cut into as many splits as the INT2 lists), where those splits stay within
-    ``CONFIG['hp_split']`` tokens; otherwise the separate 16-bit programs."""
+    """``CONFIG['hp_fused']``: where the INT2 and the separate 16-bit programs exceed one wave of
+    ``sms × per_sm`` slots, the 16-bit tier is cut into single tiles dealt round robin to the INT2
+    programs (split sp takes 16-bit splits sp, sp + n_q_splits, ...); otherwise separate programs."""
     _, da = tk
     settings = {"hp_fused": True, "small_tokens": 0, "hp_split": 32, "min_split": 64, "fill_waves": False,
-                "programs": 64, "programs_few": 64, "swap": loop != "words", "group_tokens": 0,
-                "swap_heads": 1 if loop == "swap-one-head" else 8}  # fmt: skip
+                "programs": 64, "programs_few": 64, "swap": loop != "words", "group_tokens": 0, "sms": sms,
+                "per_sm": 2, "swap_per_sm": 2, "swap_heads": 1 if loop == "swap-one-head" else 8}  # fmt: skip
     for key, val in settings.items():
         monkeypatch.setitem(da.CONFIG, key, val)
     launches = []
     stage1 = da._STAGE1
 
     def spy(grid, *args, **kwargs):
-        launches.append((grid, args[15], args[16], kwargs["HP_FUSED"], kwargs["HP_FIRST"]))
+        launches.append((grid, args[15], args[16], args[17], kwargs["HP_FUSED"], kwargs["HP_FIRST"]))
         return stage1(grid, *args, **kwargs)
 
     monkeypatch.setattr(da, "_STAGE1", spy)
     _check_decode(da, lens_q, lens_h, hq, hkv, 128, "fp16")
-    grid, split_h, sq, hp_fused, hp_first = launches[0]
-    assert hp_fused is fused and not (fused and hp_first)
-    if fused:  # a grid of INT2 splits only, the 16-bit tier in at most as many splits
-        assert grid[1] == sq and -(-max(max(lens_h), 1) // split_h) <= sq
+    grid, split_h, sq, total, hp_fused, hp_first = launches[0]
+    tile = 32 if loop == "words" else 16  # CONFIG hp_block / swap_hp_block
+    assert hp_fused is (sms == 4) and not (hp_fused and hp_first)
+    if hp_fused:  # a grid of INT2 splits only; the 16-bit tier in single tiles
+        assert grid[1] == sq and split_h == tile and total - sq == -(-max(lens_h) // tile)
     else:
         assert split_h == 32
 

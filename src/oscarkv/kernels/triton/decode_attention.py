@@ -92,9 +92,9 @@ def _stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale,
         else:
             int2_split_bytes(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
                              HKV, G, HPB, R_PAD, D, BLOCK_N, ASM, META)  # fmt: skip
-        if HP_FUSED:  # noqa: SIM102 (compile-time; the grid holds INT2 splits only, each takes 16-bit split sp)
-            if sp < total - n_q_splits:
-                _hp_heads(Q, HK, HV, HPTR, HIDX, O, LSE, qk_scale, split_h, total, hg, n_q_splits + sp, b,
+        if HP_FUSED:  # the grid holds INT2 splits only: split sp also takes 16-bit splits sp, sp + n_q_splits, ...
+            for j in range(sp, total - n_q_splits, n_q_splits):
+                _hp_heads(Q, HK, HV, HPTR, HIDX, O, LSE, qk_scale, split_h, total, hg, n_q_splits + j, b,
                           n_q_splits, HKV, G, HPB, G_PAD, D, BLOCK_H, HP_STAGES)  # fmt: skip
     else:
         _hp_heads(Q, HK, HV, HPTR, HIDX, O, LSE, qk_scale, split_h, total, hg, sp, b, n_q_splits,
@@ -263,11 +263,16 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     split_q = split_size(bsz, hkv // hpb, max_q, block_n, sms, words, lp.per_sm, lp.min_split)
     sq = math.ceil(max_q / split_q)
     split_h = CONFIG["hp_split"]
-    # word-plane path: the INT2 programs also take the 16-bit tier, one split each, where that
-    # keeps its splits within hp_split tokens (no separate programs to hold slots and trail)
-    hp_fused = words and CONFIG["hp_fused"] and math.ceil(max_h / sq) <= split_h
+    # word-plane path on a known device: where the separate 16-bit programs would not fit beside
+    # the INT2 ones in one wave of slots, the INT2 programs take the 16-bit tier instead, in
+    # single tiles dealt round robin (no separate programs to hold slots or trail)
+    units = bsz * (hkv // hpb)
+    hp_fused = (
+        words and CONFIG["hp_fused"] and sms > 0
+        and units * (sq + math.ceil(max_h / split_h)) > sms * (lp.per_sm or CONFIG["per_sm"])
+    )  # fmt: skip
     if hp_fused:
-        split_h = math.ceil(max_h / sq)
+        split_h = lp.hp_block
     sh = math.ceil(max_h / split_h)
     total = sq + sh
     pdt = _PARTIALS[CONFIG["partials"]]

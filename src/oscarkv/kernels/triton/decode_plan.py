@@ -110,10 +110,11 @@ CONFIG = {
     # launch the merge as a programmatic dependent of stage 1 (compute capability >= 9): its
     # launch overlaps stage 1's last programs and it waits for their writes (griddepcontrol)
     "pdl": False,
-    # word-plane path: no separate 16-bit programs; INT2 program (head group, split sp) also takes
-    # the 16-bit tier's split sp, the tier cut into as many splits as the INT2 lists (where that
-    # keeps them within hp_split tokens). Separate 16-bit programs held their slots for 18-40 µs
-    # and delayed 10-35% of the INT2 programs into a trailing partial wave (results/trace_s11_grid.md)
+    # word-plane path, where the INT2 programs and the separate 16-bit programs together exceed
+    # one wave of slots (sms x per_sm): no separate 16-bit programs; the tier is cut into splits
+    # of one tile (hp_block) and INT2 program (head group, split sp) takes 16-bit splits sp,
+    # sp + n_q_splits, ... Separate 16-bit programs held their slots for 18-40 µs and pushed
+    # 10-35% of the INT2 programs into a trailing partial wave (results/trace_s11_grid.md)
     "hp_fused": False,
 }
 
