@@ -92,7 +92,8 @@ def _stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale,
         else:
             int2_split_bytes(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
                              HKV, G, HPB, R_PAD, D, BLOCK_N, ASM, META)  # fmt: skip
-        if HP_FUSED:  # the grid holds INT2 splits only: split sp also takes 16-bit splits sp, sp + n_q_splits, ...
+        # a grid of INT2 splits only: split sp also takes 16-bit splits sp, sp + n_q_splits, ...
+        if HP_FUSED:
             for j in range(sp, total - n_q_splits, n_q_splits):
                 _hp_heads(Q, HK, HV, HPTR, HIDX, O, LSE, qk_scale, split_h, total, hg, n_q_splits + j, b,
                           n_q_splits, HKV, G, HPB, G_PAD, D, BLOCK_H, HP_STAGES)  # fmt: skip
