@@ -75,7 +75,8 @@ def test_int2_loop_picks_bytes_swap_or_the_padded_words_by_size(monkeypatch):
     """Byte planes below ``small_tokens`` and for head dim 64; the swap loop (``swap_heads`` KV heads
     per program, the query heads rounded up to a power of two) up to ``swap_max_tokens``; above it,
     or with ``swap`` off, the padded word loop, whose KV heads are grouped from ``group_tokens``."""
-    for key, val in (("small_tokens", 100), ("swap", True), ("swap_max_tokens", 1000), ("group_tokens", 500)):
+    for key, val in (("small_tokens", 100), ("swap", True), ("swap_max_tokens", 1000), ("group_tokens", 500),
+                     ("swap_pair_tokens", 500)):  # fmt: skip
         monkeypatch.setitem(plan.CONFIG, key, val)
     assert plan.int2_loop(128, 4, 8, 99).loop == "bytes"
     assert plan.int2_loop(64, 4, 8, 10_000).loop == "bytes"
@@ -124,10 +125,10 @@ def test_swap_heads_is_a_power_of_two_under_the_config_cap(monkeypatch):
     assert plan.swap_heads(1, 8, 64) == 1
 
 
-def test_swap_heads_take_one_head_below_group_tokens():
+def test_swap_heads_take_one_head_below_swap_pair_tokens():
     """Small batches need every head's programs to fill the GPU: one head per swap program below
-    ``CONFIG['group_tokens']`` quantized tokens."""
-    gt = plan.CONFIG["group_tokens"]
+    ``CONFIG['swap_pair_tokens']`` quantized tokens."""
+    gt = plan.CONFIG["swap_pair_tokens"]
     assert plan.swap_heads(4, 8, 128, gt - 1) == 1
     assert plan.swap_heads(4, 8, 128, gt) == 2
     assert plan.int2_loop(128, 4, 8, gt - 1)[:3] == ("swap", 1, plan.CONFIG["swap_block_n"])
@@ -162,10 +163,30 @@ def test_min_split_sets_the_floor_of_both_split_rules():
 def test_int2_loop_keeps_the_swap_loop_where_the_padded_loop_would_not_group_heads(monkeypatch):
     """Above ``swap_max_tokens`` the padded loop wins only with grouped heads: with ``g`` not a
     power of two (one head per program) the swap loop stays."""
-    for key, val in (("small_tokens", 0), ("swap", True), ("swap_max_tokens", 1000), ("group_tokens", 500)):
+    for key, val in (("small_tokens", 0), ("swap", True), ("swap_max_tokens", 1000), ("group_tokens", 500),
+                     ("swap_pair_tokens", 500)):  # fmt: skip
         monkeypatch.setitem(plan.CONFIG, key, val)
     assert plan.int2_loop(128, 3, 8, 5000).loop == "swap"
     assert plan.int2_loop(128, 4, 8, 5000).loop == "swap"  # two heads per swap program
     assert plan.int2_loop(128, 8, 8, 5000)[:2] == ("words", 2)  # one head per swap program
     monkeypatch.setitem(plan.CONFIG, "swap_heads", 1)
     assert plan.int2_loop(128, 4, 8, 5000).loop == "words"
+
+
+def test_hp_split_size_keeps_hp_split_where_all_programs_fit_one_wave(monkeypatch):
+    """16-bit splits of ``CONFIG['hp_split']`` tokens unless the INT2 programs and those exceed
+    the slots; then about ``hp_programs`` 16-bit programs of whole tiles, within ``hp_split``."""
+    monkeypatch.setitem(plan.CONFIG, "hp_split", 128)
+    monkeypatch.setitem(plan.CONFIG, "hp_programs", 320)
+    # batch 1 / 128K: 8 units x (128 + 3) programs fit 1056 slots
+    assert plan.hp_split_size(8, 128, 320, 16, 1056) == 128
+    assert plan.hp_split_size(32, 32, 320, 16, 0) == 128  # slots unknown (the CPU, the byte path)
+    # batch 8 / 32K, two heads per program: 32 x (32 + 3) > 1056: 10 splits of 32 tokens
+    assert plan.hp_split_size(32, 32, 320, 16, 1056) == 32
+    assert plan.hp_split_size(64, 16, 320, 16, 1056) == 64  # 5 splits
+    assert plan.hp_split_size(128, 8, 320, 16, 1056) == 128  # 2.5 splits: capped at hp_split
+    assert plan.hp_split_size(16, 64, 320, 16, 1056) == 16  # 20 splits: one tile each
+    assert plan.hp_split_size(8, 200, 320, 16, 1056) == 16  # 40 would be shorter than a tile
+    assert plan.hp_split_size(40, 32, 100, 32, 1056) == 32  # 8 splits of 13 tokens: one 32-token tile
+    monkeypatch.setitem(plan.CONFIG, "hp_programs", 0)
+    assert plan.hp_split_size(32, 32, 320, 16, 1056) == 128

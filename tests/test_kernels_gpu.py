@@ -52,7 +52,7 @@ def _lists(lens: list[int], device: str, shuffle: bool) -> tuple[torch.Tensor, t
 )
 @pytest.mark.parametrize("meta", ["fp16", "bf16"])
 @pytest.mark.parametrize("grouped", [False, True], ids=["auto-heads", "grouped-heads"])
-@pytest.mark.parametrize("planes", ["auto", "words", "groups", "swap", "swap-one-head", "hp-fused"])
+@pytest.mark.parametrize("planes", ["auto", "words", "groups", "swap", "swap-one-head", "hp-short"])
 def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta, grouped, planes, monkeypatch):
     from oscarkv.kernels.triton import decode_attention as tda
 
@@ -77,13 +77,14 @@ def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta, g
         monkeypatch.setitem(tda.CONFIG, "swap", True)
         # KV heads per program: as many as fill the MMA's 8 columns at any size, or one
         monkeypatch.setitem(tda.CONFIG, "swap_heads", 1 if planes == "swap-one-head" else 8)
-        monkeypatch.setitem(tda.CONFIG, "group_tokens", 0)
+        monkeypatch.setitem(tda.CONFIG, "swap_pair_tokens", 0)
 
-    if planes == "hp-fused":  # the INT2 programs also take the 16-bit tier (word planes)
+    if planes == "hp-short":  # 16-bit splits of one tile at every size (word planes)
         if d < 128:
             pytest.skip("head dim 64 always uses the byte planes")
         monkeypatch.setitem(tda.CONFIG, "small_tokens", 0)
-        monkeypatch.setitem(tda.CONFIG, "hp_fused", True)
+        monkeypatch.setitem(tda.CONFIG, "sms", 1)
+        monkeypatch.setitem(tda.CONFIG, "hp_programs", 100000)
 
     dev = "cuda"
     fmt = RowFormat(d, 2, d, meta_dtype=meta)

@@ -97,6 +97,62 @@ def test_quantize_pack_is_bit_exact_on_adversarial_rows(tk, d, clip):
             assert torch.equal(c1, c2) and torch.equal(m1, m2), (meta, dtype)
 
 
+def _packed_flags(qp, monkeypatch) -> list[bool]:
+    """The ``PACKED`` constexpr of each later ``_quantize_pack`` launch."""
+    seen, launch = [], qp._QUANTIZE_PACK
+
+    def spy(grid, *args, **kwargs):
+        seen.append(kwargs["PACKED"])
+        return launch(grid, *args, **kwargs)
+
+    monkeypatch.setattr(qp, "_QUANTIZE_PACK", spy)
+    return seen
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("clip", [0.0, 0.8, 0.92, 0.96])
+def test_quantize_pack_packed_network_is_bit_exact(tk, d, clip, monkeypatch):
+    """The clip network on packed pairs of the rows' bf16/fp16 values (``PACKED``), here at every
+    round count (``ROUNDS > 1``: the drop value and the counts on int16 bit patterns), on the
+    adversarial rows (ties at the threshold and across rounds, zero, constant and few-valued rows,
+    a huge outlier, ...) and on rows with ten values of |x| 3 of either sign."""
+    qp, _ = tk
+    monkeypatch.setattr(qp, "PACKED_ROUNDS", 99)
+    seen = _packed_flags(qp, monkeypatch)
+    g = torch.Generator().manual_seed(d + 1)
+    for dtype in (torch.bfloat16, torch.float16):
+        fmt = RowFormat(d, 2, d, clip=clip, meta_dtype="bf16")
+        signed = torch.randn(4, 2, d, generator=g)
+        signed[:, :, :10] = 3.0 * (torch.rand(4, 2, 10, generator=g) - 0.5).sign()
+        x = torch.cat([_adversarial_rows(d, dtype), signed.to(dtype)])
+        c1, m1 = qp.quantize_pack(x, None, fmt)
+        c2, m2 = ref.quantize_pack(x, None, fmt)
+        assert torch.equal(c1, c2) and torch.equal(m1, m2), dtype
+    assert seen == [clip > 0] * 2
+
+
+def test_quantize_pack_takes_the_packed_network_where_it_is_exact(tk, monkeypatch):
+    """Packed only for bf16/fp16 rows without rotation, with clipping, 16-byte aligned, up to
+    ``PACKED_ROUNDS`` rounds, and never with ``PACKED`` off; every case bit-exact."""
+    qp, _ = tk
+    seen = _packed_flags(qp, monkeypatch)
+    buf = torch.randn(9 * 2 * 128 + 1).bfloat16()
+    x, odd = buf[:-1].view(9, 2, 128), buf[1:].view(9, 2, 128)
+    r = torch.eye(128)
+    cases = [(x, None, 0.96, True), (x.half(), None, 0.96, True), (x.float(), None, 0.96, False),
+             (x, r, 0.96, False), (x, None, 0.0, False), (x, None, 0.92, False),  # 2 rounds
+             (odd, None, 0.96, False)]  # rows at a 2-byte offset  # fmt: skip
+    for rows, rot, clip, _ in cases:
+        fmt = RowFormat(128, 2, 128, clip=clip)
+        c1, m1 = qp.quantize_pack(rows, rot, fmt)
+        c2, m2 = ref.quantize_pack(rows, rot, fmt)
+        assert torch.equal(c1, c2) and torch.equal(m1, m2)
+    assert seen == [want for *_, want in cases]
+    monkeypatch.setattr(qp, "PACKED", False)
+    qp.quantize_pack(x, None, RowFormat(128, 2, 128, clip=0.96))
+    assert seen[-1] is False
+
+
 @pytest.mark.parametrize(("d", "clip"), [(64, 0.92), (128, 0.96), (128, 0.92), (256, 0.96)])
 def test_quantize_pack_is_bit_exact_on_many_random_rows(tk, d, clip):
     qp, _ = tk
@@ -221,7 +277,7 @@ def test_decode_attention_word_planes_match_reference(
     if loop == "swap-one-head":
         monkeypatch.setitem(da.CONFIG, "swap_heads", 1)
     if loop == "swap":  # several KV heads per swap program at any size
-        monkeypatch.setitem(da.CONFIG, "group_tokens", 0)
+        monkeypatch.setitem(da.CONFIG, "swap_pair_tokens", 0)
     if loop.startswith("swap"):  # the heads per program the launch takes (two at head dim 128)
         want = 2 if loop == "swap" and d == 128 else 1
         assert da.int2_loop(d, hq // hkv, hkv, sum(lens_q))[:2] == ("swap", want)
@@ -288,43 +344,36 @@ def test_decode_attention_16bit_tier_tunables_match_reference(tk, hp_split, hp_b
 
 
 @pytest.mark.parametrize(
-    ("lens_q", "lens_h", "hq", "hkv", "loop", "sms"),
+    ("lens_q", "lens_h", "hq", "hkv", "loop", "sms", "split_h"),
     [
-        ([700, 0, 300], [100, 40, 0], 8, 2, "swap-one-head", 4),  # 7 tiles dealt over 6 INT2 splits
-        ([500, 40], [5, 70], 32, 8, "swap", 4),  # two heads per program, 5 tiles over 8 splits
-        ([700, 0, 300], [100, 40, 0], 8, 2, "words", 4),  # the padded word loop (32-token tiles)
-        ([90, 0, 5], [330, 3, 0], 8, 2, "swap-one-head", 4),  # 21 tiles over one INT2 split
-        ([700, 0, 300], [100, 40, 0], 8, 2, "swap-one-head", 64),  # all programs fit: separate
+        ([700, 0, 300], [100, 40, 0], 8, 2, "swap-one-head", 4, 16),  # 6 units: 10 splits of one tile
+        ([500, 40], [5, 70], 32, 8, "swap", 4, 16),  # two heads per program
+        ([700, 0, 300], [330, 40, 0], 8, 2, "words", 4, 32),  # the padded word loop: 32-token tiles
+        ([700, 0, 300], [100, 40, 0], 8, 2, "swap-one-head", 64, 32),  # all programs fit: hp_split
     ],
 )
-def test_decode_attention_16bit_tier_in_the_int2_programs_matches_reference(
-    tk, lens_q, lens_h, hq, hkv, loop, sms, monkeypatch
+def test_decode_attention_short_16bit_splits_where_the_programs_overflow_match_reference(
+    tk, lens_q, lens_h, hq, hkv, loop, sms, split_h, monkeypatch
 ):
-    """``CONFIG['hp_fused']``: where the INT2 and the separate 16-bit programs exceed one wave of
-    ``sms × per_sm`` slots, the 16-bit tier is cut into single tiles dealt round robin to the INT2
-    programs (split sp takes 16-bit splits sp, sp + n_q_splits, ...); otherwise separate programs."""
+    """``CONFIG['hp_programs']``: where the INT2 programs and the 16-bit ones of ``hp_split`` tokens
+    exceed one wave of ``sms × per_sm`` slots, about ``hp_programs`` 16-bit programs of whole tiles."""
     _, da = tk
-    settings = {"hp_fused": True, "small_tokens": 0, "hp_split": 32, "min_split": 64, "fill_waves": False,
+    settings = {"hp_programs": 60, "small_tokens": 0, "hp_split": 32, "min_split": 64, "fill_waves": False,
                 "programs": 64, "programs_few": 64, "swap": loop != "words", "group_tokens": 0, "sms": sms,
-                "per_sm": 2, "swap_per_sm": 2, "swap_heads": 1 if loop == "swap-one-head" else 8}  # fmt: skip
+                "swap_pair_tokens": 0, "per_sm": 2, "swap_per_sm": 2,
+                "swap_heads": 1 if loop == "swap-one-head" else 8}  # fmt: skip
     for key, val in settings.items():
         monkeypatch.setitem(da.CONFIG, key, val)
     launches = []
     stage1 = da._STAGE1
 
     def spy(grid, *args, **kwargs):
-        launches.append((grid, args[15], args[16], args[17], kwargs["HP_FUSED"], kwargs["HP_FIRST"]))
+        launches.append(args[15])  # split_h
         return stage1(grid, *args, **kwargs)
 
     monkeypatch.setattr(da, "_STAGE1", spy)
     _check_decode(da, lens_q, lens_h, hq, hkv, 128, "fp16")
-    grid, split_h, sq, total, hp_fused, hp_first = launches[0]
-    tile = 32 if loop == "words" else 16  # CONFIG hp_block / swap_hp_block
-    assert hp_fused is (sms == 4) and not (hp_fused and hp_first)
-    if hp_fused:  # a grid of INT2 splits only; the 16-bit tier in single tiles
-        assert grid[1] == sq and split_h == tile and total - sq == -(-max(lens_h) // tile)
-    else:
-        assert split_h == 32
+    assert launches == [split_h]
 
 
 @pytest.mark.parametrize(
@@ -352,7 +401,8 @@ def test_decode_attention_wave_splits_and_hp_first_match_reference(
     splits first), over several 16-bit splits."""
     _, da = tk
     settings = {"fill_waves": True, "sms": 16, "per_sm": 2, "swap_per_sm": 3, "hp_first": True, "few_units": 0,
-                "hp_split": 32, "small_tokens": 0, "group_tokens": 0 if loop in ("grouped", "swap") else 1 << 30,
+                "hp_split": 32, "small_tokens": 0, "group_tokens": 0 if loop == "grouped" else 1 << 30,
+                "swap_pair_tokens": 0 if loop == "swap" else 1 << 30,
                 "swap": loop.startswith("swap"), "swap_heads": 1 if loop == "swap-one-head" else 8, "min_split": 64}  # fmt: skip
     for key, val in settings.items():
         monkeypatch.setitem(da.CONFIG, key, val)

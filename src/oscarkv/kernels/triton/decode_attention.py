@@ -48,7 +48,16 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ...quant import RowFormat
 from .decode_groups import int2_split_groups
-from .decode_plan import CONFIG, _pow2, heads_per_program, int2_loop, num_splits, split_size, token_groups
+from .decode_plan import (
+    CONFIG,
+    _pow2,
+    heads_per_program,
+    hp_split_size,
+    int2_loop,
+    num_splits,
+    split_size,
+    token_groups,
+)
 from .decode_swap import int2_split_swap
 from .decode_tiles import hp_split, int2_split_bytes
 from .decode_words import int2_split_words
@@ -65,7 +74,7 @@ def _stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale,
             G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
             ASM: tl.constexpr, META: tl.constexpr, WORDS: tl.constexpr, TG: tl.constexpr = 0,
             HP_STAGES: tl.constexpr = 3, HP_FIRST: tl.constexpr = False, SWAP: tl.constexpr = False,
-            PDL: tl.constexpr = False, HP_FUSED: tl.constexpr = False):  # fmt: skip
+            PDL: tl.constexpr = False):  # fmt: skip
     if PDL:  # the merge may launch (and wait) once every program of this grid has started
         gdc_launch_dependents()
     # axis 0 is the group of HPB KV heads, so that programs reading the same tokens run together
@@ -92,25 +101,10 @@ def _stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale,
         else:
             int2_split_bytes(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
                              HKV, G, HPB, R_PAD, D, BLOCK_N, ASM, META)  # fmt: skip
-        # a grid of INT2 splits only: split sp also takes 16-bit splits sp, sp + n_q_splits, ...
-        if HP_FUSED:
-            for j in range(sp, total - n_q_splits, n_q_splits):
-                _hp_heads(Q, HK, HV, HPTR, HIDX, O, LSE, qk_scale, split_h, total, hg, n_q_splits + j, b,
-                          n_q_splits, HKV, G, HPB, G_PAD, D, BLOCK_H, HP_STAGES)  # fmt: skip
     else:
-        _hp_heads(Q, HK, HV, HPTR, HIDX, O, LSE, qk_scale, split_h, total, hg, sp, b, n_q_splits,
-                  HKV, G, HPB, G_PAD, D, BLOCK_H, HP_STAGES)  # fmt: skip
-
-
-@triton.jit
-def _hp_heads(Q, HK, HV, HPTR, HIDX, O, LSE, qk_scale, split_h, total, hg, sp, b, n_q_splits,
-              HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-              BLOCK_H: tl.constexpr, HP_STAGES: tl.constexpr):  # fmt: skip
-    """16-bit split ``sp`` (partial index; the tier's splits start at ``n_q_splits``) of the HPB
-    KV heads of group ``hg``: the tier is short (sink + recent), one head at a time."""
-    for j in tl.static_range(HPB):
-        hp_split(Q, HK, HV, HPTR, HIDX, O, LSE, qk_scale, split_h, total, hg * HPB + j, sp, b,
-                 n_q_splits, HKV, G, G_PAD, D, BLOCK_H, HP_STAGES)  # fmt: skip
+        for j in tl.static_range(HPB):  # the 16-bit tier is short (sink + recent): one head at a time
+            hp_split(Q, HK, HV, HPTR, HIDX, O, LSE, qk_scale, split_h, total, hg * HPB + j, sp, b,
+                      n_q_splits, HKV, G, G_PAD, D, BLOCK_H, HP_STAGES)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["total"])
@@ -263,17 +257,8 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     sms = CONFIG["sms"] or (_sm_count(q_rot.device) if q_rot.is_cuda else 0)
     split_q = split_size(bsz, hkv // hpb, max_q, block_n, sms, words, lp.per_sm, lp.min_split)
     sq = math.ceil(max_q / split_q)
-    split_h = CONFIG["hp_split"]
-    # word-plane path on a known device: where the separate 16-bit programs would not fit beside
-    # the INT2 ones in one wave of slots, the INT2 programs take the 16-bit tier instead, in
-    # single tiles dealt round robin (no separate programs to hold slots or trail)
-    units = bsz * (hkv // hpb)
-    hp_fused = (
-        words and CONFIG["hp_fused"] and sms > 0
-        and units * (sq + math.ceil(max_h / split_h)) > sms * (lp.per_sm or CONFIG["per_sm"])
-    )  # fmt: skip
-    if hp_fused:
-        split_h = lp.hp_block
+    slots = sms * (lp.per_sm or CONFIG["per_sm"]) if words else 0  # the byte path keeps hp_split
+    split_h = hp_split_size(bsz * (hkv // hpb), sq, max_h, lp.hp_block, slots)
     sh = math.ceil(max_h / split_h)
     total = sq + sh
     pdt = _PARTIALS[CONFIG["partials"]]
@@ -282,17 +267,17 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     # 16-bit queries: the model's bf16/fp16 as they are; anything else (fp32 on the CPU) as fp16
     q = q_rot.contiguous() if q_rot.dtype in (torch.bfloat16, torch.float16) else q_rot.half().contiguous()
     kc, vc = (k_codes.view(torch.int16), v_codes.view(torch.int16)) if words else (k_codes, v_codes)
-    hp_first = CONFIG["hp_first"] and words and not hp_fused
+    hp_first = CONFIG["hp_first"] and words
     # the merge as a programmatic dependent launch of stage 1 (Hopper and newer; not the interpreter)
     pdl = bool(CONFIG["pdl"]) and q.is_cuda and _pdl_ok(q.device)
-    grid = (hkv // hpb, bsz, total) if hp_first else (hkv // hpb, sq if hp_fused else total, bsz)
+    grid = (hkv // hpb, bsz, total) if hp_first else (hkv // hpb, total, bsz)
     _STAGE1(
         grid, q, kc, k_meta.view(word), vc, v_meta.view(word), hp_k, hp_v, int2_indptr, int2_indices, hp_indptr, hp_indices,
         o_part, lse, sm_scale * LOG2E, split_q, split_h, sq, total,
         HKV=hkv, G=g, HPB=hpb, R_PAD=lp.rows, G_PAD=max(16, _pow2(g)),
         D=d, BLOCK_N=block_n,
         BLOCK_H=lp.hp_block, ASM=q.is_cuda, META=meta_id, WORDS=words, TG=lp.token_groups, HP_STAGES=lp.hp_stages,
-        HP_FIRST=hp_first, SWAP=swap, PDL=pdl, HP_FUSED=hp_fused,
+        HP_FIRST=hp_first, SWAP=swap, PDL=pdl,
         num_warps=lp.warps, num_stages=CONFIG["num_stages"], **opts,
     )  # fmt: skip
     out = torch.empty_like(q_rot)

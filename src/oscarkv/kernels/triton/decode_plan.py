@@ -21,8 +21,8 @@ import functools
 import math
 from typing import NamedTuple
 
-__all__ = ["CONFIG", "Int2Loop", "heads_per_program", "int2_loop", "num_splits", "split_size", "swap_heads",
-           "token_groups", "wave_split"]  # fmt: skip
+__all__ = ["CONFIG", "Int2Loop", "heads_per_program", "hp_split_size", "int2_loop", "num_splits", "split_size",
+           "swap_heads", "token_groups", "wave_split"]  # fmt: skip
 
 # Tuning, from the H200 sweeps of benchmarks/decode_variants.py (results/decode_variants_w1.md):
 # one-warp programs (no CTA barriers in the tile loop) beat 4-warp ones at every shape; tiles of
@@ -110,12 +110,16 @@ CONFIG = {
     # launch the merge as a programmatic dependent of stage 1 (compute capability >= 9): its
     # launch overlaps stage 1's last programs and it waits for their writes (griddepcontrol)
     "pdl": False,
-    # word-plane path, where the INT2 programs and the separate 16-bit programs together exceed
-    # one wave of slots (sms x per_sm): no separate 16-bit programs; the tier is cut into splits
-    # of one tile (hp_block) and INT2 program (head group, split sp) takes 16-bit splits sp,
-    # sp + n_q_splits, ... Separate 16-bit programs held their slots for 18-40 µs and pushed
-    # 10-35% of the INT2 programs into a trailing partial wave (results/trace_s11_grid.md)
-    "hp_fused": False,
+    # word-plane path, where the INT2 programs and the 16-bit ones of hp_split tokens would not
+    # fit one wave of slots together: about this many 16-bit programs in all (splits of whole
+    # 16-bit tiles, at most hp_split tokens; 0: always hp_split). The 16-bit programs launch first
+    # and hold their slots for 18-40 µs at hp_split 128, which delays as many INT2 programs into a
+    # trailing partial wave (results/trace_s11_grid.md); shorter ones delay them less, but each
+    # costs a launch slot and a partial (results/dv_s11_hpsplit.md, dv_s11_2h.md)
+    "hp_programs": 320,
+    # from this many quantized tokens (batch x longest list) a swap program takes several KV heads
+    # (swap_heads; below it one head per program)
+    "swap_pair_tokens": 262144,
 }
 
 
@@ -167,8 +171,9 @@ class Int2Loop(NamedTuple):
 def swap_heads(g: int, kv_heads: int, d: int, tokens: int | None = None) -> int:
     """KV heads per swap-loop program at head dim ``d`` with ``tokens`` quantized tokens.
 
-    1 below ``CONFIG['group_tokens']`` tokens: small batches need every head's programs to fill the
-    GPU (two heads measured 3-40% slower there on the H200, results/dv_s10_pairs_small.md).
+    1 below ``CONFIG['swap_pair_tokens']`` tokens: small batches need every head's programs to fill
+    the GPU (two heads measured 3-40% slower at 32K tokens on the H200,
+    results/dv_s10_pairs_small.md).
     Otherwise the most heads that
 
     - fit the MMA's 8 columns with their query heads (``g`` rounded up to a power of two each:
@@ -180,13 +185,25 @@ def swap_heads(g: int, kv_heads: int, d: int, tokens: int | None = None) -> int:
     - are at most ``CONFIG['swap_heads']``, a power of two (the tile's columns are a
       ``tl.arange``) and a divisor of ``kv_heads``.
     """
-    if tokens is not None and tokens < CONFIG["group_tokens"]:
+    if tokens is not None and tokens < CONFIG["swap_pair_tokens"]:
         return 1
     hp = max(1, min(CONFIG["swap_heads"], kv_heads, 8 // _pow2(g), 256 // d))
     hp = 1 << (hp.bit_length() - 1)
     while kv_heads % hp:
         hp //= 2
     return hp
+
+
+def hp_split_size(units: int, n_q_splits: int, max_h: int, tile: int, slots: int) -> int:
+    """Tokens per split of the 16-bit lists (``max_h`` tokens at most) for ``units`` (sequence,
+    head group) pairs with ``n_q_splits`` INT2 splits each: ``CONFIG['hp_split']``, unless those
+    programs and the INT2 ones exceed ``slots`` (0: unknown) and ``CONFIG['hp_programs']`` is set;
+    then about ``hp_programs`` 16-bit programs in all, in splits of whole ``tile``-token tiles."""
+    split = CONFIG["hp_split"]
+    if not CONFIG["hp_programs"] or not slots or units * (n_q_splits + math.ceil(max_h / split)) <= slots:
+        return split
+    n = max(1, round(CONFIG["hp_programs"] / units))
+    return max(tile, min(split, math.ceil(math.ceil(max_h / n) / tile) * tile))
 
 
 def _pow2(n: int) -> int:
