@@ -5,12 +5,19 @@ rotation too), then both are timed from CUDA graphs (device time; TB/s on the in
 bf16 rows ``[N, 8, 128]``). ``--sweep layer,none`` also times the tunables of the current kernel
 with rotation (rows per program, prefetch depth, programs per SM, register cap, merge levels) and
 without (rows per program, warps, register cap), checks each against the default's output, and
-reports the best.
+reports the best; ``--sweep packed`` the same without rotation for the fp32 and the packed clip
+network (``PACKED``) each, the packed one also at every round count (``PACKED_ROUNDS``, timed at
+clip 0.92 too).
 
 The previous kernel is a copy of the module at another commit, loaded from a file, e.g.
 
     git show <rev>:src/oscarkv/kernels/triton/quantize_pack.py > out/qp_old.py
     python benchmarks/quantize_pack_ab.py --old out/qp_old.py [--sweep layer,none] [--out DIR]
+
+or, with ``--packed``, the current module with the fp32 clip network (``PACKED = False``)
+against itself with the packed one (bf16 rows without rotation; other cases run the same kernel):
+
+    python benchmarks/quantize_pack_ab.py --packed [--sweep packed] [--out DIR]
 """
 
 from __future__ import annotations
@@ -37,11 +44,31 @@ DEV = torch.device("cuda")
 
 def load_old(path: str):
     """The previous ``quantize_pack`` module, imported from a copy of its file (with the
-    ``quantize_nets.py`` beside it, or the current one when there is none)."""
+    ``quantize_nets.py`` and ``launch.py`` beside it, or the current ones where there are none)."""
     f = Path(path)
-    nets = f.with_name("quantize_nets.py")
-    files = [f, nets if nets.exists() else Path(new.__file__).with_name("quantize_nets.py")]
+    files = [f]
+    for name in ("quantize_nets.py", "launch.py"):
+        beside = f.with_name(name)
+        files.append(beside if beside.exists() else Path(new.__file__).with_name(name))
     return importlib.import_module(f"{import_kernel_copy('qp_old', files)}.{f.stem}")
+
+
+class Switched:
+    """The current module with some tunables set during each call (``PACKED=False``: the fp32 clip
+    network), as an "old" kernel; a CUDA graph captures the kernel the call launched."""
+
+    def __init__(self, **values):
+        self.values = values
+
+    def quantize_pack(self, *args):
+        saved = {k: getattr(new, k) for k in self.values}
+        for k, v in self.values.items():
+            setattr(new, k, v)
+        try:
+            return new.quantize_pack(*args)
+        finally:
+            for k, v in saved.items():
+                setattr(new, k, v)
 
 
 def timed(fn) -> float:
@@ -86,20 +113,35 @@ def _rot_configs() -> list[dict]:
 
 
 def _plain_configs() -> list[dict]:
-    """Without rotation: rows per program, warps, register cap."""
+    """Without rotation: rows per program, warps, register cap (of the fp32 and the packed clip
+    network alike)."""
     return [
-        {"BLOCK_R": br, "NUM_WARPS": w, "MAXNREG": mr}
+        {"BLOCK_R": br, "NUM_WARPS": w, "MAXNREG": mr, "PACKED_MAXNREG": mr}
         for br, w, mr in itertools.product((16, 32, 64, 128), (1, 2, 4, 8), (0, 128))
         if 8 <= br // w <= 32
     ]
 
 
+def _packed_configs() -> list[dict]:
+    """``_plain_configs`` with the fp32 and with the packed clip network, the latter also at every
+    round count (at the default rows per program and warps)."""
+    return [
+        {**c, "PACKED": packed, "PACKED_ROUNDS": rounds}
+        for packed, rounds in ((False, 1), (True, 1), (True, 99))
+        for c in _plain_configs()
+        if rounds == 1 or (c["BLOCK_R"], c["NUM_WARPS"]) == (new.BLOCK_R, new.NUM_WARPS)
+    ]
+
+
 def sweep(rot: str) -> list[dict]:
-    """Time the module's tunables (``rot``: "layer" for the rotation path, "none" without) at 64K
-    and 1M rows, clip 0.96; every config must give the default's codes and metadata."""
+    """Time the module's tunables (``rot``: "layer" for the rotation path, "none" without,
+    "packed" without for both clip networks) at 64K and 1M rows, clip 0.96 (packed: also 0.92
+    at 64K); every config must give the default's codes and metadata."""
     fmt = RowFormat(128, 2, 128, clip=0.96)
-    cases = [inputs(n, rot) for n in (65536, 1048576)]
-    configs = _rot_configs() if rot == "layer" else _plain_configs()
+    cases = [inputs(n, "none" if rot == "packed" else rot) for n in (65536, 1048576)]
+    configs = {"layer": _rot_configs, "none": _plain_configs, "packed": _packed_configs}[rot]()
+    if rot == "packed":
+        return sweep_packed(configs, cases)
     base = {k: getattr(new, k) for k in configs[0]}
     want = [new.quantize_pack(x, r, fmt) for x, r in cases]
     rows = []
@@ -128,18 +170,64 @@ def sweep(rot: str) -> list[dict]:
     return rows
 
 
+def sweep_packed(configs: list[dict], cases: list) -> list[dict]:
+    """``sweep`` for "packed": configs with different keys, each set on top of the defaults,
+    timed at clip 0.96 (64K, 1M rows) and 0.92 (64K)."""
+    runs = [(x, r, RowFormat(128, 2, 128, clip=c)) for (x, r), c in ((cases[0], 0.96), (cases[1], 0.96), (cases[0], 0.92))]  # fmt: skip
+    want = [new.quantize_pack(x, r, fmt) for x, r, fmt in runs]
+    rows = []
+    for cfg in configs:
+        f = Switched(**cfg)
+        got = [f.quantize_pack(x, r, fmt) for x, r, fmt in runs]
+        ts = [timed(lambda x=x, r=r, fmt=fmt, f=f: f.quantize_pack(x, r, fmt)) for x, r, fmt in runs]
+        same = all(
+            torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want, strict=True)
+        )
+        tbs = [x.numel() * 2 / 1e9 / t for (x, _, _), t in zip(runs, ts, strict=True)]
+        rows.append({"rotate": "packed", "config": cfg, "ms": ts, "TBps": tbs, "identical": same})
+        print(f"sweep packed {cfg}: 64K {ts[0]:.4f} ms ({tbs[0]:.2f} TB/s), 1M {ts[1]:.4f} ms ({tbs[1]:.2f} "
+              f"TB/s), 64K clip 0.92 {ts[2]:.4f} ms ({tbs[2]:.2f} TB/s), identical {same}", flush=True)  # fmt: skip
+    for packed in (False, True):
+        ok = [r for r in rows if r["identical"] and r["config"]["PACKED"] == packed]
+        best = min(ok, key=lambda r: (r["ms"][0] * r["ms"][1]) ** 0.5)
+        print(
+            f"best packed={packed} (geometric mean of 64K and 1M at clip 0.96):", best["config"], flush=True
+        )
+    return rows
+
+
+def registers() -> None:
+    """Registers and spills of each compiled no-rotation specialization this run launched."""
+    for key, (compiled, _) in new._QUANTIZE_PACK._cache.items():
+        kw = dict(key[2])
+        if kw.get("ROTATE"):
+            continue
+        tags = {
+            k: kw.get(k) for k in ("D", "BLOCK_R", "N_DROP", "TREE", "PACKED", "ASM", "num_warps", "maxnreg")
+        }
+        print(f"registers {tags}: {getattr(compiled, 'n_regs', '?')} registers, "
+              f"{getattr(compiled, 'n_spills', '?')} spills", flush=True)  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--old", required=True, help="file holding the previous quantize_pack.py")
+    old_kernel = ap.add_mutually_exclusive_group(required=True)
+    old_kernel.add_argument("--old", help="file holding the previous quantize_pack.py")
+    old_kernel.add_argument(
+        "--packed",
+        action="store_true",
+        help="old: the current module with the fp32 clip network (PACKED off)",
+    )
     ap.add_argument(
         "--sweep",
         default="",
-        help="also sweep the tunables of: layer (the rotation path), none, or layer,none",
+        help="also sweep the tunables of: layer (the rotation path), none, packed (none, both clip networks), "
+        "comma-separated",
     )
     ap.add_argument("--out", default=None, help="directory for quantize_pack_ab.json")
     args = ap.parse_args()
     t = time.time()
-    old = load_old(args.old)
+    old = Switched(PACKED=False) if args.packed else load_old(args.old)
     print(torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(), flush=True)
     print("| rows | clip | rotate | identical | old ms | new ms | old TB/s | new TB/s | speed-up |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -148,9 +236,10 @@ def main() -> None:
                               for r in ("none", "layer")] + [(262144, 0.96, "per-head")]:  # fmt: skip
         rows.append(compare(old, n_rows, clip, rot))
     kinds = [k for k in args.sweep.split(",") if k]
-    if any(k not in ("layer", "none") for k in kinds):
-        raise SystemExit(f"--sweep takes layer, none or layer,none; got {args.sweep!r}")
+    if any(k not in ("layer", "none", "packed") for k in kinds):
+        raise SystemExit(f"--sweep takes layer, none and packed, comma-separated; got {args.sweep!r}")
     swept = [r for rot in kinds for r in sweep(rot)]
+    registers()
     bad = [r for r in rows if not r["identical"]]
     print(f"{len(rows)} cases, {len(bad)} not identical ({time.time() - t:.0f} s)", flush=True)
     if args.out:

@@ -163,6 +163,38 @@ def test_quantize_pack_is_bit_exact(d, clip, meta):
     assert torch.equal(tqp.dequantize(c1, m1, fmt), ref.dequantize(c1, m1, fmt))
 
 
+@pytest.mark.parametrize(
+    ("d", "clip"), [(64, 0.96), (64, 0.8), (128, 0.96), (128, 0.92), (128, 0.8), (256, 0.96), (256, 0.92)]
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rounds", [1, 99], ids=["default-rounds", "all-rounds"])
+def test_quantize_pack_packed_network_is_bit_exact(d, clip, dtype, rounds, monkeypatch):
+    """The clip network on packed pairs (``PACKED``; ``PACKED_ROUNDS`` 99 forces it at every round
+    count): the reference's and the fp32 network's codes and metadata, bit for bit, on ties at
+    the threshold, zero, constant, integer, all-positive, huge-outlier and subnormal rows."""
+    from oscarkv.kernels.triton import quantize_pack as tqp
+
+    monkeypatch.setattr(tqp, "PACKED_ROUNDS", rounds)
+    fmt = RowFormat(d, 2, d, clip=clip, meta_dtype="bf16")
+    gen = torch.Generator(device="cuda").manual_seed(d + rounds)
+    x = torch.randn(3000, 8, d, device="cuda", generator=gen) * 2 + 0.2
+    x[0, 0, :7] = 5.0  # ties at the clip threshold
+    x[0, 1, : d // 4] = -5.0  # ties across rounds
+    x[1] = torch.randint(-3, 4, (8, d), device="cuda", generator=gen) * 0.5  # ties everywhere
+    x[2] = x[2].abs() + 1.0  # all positive (lo > 0)
+    x[3, 0], x[3, 1] = 0.0, 1.25  # all-zero and constant rows
+    x[4, :, 3] = 1e30 if dtype == torch.bfloat16 else 6e4  # one huge outlier per row
+    x[5] *= 1e-39 if dtype == torch.bfloat16 else 1e-6  # subnormal rows
+    x = x.to(dtype)
+    c1, m1 = tqp.quantize_pack(x, None, fmt)
+    c2, m2 = ref.quantize_pack(x, None, fmt)
+    bad = ((c1 != c2).any(-1) | (m1 != m2).flatten(2).any(-1)).nonzero()[:8].tolist()
+    assert not bad, f"rows (token, head) differing from the reference: {bad}"
+    monkeypatch.setattr(tqp, "PACKED", False)
+    c3, m3 = tqp.quantize_pack(x, None, fmt)
+    assert torch.equal(c1, c3) and torch.equal(m1, m3)
+
+
 def test_quantize_pack_with_rotation_matches_rotated_reference():
     from oscarkv.kernels.triton import quantize_pack as tqp
 
