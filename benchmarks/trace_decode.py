@@ -71,10 +71,10 @@ _EDITS = [
     ("def _stage1(Q, KC,", "def _stage1(TR, Q, KC,"),
     ("    hg = tl.program_id(0)\n", "    _start(TR)\n    hg = tl.program_id(0)\n"),
     (
-        "\n\n\n@triton.jit\ndef _hp_heads(",  # the function after _stage1
-        "\n    _record(TR, (sp < n_q_splits).to(tl.int64))\n\n\n@triton.jit\ndef _hp_heads(",
+        '\n\n\n@triton.jit(do_not_specialize=["total"])\ndef _merge(\n    O,',  # the function after _stage1
+        "\n    _record(TR, (sp < n_q_splits).to(tl.int64))\n\n\n"
+        '@triton.jit(do_not_specialize=["total"])\ndef _merge(\n    TRM, O,',
     ),
-    ("def _merge(\n    O,", "def _merge(\n    TRM, O,"),
     (
         "    row = tl.program_id(0)  # b * Hq + hq\n",
         "    _start(TRM)\n    row = tl.program_id(0)  # b * Hq + hq\n",
