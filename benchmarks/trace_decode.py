@@ -7,7 +7,9 @@ from a CUDA graph, and the last replay's timeline is summarised next to the grap
 when the INT2 and the 16-bit programs start and end, how many INT2 programs start late (after the
 first slot frees up), the gap between stage 1's last program and the merge, the merge's length.
 ``%globaltimer`` ticks in steps of about 32 ns on recent GPUs, and reading it is not ordered with
-the program's memory traffic, so the numbers are good to a fraction of a microsecond.
+the program's memory traffic, so the times within one replay are good to a fraction of a
+microsecond; ``outside`` compares that one replay with the graph-timed median, and replays vary
+by several percent (down to -46 µs at batch 32 / 32K), so read it only as a rough check.
 
     python benchmarks/trace_decode.py --shapes 8x32768,8x65536,32x32768
 """

@@ -190,3 +190,7 @@ def test_hp_split_size_keeps_hp_split_where_all_programs_fit_one_wave(monkeypatc
     assert plan.hp_split_size(40, 32, 100, 32, 1056) == 32  # 8 splits of 13 tokens: one 32-token tile
     monkeypatch.setitem(plan.CONFIG, "hp_programs", 0)
     assert plan.hp_split_size(32, 32, 320, 16, 1056) == 128
+    # a tile longer than hp_split never makes the splits longer than hp_split
+    monkeypatch.setitem(plan.CONFIG, "hp_programs", 320)
+    monkeypatch.setitem(plan.CONFIG, "hp_split", 16)
+    assert plan.hp_split_size(64, 32, 320, 32, 1056) == 16

@@ -16,6 +16,7 @@ import torch
 
 from oscarkv.kernels import ref
 from oscarkv.quant import RowFormat
+from oscarkv.quant.quantizer import clip_index
 
 pytestmark = [
     pytest.mark.gpu,
@@ -139,6 +140,8 @@ def test_decode_with_the_merge_as_a_dependent_launch_is_exact(batch, lq, lh, mon
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)
+    # the merge really was compiled for (and so launched as) a programmatic dependent launch
+    assert any(c.metadata.launch_pdl for c, _ in tda._MERGE._cache.values())
 
 
 @pytest.mark.parametrize(
@@ -186,7 +189,17 @@ def test_quantize_pack_packed_network_is_bit_exact(d, clip, dtype, rounds, monke
     x[4, :, 3] = 1e30 if dtype == torch.bfloat16 else 6e4  # one huge outlier per row
     x[5] *= 1e-39 if dtype == torch.bfloat16 else 1e-6  # subnormal rows
     x = x.to(dtype)
+    seen, launch = [], tqp._QUANTIZE_PACK
+
+    def spy(grid, *args, **kwargs):
+        seen.append((kwargs["PACKED"], kwargs["ASM"]))
+        return launch(grid, *args, **kwargs)
+
+    monkeypatch.setattr(tqp, "_QUANTIZE_PACK", spy)
     c1, m1 = tqp.quantize_pack(x, None, fmt)
+    n_rounds = -(-(d - clip_index(clip, d)) // 6)  # (N_DROP + 1) / 6, rounded up
+    packed = clip > 0 and n_rounds <= rounds
+    assert seen == [(packed, {torch.bfloat16: 1, torch.float16: 2}[dtype] if packed else 0)]  # the PTX pairs
     c2, m2 = ref.quantize_pack(x, None, fmt)
     bad = ((c1 != c2).any(-1) | (m1 != m2).flatten(2).any(-1)).nonzero()[:8].tolist()
     assert not bad, f"rows (token, head) differing from the reference: {bad}"

@@ -139,10 +139,11 @@ def test_quantize_pack_takes_the_packed_network_where_it_is_exact(tk, monkeypatc
     seen = _packed_flags(qp, monkeypatch)
     buf = torch.randn(9 * 2 * 128 + 1).bfloat16()
     x, odd = buf[:-1].view(9, 2, 128), buf[1:].view(9, 2, 128)
+    wide = torch.randn(9, 2, 132).bfloat16()[..., :128]  # rows 264 bytes apart: not all 16-byte aligned
     r = torch.eye(128)
     cases = [(x, None, 0.96, True), (x.half(), None, 0.96, True), (x.float(), None, 0.96, False),
              (x, r, 0.96, False), (x, None, 0.0, False), (x, None, 0.92, False),  # 2 rounds
-             (odd, None, 0.96, False)]  # rows at a 2-byte offset  # fmt: skip
+             (odd, None, 0.96, False), (wide, None, 0.96, False)]  # rows at a 2-byte offset  # fmt: skip
     for rows, rot, clip, _ in cases:
         fmt = RowFormat(128, 2, 128, clip=clip)
         c1, m1 = qp.quantize_pack(rows, rot, fmt)
@@ -348,7 +349,7 @@ def test_decode_attention_16bit_tier_tunables_match_reference(tk, hp_split, hp_b
 @pytest.mark.parametrize(
     ("lens_q", "lens_h", "hq", "hkv", "loop", "sms", "split_h"),
     [
-        ([700, 0, 300], [100, 40, 0], 8, 2, "swap-one-head", 4, 16),  # 6 units: 10 splits of one tile
+        ([700, 0, 300], [100, 40, 0], 8, 2, "swap-one-head", 4, 16),  # 6 units: 7 splits of one tile
         ([500, 40], [5, 70], 32, 8, "swap", 4, 16),  # two heads per program
         ([700, 0, 300], [330, 40, 0], 8, 2, "words", 4, 32),  # the padded word loop: 32-token tiles
         ([700, 0, 300], [100, 40, 0], 8, 2, "swap-one-head", 64, 32),  # all programs fit: hp_split
@@ -434,6 +435,9 @@ def test_decode_attention_wave_splits_and_hp_first_match_reference(
         ("hp_block", 8, "power of two >= 16"),
         ("swap_heads", 0, "positive integer"),
         ("swap_per_sm", 2.5, "positive integer"),
+        ("hp_programs", -1, "integer >= 0"),
+        ("swap_pair_tokens", "64K", "integer >= 0"),
+        ("pdl", "yes", "True or False"),
     ],
 )
 def test_decode_attention_refuses_bad_config(tk, key, value, match, monkeypatch):

@@ -8,7 +8,7 @@ its log-sum-exp. Stage 2 merges every split of both tiers by log-sum-exp.
 
 On the word-plane path (head dim >= 128, from ``CONFIG['small_tokens']`` quantized tokens) an
 INT2 program puts the tokens on the MMA rows and the query heads of one KV head, or from
-``CONFIG['group_tokens']`` of the adjacent KV heads that fill its 8 columns, on its N side
+``CONFIG['swap_pair_tokens']`` of the adjacent KV heads that fill its 8 columns, on its N side
 (:mod:`.decode_swap`, ``CONFIG['swap']``, ``decode_plan.swap_heads``), except where it takes one
 head above ``CONFIG['swap_max_tokens']`` and the padded loop would group KV heads
 (``decode_plan.int2_loop``). Otherwise the query heads are the MMA rows, padded to 16, and the
@@ -144,7 +144,10 @@ _STAGE1, _MERGE = Launcher(_stage1), Launcher(_merge)
 _TILE_KEYS = ("block_n", "block_n_grouped", "swap_block_n", "hp_block", "swap_hp_block")
 # counts that must be positive integers
 _COUNT_KEYS = ("swap_heads", "swap_per_sm", "per_sm", "num_warps", "num_stages", "hp_split", "min_split")
-_CHECKED = operator.itemgetter(*_TILE_KEYS, *_COUNT_KEYS)
+# sizes and thresholds that must be integers >= 0 (0 turns hp_programs off), and flags
+_SIZE_KEYS = ("hp_programs", "swap_pair_tokens")
+_FLAG_KEYS = ("pdl",)
+_CHECKED = operator.itemgetter(*_TILE_KEYS, *_COUNT_KEYS, *_SIZE_KEYS, *_FLAG_KEYS)
 
 
 def _check_config() -> None:
@@ -159,13 +162,17 @@ def _check_config_values(partials: str, md: int, values: tuple) -> None:
         raise ValueError(f"CONFIG['partials'] must be 'fp32' or 'fp16'; got {partials!r}")
     if not isinstance(md, int) or md < 1 or md & (md - 1):
         raise ValueError(f"CONFIG['merge_d'] must be a power of two (dims per merge program); got {md!r}")
-    for key, v in zip(_TILE_KEYS + _COUNT_KEYS, values, strict=True):
+    for key, v in zip(_TILE_KEYS + _COUNT_KEYS + _SIZE_KEYS + _FLAG_KEYS, values, strict=True):
         if key in _TILE_KEYS and (not isinstance(v, int) or v < 16 or v & (v - 1)):
             raise ValueError(
                 f"CONFIG[{key!r}] must be a power of two >= 16 (tokens per tile: tl.dot needs 16); got {v!r}"
             )
         if key in _COUNT_KEYS and (not isinstance(v, int) or v < 1):
             raise ValueError(f"CONFIG[{key!r}] must be a positive integer; got {v!r}")
+        if key in _SIZE_KEYS and (not isinstance(v, int) or v < 0):
+            raise ValueError(f"CONFIG[{key!r}] must be an integer >= 0; got {v!r}")
+        if key in _FLAG_KEYS and v not in (True, False):
+            raise ValueError(f"CONFIG[{key!r}] must be True or False (or 1 / 0); got {v!r}")
 
 
 @functools.cache

@@ -12,7 +12,8 @@ cheapest wins. A last wave that is only partly filled costs nearly as much as a 
 programs, splits rounded to 256 tokens) did not see. The rule applies above
 ``CONFIG['few_units']`` (sequence, head group) pairs; fewer pairs keep ``CONFIG['programs_few']``
 programs. The 16-bit tier's programs are short; with ``CONFIG['hp_first']`` they are launched
-first so that they do not trail into an extra wave.
+first so that they do not trail into an extra wave, and where they and the INT2 programs overflow
+a wave they are cut to about ``CONFIG['hp_programs']`` (:func:`hp_split_size`).
 """
 
 from __future__ import annotations
@@ -107,25 +108,15 @@ CONFIG = {
     # KV heads one swap program takes at most (decode_plan.swap_heads: their query heads fill the
     # MMA's 8 columns, 2 at g = 4); 1 for one head per program, the session-9 loop
     "swap_heads": 8,
-    # launch the merge as a programmatic dependent of stage 1 (compute capability >= 9): its
-    # launch overlaps stage 1's last programs and it waits for their writes (griddepcontrol).
-    # H200: the gap between stage 1's last program and the merge 1.2 -> 0.5 µs
-    # (results/trace_s11_pdl.md), 0-1% per call (dv_s11_pdl.md, dv_s11_fused.md)
+    # H200 measurements of the three below: docs/kernels.md, "Where the time goes" (session 11).
+    # The merge as a programmatic dependent launch of stage 1 (compute capability >= 9)
     "pdl": True,
-    # word-plane path, where the INT2 programs and the 16-bit ones of hp_split tokens would not
-    # fit one wave of slots together: about this many 16-bit programs in all (splits of whole
-    # 16-bit tiles, at most hp_split tokens; 0: always hp_split). The 16-bit programs launch first
-    # and hold their slots for 18-40 µs at hp_split 128, which delays as many INT2 programs into a
-    # trailing partial wave (results/trace_s11_grid.md); shorter ones delay them less, but each
-    # costs a launch slot and a partial (results/dv_s11_hpsplit.md, dv_s11_2h.md). H200, side by
-    # side (dv_s11_hpprog.md): batch 16 / 32K 4.06 -> 4.25x SDPA, 8 / 64K 4.20 -> 4.46x, 4 / 32K
-    # 3.13 -> 3.30x, within 0.5% where the programs fit a wave or many INT2 units take 128 tokens
+    # word-plane path, where the INT2 programs and the 16-bit ones of hp_split tokens overflow one
+    # wave of slots: about this many 16-bit programs in all (whole 16-bit tiles, at most
+    # hp_split tokens; 0: always hp_split), so that they free their slots sooner
     "hp_programs": 320,
     # from this many quantized tokens (batch x longest list) a swap program takes several KV heads
-    # (swap_heads; below it one head per program). H200 (dv_s11_pairs.md), 65536 against the
-    # former 262144: batch 8 / 32K 3.53 -> 4.08x SDPA, 4 / 32K 3.32 -> 3.53x, 8 / 16K 3.19 ->
-    # 3.37x, 32 / 8K 2.91 -> 3.10x, 1 / 128K 3.40 -> 3.45x; at 32K tokens two heads lost 3-40%
-    # (dv_s10_pairs_small.md), and 32K-64K tokens are not measured
+    # (swap_heads; below it one head per program)
     "swap_pair_tokens": 65536,
 }
 
@@ -179,7 +170,7 @@ def swap_heads(g: int, kv_heads: int, d: int, tokens: int | None = None) -> int:
     """KV heads per swap-loop program at head dim ``d`` with ``tokens`` quantized tokens.
 
     1 below ``CONFIG['swap_pair_tokens']`` tokens: small batches need every head's programs to fill
-    the GPU (two heads measured 3-40% slower at 32K tokens on the H200,
+    the GPU (two heads measured 25-38% slower at 32K tokens on the H200,
     results/dv_s10_pairs_small.md).
     Otherwise the most heads that
 
@@ -210,7 +201,7 @@ def hp_split_size(units: int, n_q_splits: int, max_h: int, tile: int, slots: int
     if not CONFIG["hp_programs"] or not slots or units * (n_q_splits + math.ceil(max_h / split)) <= slots:
         return split
     n = max(1, round(CONFIG["hp_programs"] / units))
-    return max(tile, min(split, math.ceil(math.ceil(max_h / n) / tile) * tile))
+    return min(split, max(tile, math.ceil(math.ceil(max_h / n) / tile) * tile))
 
 
 def _pow2(n: int) -> int:

@@ -9,7 +9,7 @@ online softmax, the score scaling and the rescales, are padding. Here the produc
 The N side of one instruction is 8 wide. A program takes ``HP`` KV heads whose ``HP·GP`` query
 heads (``GP``: ``g`` rounded up to a power of two) fit those 8 columns (``decode_plan.swap_heads``:
 two KV heads at Qwen3-8B's ``g = 4``; at most 32 accumulator rows, so one head at head dim 256,
-and one below ``CONFIG['group_tokens']`` quantized tokens). Their code words are adjacent in the
+and one below ``CONFIG['swap_pair_tokens']`` quantized tokens). Their code words are adjacent in the
 pool, so a tile reads ``HP·D/4`` contiguous bytes per token (64 at Qwen3-8B instead of 32: a
 gather-only probe on the H200 reads 3.6–3.9 TB/s with 64-byte rows against 3.2–3.4 with 32,
 ``benchmarks/gather_probe.py``). The heads stay apart through

@@ -46,8 +46,9 @@ class Launcher:
     """``Launcher(fn)(grid, *args, **kwargs)`` launches ``fn[grid](*args, **kwargs)``.
 
     ``args``: the runtime parameters, positionally, in signature order; ``kwargs``: constexprs
-    and launch options (``num_warps``, ``num_stages``, ``maxnreg``), the same on every call of
-    one specialization (they are part of the key).
+    and launch options (``num_warps``, ``num_stages``, ``maxnreg``, ``launch_pdl``), the same on
+    every call of one specialization (they are part of the key; Triton compiles the options into
+    the kernel, whose own launcher applies them on every cached launch).
     """
 
     def __init__(self, fn: Any):

@@ -1,6 +1,6 @@
 """Triton helpers of ``quantize_pack`` (its module docstring explains them): the clip threshold
 by comparator networks on multisets (fp32, or packed pairs of 16-bit values), a row's exact
-code thresholds, its codes and the metadata rounding."""
+code thresholds, its codes, the metadata rounding and the split of a block into column pieces."""
 
 from __future__ import annotations
 
@@ -243,3 +243,17 @@ def _pack(xa, xb, xc, xd, t1, t2, t3, BLOCK_R: tl.constexpr, D8: tl.constexpr):
     c = _code(xa, t1, t2, t3, sh) | _code(xb, t1, t2, t3, sh + 2)
     c = c | _code(xc, t1, t2, t3, sh + 4) | _code(xd, t1, t2, t3, sh + 6)
     return tl.sum(tl.reshape(c, [BLOCK_R, D8 // 4, 4]), 2)
+
+
+@triton.jit
+def _split8(acc, BLOCK_R: tl.constexpr, D8: tl.constexpr):
+    """``[BLOCK_R, 8·D8]`` -> its eight column pieces (a register relabelling)."""
+    t = tl.permute(tl.reshape(acc, [BLOCK_R, 2, 2, 2, D8]), (0, 4, 1, 2, 3))
+    e, o = tl.split(t)
+    e0, e1 = tl.split(e)
+    o0, o1 = tl.split(o)
+    p0, p4 = tl.split(e0)
+    p2, p6 = tl.split(e1)
+    p1, p5 = tl.split(o0)
+    p3, p7 = tl.split(o1)
+    return p0, p1, p2, p3, p4, p5, p6, p7

@@ -34,6 +34,7 @@ of the packed layout: byte ``j`` holds elements ``j, j+D/4, j+D/2, j+3D/4``).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -43,7 +44,7 @@ import triton.language as tl
 from ...quant import RowFormat
 from ...quant.quantizer import META_TORCH_DTYPES, clip_index
 from .launch import Launcher
-from .quantize_nets import _abs_bits, _clip_threshold, _pack, _threshold, _to_meta
+from .quantize_nets import _abs_bits, _clip_threshold, _pack, _split8, _threshold, _to_meta
 
 __all__ = ["dequantize", "quantize_pack"]
 
@@ -75,20 +76,6 @@ PACKED_MAXNREG = 128
 _BETA1 = tl.constexpr(float.fromhex("0x1.fffffd0000000p-2"))
 _BETA2 = tl.constexpr(float.fromhex("0x1.7fffff0000000p+0"))
 _BETA3 = tl.constexpr(float.fromhex("0x1.3fffff0000000p+1"))
-
-
-@triton.jit
-def _split8(acc, BLOCK_R: tl.constexpr, D8: tl.constexpr):
-    """``[BLOCK_R, 8·D8]`` -> its eight column pieces (a register relabelling)."""
-    t = tl.permute(tl.reshape(acc, [BLOCK_R, 2, 2, 2, D8]), (0, 4, 1, 2, 3))
-    e, o = tl.split(t)
-    e0, e1 = tl.split(e)
-    o0, o1 = tl.split(o)
-    p0, p4 = tl.split(e0)
-    p2, p6 = tl.split(e1)
-    p1, p5 = tl.split(o0)
-    p3, p7 = tl.split(o1)
-    return p0, p1, p2, p3, p4, p5, p6, p7
 
 
 @triton.jit
@@ -210,6 +197,18 @@ _QUANTIZE_PACK, _DEQUANTIZE = Launcher(_quantize_pack), Launcher(_dequantize)
 _PAIRS = {torch.bfloat16: 1, torch.float16: 2}  # the packed network's PTX type (quantize_nets._PAIR_TYPES)
 
 
+@functools.cache
+def _pair_asm(device: torch.device, dtype: torch.dtype, rounds: int) -> int:
+    """The packed network's PTX type on ``device``, 0 where its inline PTX cannot run: ROCm, and
+    NVIDIA below sm_80 (``max/min`` on 16-bit pairs), or below sm_90 with more than one round
+    (its packed ``set`` compares; not checked on older GPUs)."""
+    if torch.version.hip is not None:
+        return 0
+    return (
+        _PAIRS[dtype] if torch.cuda.get_device_capability(device) >= ((9, 0) if rounds > 1 else (8, 0)) else 0
+    )
+
+
 def _check(fmt: RowFormat) -> None:
     if (
         fmt.bits != 2
@@ -257,6 +256,9 @@ def quantize_pack(rows: torch.Tensor, rotation: torch.Tensor | None, fmt: RowFor
         PACKED and rotation is None and fmt.clip > 0 and x.dtype in _PAIRS and rounds <= PACKED_ROUNDS
         and x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0
     )  # fmt: skip
+    # on a GPU only with its PTX pairs (the int16 fallback is exact but slower than fp32)
+    asm = _pair_asm(x.device, x.dtype, rounds) if packed and x.is_cuda else 0
+    packed = packed and (asm > 0 or not x.is_cuda)
     if rotation is None:
         warps, programs = NUM_WARPS, n_blocks
         cap = (PACKED_MAXNREG if d == 128 else 0) if packed else MAXNREG
@@ -278,7 +280,7 @@ def quantize_pack(rows: torch.Tensor, rotation: torch.Tensor | None, fmt: RowFor
     _QUANTIZE_PACK(
         (programs, heads), x, r, codes, meta, n * h // heads, tiny, x.stride(0), r.stride(0) if per_head else 0, d // 4, 2,
         D=d, BLOCK_R=block_r, ROTATE=rotation is not None, HEADS=heads, CLIP=fmt.clip > 0, N_DROP=n_drop,
-        ROUNDS=rounds, TREE=tree, KC=kc, STAGES=stages, PACKED=packed, ASM=_PAIRS[x.dtype] if packed and x.is_cuda else 0,
+        ROUNDS=rounds, TREE=tree, KC=kc, STAGES=stages, PACKED=packed, ASM=asm,
         num_warps=warps, **opts,
     )  # fmt: skip
     return codes, meta
