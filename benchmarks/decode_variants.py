@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import config_value, import_kernel_copy, save
-from gpu_check import SINK_RECENT, bench, bench_graph, make_pools, rel, sdpa_best
+from gpu_check import SINK_RECENT, bench, bench_graph, decode_inputs, parse_heads, rel, sdpa_best
 
 import oscarkv.kernels.triton.decode_attention as tda
 from oscarkv.kernels import ref
@@ -96,20 +96,13 @@ def main() -> None:
         )
     )
     try:
-        hq, hkv, d = (int(x) for x in args.heads.split("x"))
-    except ValueError:
-        ap.error(f"--heads must be QUERYxKVxHEAD_DIM, e.g. 32x8x128; got {args.heads!r}")
-    if hq % hkv or d not in (64, 128, 256):
-        ap.error(
-            f"--heads: query heads must be a multiple of KV heads and head dim 64, 128 or 256; got {args.heads}"
-        )
+        hq, hkv, d = parse_heads(args.heads)
+    except ValueError as e:
+        ap.error(str(e))
     fmt = RowFormat(d, 2, d)
     rows = []
     for shape in args.shapes.split(","):
-        b, L = (int(x) for x in shape.split("x"))
-        lq = L - SINK_RECENT
-        q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
-        pools = make_pools(b, lq, SINK_RECENT, hkv, d, fmt)
+        b, L, lq, q, pools = decode_inputs(shape, hq, hkv, d, fmt)
         nbytes = b * hkv * (lq * 2 * (d // 4 + 4) + SINK_RECENT * 2 * d * 2)
         want = ref.decode_attention(q, *pools, 1 / math.sqrt(d), fmt, fmt) if b * L <= 1 << 20 else None
         for (vname, mod), (bn, w, st, progs, gt, msplit, tg, ex) in itertools.product(versions.items(), grid):

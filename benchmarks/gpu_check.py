@@ -73,6 +73,28 @@ def make_pools(b: int, lq: int, lh: int, hkv: int, d: int, fmt: RowFormat, dtype
     return kc, km.half(), vc, vm.half(), hk, hv, qi, qx, hi, hx
 
 
+def parse_heads(text: str) -> tuple[int, int, int]:
+    """``QUERYxKVxHEAD_DIM`` (e.g. ``32x8x128``) -> the three ints, checked."""
+    try:
+        hq, hkv, d = (int(x) for x in text.split("x"))
+    except ValueError:
+        raise ValueError(f"--heads must be QUERYxKVxHEAD_DIM, e.g. 32x8x128; got {text!r}") from None
+    if hq % hkv or d not in (64, 128, 256):
+        raise ValueError(
+            f"--heads: query heads must be a multiple of KV heads and head dim 64, 128 or 256; got {text}"
+        )
+    return hq, hkv, d
+
+
+def decode_inputs(shape: str, hq: int, hkv: int, d: int, fmt: RowFormat):
+    """``BATCHxLENGTH`` -> ``(b, L, lq, q, pools)``: bf16 queries and pools of ``L - SINK_RECENT``
+    quantized and ``SINK_RECENT`` 16-bit tokens per sequence (``make_pools``)."""
+    b, L = (int(x) for x in shape.split("x"))
+    lq = L - SINK_RECENT
+    q = torch.randn(b, hq, d, device=DEV, dtype=torch.bfloat16)
+    return b, L, lq, q, make_pools(b, lq, SINK_RECENT, hkv, d, fmt)
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import config_value, save
-from gpu_check import SINK_RECENT, bench_graph, make_pools
+from gpu_check import SINK_RECENT, bench_graph, decode_inputs, parse_heads
 
 import oscarkv.kernels.triton.decode_attention as tda
 from oscarkv.quant import RowFormat
@@ -180,7 +180,10 @@ def main() -> None:
     ap.add_argument("--raw", default="", help="directory for the raw [programs, 4] timelines (torch.save)")
     args = ap.parse_args()
     mod = traced_module()
-    hq, hkv, d = (int(x) for x in args.heads.split("x"))
+    try:
+        hq, hkv, d = parse_heads(args.heads)
+    except ValueError as e:
+        ap.error(str(e))
     fmt = RowFormat(d, 2, d)
     keys = [kv.split("=", 1)[0] for kv in args.set]
     combos = [[]]
@@ -188,10 +191,7 @@ def main() -> None:
         combos = [[*c, config_value(v)] for c in combos for v in kv.split("=", 1)[1].split(",")]
     rows = []
     for shape in args.shapes.split(","):
-        b, L = (int(x) for x in shape.split("x"))
-        lq = L - SINK_RECENT
-        q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
-        pools = make_pools(b, lq, SINK_RECENT, hkv, d, fmt)
+        b, L, lq, q, pools = decode_inputs(shape, hq, hkv, d, fmt)
         for combo in combos:
             saved = dict(mod.CONFIG)
             mod.CONFIG.update(dict(zip(keys, combo, strict=True)))

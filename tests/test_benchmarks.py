@@ -59,3 +59,17 @@ def test_trace_decode_patches_the_current_kernel_and_its_summary_reads_the_timel
     assert s["int2_late"] == 0 and s["stage1_span_us"] == 9.0 and s["merge_gap_us"] == 1.0
     assert s["by_int2_per_sm"] == "1: 2 SMs, 7.0 µs, 0.5 hp"
     assert s["kernel_span_us"] == 12.0 and s["outside_us"] == 3.0 and s["sm_end_us"] == [5.0, 5.0, 9.0, 9.0]
+
+
+def test_heads_argument_of_the_decode_benchmarks_is_checked(bench):
+    """``--heads QUERYxKVxHEAD_DIM`` of decode_variants.py and trace_decode.py."""
+    import gpu_check
+
+    assert gpu_check.parse_heads("16x4x256") == (16, 4, 256)
+    for bad, match in (
+        ("32x8", "QUERYxKVxHEAD_DIM"),
+        ("32x6x128", "multiple of KV heads"),
+        ("32x8x96", "head dim"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            gpu_check.parse_heads(bad)
