@@ -189,6 +189,9 @@ def sweep_packed(configs: list[dict], cases: list) -> list[dict]:
               f"TB/s), 64K clip 0.92 {ts[2]:.4f} ms ({tbs[2]:.2f} TB/s), identical {same}", flush=True)  # fmt: skip
     for packed in (False, True):
         ok = [r for r in rows if r["identical"] and r["config"]["PACKED"] == packed]
+        if not ok:
+            print(f"best packed={packed}: no config gave the default's codes and metadata", flush=True)
+            continue
         best = min(ok, key=lambda r: (r["ms"][0] * r["ms"][1]) ** 0.5)
         print(
             f"best packed={packed} (geometric mean of 64K and 1M at clip 0.96):", best["config"], flush=True

@@ -94,8 +94,9 @@ def _finish(x0, x1, x2, x3, x4, x5, x6, x7, rows, rmask, C, M, tiny, s_cr, s_mr,
     hi = tl.max(mx, 1)
     if CLIP:
         if PACKED:
-            # |x| as int16 bit patterns (ordered as the values). Taken before the fp32 copies, they
-            # lead Triton 3.6 to lay the codes out like the network's last level (+190 SASS ops)
+            # |x| as int16 bit patterns (ordered as the values), taken after the fp32 copies above:
+            # taken before them, Triton 3.6 lays the codes out like the network's last level (+190
+            # SASS ops)
             a0, a1, a2, a3 = _abs_bits(x0), _abs_bits(x1), _abs_bits(x2), _abs_bits(x3)
             a4, a5, a6, a7 = _abs_bits(x4), _abs_bits(x5), _abs_bits(x6), _abs_bits(x7)
             tau = _clip_threshold(a0, a1, a2, a3, a4, a5, a6, a7, N_DROP, ROUNDS, TREE, ASM)
