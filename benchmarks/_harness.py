@@ -14,13 +14,15 @@ from typing import Any
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def config_value(text: str) -> int | str:
-    """A CONFIG override from the command line: an int where it parses (0/1 for flags), else the
-    string."""
-    try:
-        return int(text)
-    except ValueError:
-        return text
+def config_value(text: str) -> int | float | str:
+    """A CONFIG override from the command line: an int where it parses (0/1 for flags), else a
+    float where it parses (``6.0``), else the string."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def import_kernel_copy(package: str, files: list[Path]) -> str:

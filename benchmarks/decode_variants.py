@@ -55,7 +55,7 @@ def main() -> None:
         "--set",
         action="append",
         default=[],
-        help="KEY=V1,V2: more CONFIG entries to sweep (ints where they parse, else strings)",
+        help="KEY=V1,V2: more CONFIG entries to sweep (ints, then floats, where they parse, else strings)",
     )
     ap.add_argument(
         "--defaults",

@@ -194,3 +194,33 @@ def test_hp_split_size_keeps_hp_split_where_all_programs_fit_one_wave(monkeypatc
     monkeypatch.setitem(plan.CONFIG, "hp_programs", 320)
     monkeypatch.setitem(plan.CONFIG, "hp_split", 16)
     assert plan.hp_split_size(64, 32, 320, 32, 1056) == 16
+
+
+def test_taper_shortens_the_splits_that_start_after_the_first_wave(monkeypatch):
+    """Batch 32 / 32K at Qwen3-8B (two heads per program: 128 units of 8 splits of 4096 and 3
+    16-bit splits of 128 tokens): 1056 - 384 slots leave 5 whole INT2 splits per unit in the
+    first wave; the 3 after them are shorter by about ``taper · split_h`` positions."""
+    monkeypatch.setitem(plan.CONFIG, "taper", 6.0)
+    t = plan.taper(128, 8, 3, 4096, 128, 32768, 64, 1056)
+    assert t.n_early == 5 and t.split % 64 == 0 and t.split_late % 64 == 0
+    assert t.n_early * t.split + 3 * t.split_late >= 32768  # the splits still cover the list
+    assert abs((t.split - t.split_late) - 6.0 * 128) <= 128  # within the tile roundings
+    # no taper where every program fits the first wave, every INT2 split starts late, slots are
+    # unknown or the taper is off
+    assert plan.taper(128, 5, 3, 6554, 128, 32768, 64, 1056) == (5, 6554, 6554)
+    assert plan.taper(128, 8, 9, 4096, 128, 32768, 64, 1056) == (8, 4096, 4096)
+    assert plan.taper(128, 8, 3, 4096, 128, 32768, 64, 0) == (8, 4096, 4096)
+    monkeypatch.setitem(plan.CONFIG, "taper", 0)
+    assert plan.taper(128, 8, 3, 4096, 128, 32768, 64, 1056) == (8, 4096, 4096)
+
+
+@pytest.mark.parametrize("rate", [0.5, 4.0, 9.0, 100.0])
+@pytest.mark.parametrize(("units", "n_q", "n_h", "max_len", "tile"), [(32, 32, 10, 32768, 64), (128, 8, 3, 32700, 64),
+                                                                        (64, 16, 5, 16384, 32), (8, 30, 100, 5000, 16)])  # fmt: skip
+def test_taper_always_covers_the_list_in_whole_tiles(units, n_q, n_h, max_len, tile, rate, monkeypatch):
+    monkeypatch.setitem(plan.CONFIG, "taper", rate)
+    split = math.ceil(max_len / n_q / tile) * tile
+    t = plan.taper(units, n_q, n_h, split, 32, max_len, tile, 1056)
+    assert 0 < t.n_early <= n_q and t.split_late <= t.split
+    assert t.n_early * t.split + (n_q - t.n_early) * t.split_late >= max_len
+    assert t.split_late >= tile and t.split_late % tile == 0 and t.split % tile == 0

@@ -35,6 +35,19 @@ def _lists(lens: list[int], device: str, shuffle: bool) -> tuple[torch.Tensor, t
     return indptr, idx.to(torch.int32)
 
 
+def _forced_taper(units, n_q, n_h, split, split_h, max_len, tile, slots):
+    """A taper on any launch with two splits or more (decode_plan.taper's contract: whole tiles,
+    the late splits no longer, the list covered): splits ``< n_q // 2`` a tile longer."""
+    from oscarkv.kernels.triton.decode_plan import Taper
+
+    if n_q < 2:
+        return Taper(n_q, split, split)
+    early = split + tile
+    n_early = n_q // 2
+    late = max(tile, math.ceil(max(max_len - n_early * early, 0) / (n_q - n_early) / tile) * tile)
+    return Taper(n_early, early, late)
+
+
 @pytest.mark.parametrize(
     ("lens_q", "lens_h", "hq", "hkv", "d"),
     [
@@ -53,7 +66,7 @@ def _lists(lens: list[int], device: str, shuffle: bool) -> tuple[torch.Tensor, t
 )
 @pytest.mark.parametrize("meta", ["fp16", "bf16"])
 @pytest.mark.parametrize("grouped", [False, True], ids=["auto-heads", "grouped-heads"])
-@pytest.mark.parametrize("planes", ["auto", "words", "groups", "swap", "swap-one-head", "hp-short"])
+@pytest.mark.parametrize("planes", ["auto", "words", "groups", "swap", "swap-one-head", "hp-short", "taper"])
 def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta, grouped, planes, monkeypatch):
     from oscarkv.kernels.triton import decode_attention as tda
 
@@ -86,6 +99,9 @@ def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta, g
         monkeypatch.setitem(tda.CONFIG, "small_tokens", 0)
         monkeypatch.setitem(tda.CONFIG, "sms", 1)
         monkeypatch.setitem(tda.CONFIG, "hp_programs", 100000)
+
+    if planes == "taper":  # whatever loop the size picks: half its splits longer, the rest shorter
+        monkeypatch.setattr(tda, "taper", _forced_taper)
 
     dev = "cuda"
     fmt = RowFormat(d, 2, d, meta_dtype=meta)

@@ -380,6 +380,38 @@ def test_decode_attention_short_16bit_splits_where_the_programs_overflow_match_r
 
 
 @pytest.mark.parametrize(
+    ("lens_q", "loop", "plan"),
+    [
+        ([900, 0, 300], "swap-one-head", (1, 272, 80)),  # 6 units, 10 splits; the 300 ends in split 1
+        ([900, 0, 300], "words", (1, 272, 80)),  # the padded word loop
+        ([1000], "swap", (4, 208, 16)),  # two heads per program: 4 units, 16 splits
+    ],
+)
+def test_decode_attention_tapered_splits_match_reference(tk, lens_q, loop, plan, monkeypatch):
+    """``CONFIG['taper']``: where the 16-bit programs leave too few first-wave slots, the INT2
+    splits from ``n_early`` on are shorter (``decode_plan.taper``), the first ones longer."""
+    _, da = tk
+    settings = {"hp_programs": 0, "small_tokens": 0, "hp_split": 32, "min_split": 64, "fill_waves": False,
+                "programs": 64, "programs_few": 64, "swap": loop != "words", "group_tokens": 1 << 30,
+                "sms": 8, "swap_pair_tokens": 0 if loop == "swap" else 1 << 30, "per_sm": 4, "swap_per_sm": 4,
+                "swap_heads": 1 if loop == "swap-one-head" else 8, "swap_block_n": 16, "block_n": 16,
+                "taper": 6.0}  # fmt: skip
+    for key, val in settings.items():
+        monkeypatch.setitem(da.CONFIG, key, val)
+    launches = []
+    stage1 = da._STAGE1
+
+    def spy(grid, *args, **kwargs):
+        launches.append((args[18], args[14], args[19]))  # n_early, split, split_late
+        return stage1(grid, *args, **kwargs)
+
+    monkeypatch.setattr(da, "_STAGE1", spy)
+    hq, hkv = (32, 8) if loop == "swap" else (8, 2)
+    _check_decode(da, lens_q, [100, 40, 0][: len(lens_q)], hq, hkv, 128, "fp16")
+    assert launches == [plan]
+
+
+@pytest.mark.parametrize(
     ("lens_q", "lens_h", "hq", "hkv", "loop"),
     [
         (
@@ -438,6 +470,9 @@ def test_decode_attention_wave_splits_and_hp_first_match_reference(
         ("hp_programs", -1, "integer >= 0"),
         ("swap_pair_tokens", "64K", "integer >= 0"),
         ("pdl", "yes", "True or False"),
+        ("taper", -1.0, "finite number >= 0"),
+        ("taper", float("nan"), "finite number >= 0"),
+        ("taper", True, "finite number >= 0"),
     ],
 )
 def test_decode_attention_refuses_bad_config(tk, key, value, match, monkeypatch):

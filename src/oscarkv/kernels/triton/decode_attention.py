@@ -56,10 +56,11 @@ from .decode_plan import (
     int2_loop,
     num_splits,
     split_size,
+    taper,
     token_groups,
 )
 from .decode_swap import int2_split_swap
-from .decode_tiles import hp_split, int2_split_bytes
+from .decode_tiles import hp_split, int2_split_bytes, taper_range
 from .decode_words import int2_split_words
 from .launch import Launcher
 
@@ -68,9 +69,9 @@ __all__ = ["CONFIG", "decode_attention", "heads_per_program", "int2_loop", "num_
 LOG2E = 1.4426950408889634
 
 
-@triton.jit(do_not_specialize=["split_q", "split_h", "n_q_splits", "total"])
+@triton.jit(do_not_specialize=["split_q", "split_h", "n_q_splits", "total", "n_early", "split_late"])
 def _stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale, split_q, split_h,
-            n_q_splits, total, HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr,
+            n_q_splits, total, n_early, split_late, HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr,
             G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
             ASM: tl.constexpr, META: tl.constexpr, WORDS: tl.constexpr, TG: tl.constexpr = 0,
             HP_STAGES: tl.constexpr = 3, HP_FIRST: tl.constexpr = False, SWAP: tl.constexpr = False,
@@ -89,17 +90,18 @@ def _stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale,
         sp = tl.program_id(1)
         b = tl.program_id(2)
     if sp < n_q_splits:
+        lo, hi = taper_range(QPTR, b, sp, split_q, n_early, split_late)
         if TG > 1:  # opt-in: one KV head's g rows times TG token groups fill the MMA rows
-            int2_split_groups(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
+            int2_split_groups(Q, KC, KM, VC, VM, QIDX, O, LSE, qk_scale, lo, hi, total, hg, sp, b,
                               HKV, G, R_PAD, D, BLOCK_N, TG, ASM, META)  # fmt: skip
         elif SWAP:  # tokens as the MMA rows, HPB KV heads' query heads as its columns (decode_swap.py)
-            int2_split_swap(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
+            int2_split_swap(Q, KC, KM, VC, VM, QIDX, O, LSE, qk_scale, lo, hi, total, hg, sp, b,
                             HKV, G, R_PAD, HPB, D, BLOCK_N, ASM, META)  # fmt: skip
         elif WORDS:  # codes read as int16 words (head dim >= 128)
-            int2_split_words(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
+            int2_split_words(Q, KC, KM, VC, VM, QIDX, O, LSE, qk_scale, lo, hi, total, hg, sp, b,
                              HKV, G, HPB, R_PAD, D, BLOCK_N, ASM, META)  # fmt: skip
         else:
-            int2_split_bytes(Q, KC, KM, VC, VM, QPTR, QIDX, O, LSE, qk_scale, split_q, total, hg, sp, b,
+            int2_split_bytes(Q, KC, KM, VC, VM, QIDX, O, LSE, qk_scale, lo, hi, total, hg, sp, b,
                              HKV, G, HPB, R_PAD, D, BLOCK_N, ASM, META)  # fmt: skip
     else:
         for j in tl.static_range(HPB):  # the 16-bit tier is short (sink + recent): one head at a time
@@ -147,7 +149,10 @@ _COUNT_KEYS = ("swap_heads", "swap_per_sm", "per_sm", "num_warps", "num_stages",
 # sizes and thresholds that must be integers >= 0 (0 turns hp_programs off), and flags
 _SIZE_KEYS = ("hp_programs", "swap_pair_tokens")
 _FLAG_KEYS = ("pdl",)
-_CHECKED = operator.itemgetter(*_TILE_KEYS, *_COUNT_KEYS, *_SIZE_KEYS, *_FLAG_KEYS)
+# real numbers >= 0
+_RATE_KEYS = ("taper",)
+_KEYS = _TILE_KEYS + _COUNT_KEYS + _SIZE_KEYS + _FLAG_KEYS + _RATE_KEYS
+_CHECKED = operator.itemgetter(*_KEYS)
 
 
 def _check_config() -> None:
@@ -162,7 +167,7 @@ def _check_config_values(partials: str, md: int, values: tuple) -> None:
         raise ValueError(f"CONFIG['partials'] must be 'fp32' or 'fp16'; got {partials!r}")
     if not isinstance(md, int) or md < 1 or md & (md - 1):
         raise ValueError(f"CONFIG['merge_d'] must be a power of two (dims per merge program); got {md!r}")
-    for key, v in zip(_TILE_KEYS + _COUNT_KEYS + _SIZE_KEYS + _FLAG_KEYS, values, strict=True):
+    for key, v in zip(_KEYS, values, strict=True):
         if key in _TILE_KEYS and (not isinstance(v, int) or v < 16 or v & (v - 1)):
             raise ValueError(
                 f"CONFIG[{key!r}] must be a power of two >= 16 (tokens per tile: tl.dot needs 16); got {v!r}"
@@ -171,6 +176,10 @@ def _check_config_values(partials: str, md: int, values: tuple) -> None:
             raise ValueError(f"CONFIG[{key!r}] must be a positive integer; got {v!r}")
         if key in _SIZE_KEYS and (not isinstance(v, int) or v < 0):
             raise ValueError(f"CONFIG[{key!r}] must be an integer >= 0; got {v!r}")
+        if key in _RATE_KEYS and (
+            isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < math.inf
+        ):
+            raise ValueError(f"CONFIG[{key!r}] must be a finite number >= 0; got {v!r}")
         if key in _FLAG_KEYS and v not in (True, False):
             raise ValueError(f"CONFIG[{key!r}] must be True or False (or 1 / 0); got {v!r}")
 
@@ -268,19 +277,21 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     split_h = hp_split_size(bsz * (hkv // hpb), sq, max_h, lp.hp_block, slots)
     sh = math.ceil(max_h / split_h)
     total = sq + sh
+    hp_first = CONFIG["hp_first"] and words
+    # the INT2 splits that start after the first wave get fewer positions (only with hp_first)
+    tp = taper(bsz * (hkv // hpb), sq, sh, split_q, split_h, max_q, block_n, slots if hp_first else 0)
     pdt = _PARTIALS[CONFIG["partials"]]
     o_part = torch.empty(bsz, hq, total, d, device=q_rot.device, dtype=pdt)
     lse = torch.empty(bsz, hq, total, device=q_rot.device, dtype=torch.float32)
     # 16-bit queries: the model's bf16/fp16 as they are; anything else (fp32 on the CPU) as fp16
     q = q_rot.contiguous() if q_rot.dtype in (torch.bfloat16, torch.float16) else q_rot.half().contiguous()
     kc, vc = (k_codes.view(torch.int16), v_codes.view(torch.int16)) if words else (k_codes, v_codes)
-    hp_first = CONFIG["hp_first"] and words
     # the merge as a programmatic dependent launch of stage 1 (Hopper and newer; not the interpreter)
     pdl = bool(CONFIG["pdl"]) and q.is_cuda and _pdl_ok(q.device)
     grid = (hkv // hpb, bsz, total) if hp_first else (hkv // hpb, total, bsz)
     _STAGE1(
         grid, q, kc, k_meta.view(word), vc, v_meta.view(word), hp_k, hp_v, int2_indptr, int2_indices, hp_indptr, hp_indices,
-        o_part, lse, sm_scale * LOG2E, split_q, split_h, sq, total,
+        o_part, lse, sm_scale * LOG2E, tp.split, split_h, sq, total, tp.n_early, tp.split_late,
         HKV=hkv, G=g, HPB=hpb, R_PAD=lp.rows, G_PAD=max(16, _pow2(g)),
         D=d, BLOCK_N=block_n,
         BLOCK_H=lp.hp_block, ASM=q.is_cuda, META=meta_id, WORDS=words, TG=lp.token_groups, HP_STAGES=lp.hp_stages,

@@ -32,7 +32,6 @@ from .decode_tiles import (
     _must_rescale,
     _rescale,
     _rows,
-    _split_range,
     _store_lse,
 )
 from .decode_words import _dot8, _planes, _pv8, _qparts8, _scale8, _zeros8
@@ -65,7 +64,7 @@ def _store_head(op, i: tl.constexpr, e: tl.constexpr, acc, inv, z, D4: tl.conste
 
 
 @triton.jit
-def int2_split_groups(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, total, hg, sp, b,
+def int2_split_groups(Q, KC, KM, VC, VM, IDX, O, LSE, qk_scale, lo, hi, total, hg, sp, b,
                       HKV: tl.constexpr, G: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr,
                       BLOCK_N: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr):  # fmt: skip
     tl.static_assert(T * G == R_PAD)
@@ -74,7 +73,6 @@ def int2_split_groups(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_si
     NT: tl.constexpr = BLOCK_N // T  # tokens per group
     KB: tl.constexpr = T * D8  # rows of the block-diagonal operands
     h0 = hg  # one KV head per program
-    lo, hi = _split_range(INDPTR, b, sp, split_size)
     offs_r = tl.arange(0, R_PAD)  # row (grp, h) = grp·G + h
     offs_k = tl.arange(0, KB)  # column (grp, m) = grp·D8 + m of the block-diagonal queries
     offs_m = tl.arange(0, D8)

@@ -35,7 +35,6 @@ from .decode_tiles import (
     _meta,
     _must_rescale,
     _rescale,
-    _split_range,
     _store_lse,
 )
 from .decode_words import _dot8, _planes, _qparts8, _scale8, _store8, _zeros8
@@ -103,15 +102,14 @@ def _tile(IDX, KC, KM, VC, VM, n0, hi, h0, qk_scale, offs_r, q00, q01, q10, q11,
 
 
 @triton.jit
-def int2_split_swap(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, total, hg, sp, b,
+def int2_split_swap(Q, KC, KM, VC, VM, IDX, O, LSE, qk_scale, lo, hi, total, hg, sp, b,
                     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
                     BLOCK_N: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr):  # fmt: skip
-    """Split ``sp`` of sequence ``b``'s quantized list for KV heads ``HP·hg …``: normalised partial
+    """Split ``sp`` of sequence ``b``'s quantized list (slot-list positions ``[lo, hi)``) for KV heads ``HP·hg …``: normalised partial
     outputs and LSEs of their ``G`` query heads each (column ``c`` of the tile is query head
     ``c % GP`` of KV head ``HP·hg + c // GP``; columns with ``c % GP >= G`` are padding)."""
     D4: tl.constexpr = D // 4
     D8: tl.constexpr = D // 8
-    lo, hi = _split_range(INDPTR, b, sp, split_size)
     h0 = hg * HP
     offs_c = tl.arange(0, HP * GP)
     gmask = offs_c % GP < G

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["hp_split", "int2_split_bytes"]
+__all__ = ["hp_split", "int2_split_bytes", "taper_range"]
 
 #: 2**24: an fp16 word holding the bits ``c`` is worth ``c * 2**-24``
 SUBNORMAL = tl.constexpr(16777216.0)
@@ -97,6 +97,16 @@ def _split_range(INDPTR, b, k, split_size):
 
 
 @triton.jit
+def taper_range(INDPTR, b, k, split_size, n_early, split_late):
+    """Slot-list positions ``[lo, hi)`` of split ``k`` of sequence ``b``: splits ``< n_early`` of
+    ``split_size`` positions, the later ones of ``split_late`` (``decode_plan.taper``: the
+    programs launched last start late, so they get less)."""
+    late = tl.maximum(k - n_early, 0)
+    lo = tl.load(INDPTR + b) + (k - late) * split_size + late * split_late
+    return lo, tl.minimum(lo + tl.where(k < n_early, split_size, split_late), tl.load(INDPTR + b + 1))
+
+
+@triton.jit
 def _softmax_step(s, nmask, m_i, l_i):
     """One online-softmax step (base 2) over a ``[G_PAD, BLOCK_N]`` tile of scores: masked
     columns dropped; returns the probabilities, the rescale factor of the old state and the
@@ -130,16 +140,13 @@ def _meta_rows(M, sh, nmask, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.const
 
 
 @triton.jit
-def _int2_setup(INDPTR, b, hg, sp, split_size, total, HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr,
-                R_PAD: tl.constexpr):  # fmt: skip
-    """First KV head ``h0`` of head group ``hg``, the split's slot range ``[lo, hi)``, the partial-state
-    rows and their mask, each row's KV head within the group (``>= HPB`` on padding rows) and the
-    rows' query rows."""
+def _int2_setup(b, hg, sp, total, HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr):
+    """First KV head ``h0`` of head group ``hg``, the partial-state rows of split ``sp`` and their
+    mask, each row's KV head within the group (``>= HPB`` on padding rows) and the rows' query rows."""
     h0 = hg * HPB
-    lo, hi = _split_range(INDPTR, b, sp, split_size)
     row, rmask = _rows(b, h0, sp, total, G, HPB, R_PAD, HKV * G)
     offs_r = tl.arange(0, R_PAD)
-    return h0, lo, hi, row, rmask, offs_r // G, b * HKV * G + h0 * G + offs_r
+    return h0, row, rmask, offs_r // G, b * HKV * G + h0 * G + offs_r
 
 
 @triton.jit
@@ -222,13 +229,11 @@ def _store_part(op, i: tl.constexpr, e: tl.constexpr, acc, inv, z, mask, D4: tl.
 
 
 @triton.jit
-def int2_split_bytes(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, total, hg, sp, b,
+def int2_split_bytes(Q, KC, KM, VC, VM, IDX, O, LSE, qk_scale, lo, hi, total, hg, sp, b,
                 HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr,
                 BLOCK_N: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr):  # fmt: skip
     D4: tl.constexpr = D // 4
-    h0, lo, hi, row, rmask, rhead, qrow = _int2_setup(
-        INDPTR, b, hg, sp, split_size, total, HKV, G, HPB, R_PAD
-    )
+    h0, row, rmask, rhead, qrow = _int2_setup(b, hg, sp, total, HKV, G, HPB, R_PAD)
     offs_d = tl.arange(0, D4)
     qp = Q + qrow[:, None] * D + offs_d[None, :]
     q0 = tl.load(qp, mask=rmask[:, None], other=0.0).to(tl.float16)

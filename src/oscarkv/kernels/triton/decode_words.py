@@ -132,14 +132,12 @@ def _store8(op, a00, a01, a10, a11, a20, a21, a30, a31, inv, z, mask, D4: tl.con
 
 
 @triton.jit
-def int2_split_words(Q, KC, KM, VC, VM, INDPTR, IDX, O, LSE, qk_scale, split_size, total, hg, sp, b,
+def int2_split_words(Q, KC, KM, VC, VM, IDX, O, LSE, qk_scale, lo, hi, total, hg, sp, b,
                 HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr,
                 BLOCK_N: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr):  # fmt: skip
     D4: tl.constexpr = D // 4
     D8: tl.constexpr = D // 8  # 16-bit code words per row: word m holds bytes 2m and 2m + 1
-    h0, lo, hi, row, rmask, rhead, qrow = _int2_setup(
-        INDPTR, b, hg, sp, split_size, total, HKV, G, HPB, R_PAD
-    )
+    h0, row, rmask, rhead, qrow = _int2_setup(b, hg, sp, total, HKV, G, HPB, R_PAD)
     offs_m = tl.arange(0, D8)
     qp = Q + qrow[:, None] * D + 2 * offs_m[None, :]
     # plane (i, e) holds c·4^i for dims D4·i + 2m + e: scale those query dims by 4^-i (exact)
