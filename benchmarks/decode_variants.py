@@ -1,7 +1,7 @@
 """Side-by-side timing of decode-attention kernel versions and launch configs on one GPU.
 
 Times the package's Triton decode kernel and, with ``--baseline NAME=DIR``, other versions of it
-(a directory holding copies of its ``decode_*.py`` modules, e.g. from an earlier commit), each
+(a directory holding copies of its ``decode_*.py`` modules and ``launch.py``, e.g. from an earlier commit), each
 over a grid of ``(block_n, num_warps, num_stages, programs, ...)`` configs (``--programs`` turns
 the wave-filling split rule off unless ``--set fill_waves=...`` is given), or with ``--defaults``
 each version's own launch defaults (the table then shows the current module's values in the
@@ -71,7 +71,7 @@ def main() -> None:
     versions = {"current": tda}
     for spec in args.baseline:
         name, path = spec.split("=", 1)
-        pkg = import_kernel_copy(f"dv_{name}", sorted(Path(path).glob("decode_*.py")))
+        pkg = import_kernel_copy(f"dv_{name}", sorted(Path(path).glob("decode_*.py")) + sorted(Path(path).glob("launch.py")))
         versions[name] = importlib.import_module(f"{pkg}.decode_attention")
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     if args.defaults:  # one value per launch axis, the module's own (shown in the table)

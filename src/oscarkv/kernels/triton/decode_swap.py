@@ -33,7 +33,6 @@ from .decode_tiles import (
     SUBNORMAL,
     _inv,
     _meta,
-    _must_rescale,
     _rescale,
     _store_lse,
 )
@@ -79,8 +78,11 @@ def _tile(IDX, KC, KM, VC, VM, n0, hi, h0, qk_scale, offs_r, q00, q01, q10, q11,
     t = _dot8(k00, k01, k10, k11, k20, k21, k30, k31, q00, q01, q10, q11, q20, q21, q30, q31)
     s = t * (ks * (qk_scale * SUBNORMAL)) - qsum[None, :] * (ks * kz * qk_scale)
     s = tl.where(nmask[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 0))
-    if _must_rescale(m_i, m_new):
+    # the lazy rescale's test (some score above its column's max + 2^8) as one integer max over
+    # the tile, a warp-wide redux: the float max over the tokens, a chain of shuffles, only when
+    # it is true (rarely past the first tile)
+    if tl.max((s > m_i[None, :] + 8.0).to(tl.int32)) > 0:
+        m_new = tl.maximum(m_i, tl.max(s, 0))
         alpha, l_i, zacc = _rescale(m_i, m_new, l_i, zacc)
         a00, a01, a10, a11, a20, a21, a30, a31 = _scale8(
             a00, a01, a10, a11, a20, a21, a30, a31, alpha[None, :]
