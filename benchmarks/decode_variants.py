@@ -71,7 +71,9 @@ def main() -> None:
     versions = {"current": tda}
     for spec in args.baseline:
         name, path = spec.split("=", 1)
-        pkg = import_kernel_copy(f"dv_{name}", sorted(Path(path).glob("decode_*.py")) + sorted(Path(path).glob("launch.py")))
+        pkg = import_kernel_copy(
+            f"dv_{name}", sorted(Path(path).glob("decode_*.py")) + sorted(Path(path).glob("launch.py"))
+        )
         versions[name] = importlib.import_module(f"{pkg}.decode_attention")
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     if args.defaults:  # one value per launch axis, the module's own (shown in the table)
