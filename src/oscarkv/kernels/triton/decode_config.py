@@ -102,6 +102,9 @@ CONFIG = {
     # word-plane path, where the 16-bit programs (launched first) leave too few slots for every
     # INT2 program: the INT2 splits launched after the first wave start about when the 16-bit
     # programs end, so they get fewer slot-list positions and the others more (decode_plan.taper):
-    # the late ones are shorter by this many positions per token of a 16-bit split (0: off)
-    "taper": 6.0,
+    # the late ones are shorter by this many positions per token of a 16-bit split (0: off).
+    # H200, side by side (results/dv_s12_taper.md, dv_s12_vote.md): 4 gains 1-3% at most shapes
+    # (batch 8 / 32K 0.0604 -> 0.0586 ms, 4 / 32K 0.0358 -> 0.0349), 7-10 lose at some; small,
+    # because an SM's throughput, not a program's latency, sets most of the time
+    "taper": 4.0,
 }
