@@ -30,9 +30,9 @@ words) and :mod:`.decode_tiles` (codes read as bytes; it also holds the 16-bit t
 helpers the INT2 loops share); :mod:`.decode_groups` is
 an opt-in word loop without padding rows for one KV head per program (``CONFIG['token_groups']``,
 measured slower on the H200). Strides are derived
-from the (validated) contiguous layouts, which keeps the launch short. The tuning ``CONFIG``, the
-loop choice (``int2_loop``), the heads per program and the split sizes (filling whole waves of
-programs) live in :mod:`.decode_plan`.
+from the (validated) contiguous layouts, which keeps the launch short. The tuning ``CONFIG`` lives
+in :mod:`.decode_config`; the loop choice (``int2_loop``), the heads per program and the split
+sizes (filling whole waves of programs, tapered behind the 16-bit programs) in :mod:`.decode_plan`.
 """
 
 from __future__ import annotations
