@@ -1,8 +1,8 @@
 """quantize_pack: a previous version of the Triton kernel against the current one, side by side.
 
 Same inputs, same machine, same run: the codes and metadata of both must be identical (with
-rotation too), then both are timed from CUDA graphs (device time; TB/s on the input bytes, d=128,
-bf16 rows ``[N, 8, 128]``). ``--sweep layer,none`` also times the tunables of the current kernel
+rotation too), then both are timed from CUDA graphs (device time; TB/s on the input bytes, bf16
+rows ``[N, 8, 128]``, and ``[N, 8, 256]`` at clip 0.96). ``--sweep layer,none`` also times the tunables of the current kernel
 with rotation (rows per program, prefetch depth, programs per SM, register cap, merge levels) and
 without (rows per program, warps, register cap), checks each against the default's output, and
 reports the best; ``--sweep packed`` the same without rotation for the fp32 and the packed clip
@@ -18,6 +18,12 @@ or, with ``--packed``, the current module with the fp32 clip network (``PACKED =
 against itself with the packed one (bf16 rows without rotation; other cases run the same kernel):
 
     python benchmarks/quantize_pack_ab.py --packed [--sweep packed] [--out DIR]
+
+or, with ``--round-k``, the current module with clip rounds of six values (``ROUND_K = 6``: clip
+0.92 takes two rounds, the fp32 network without rotation) against itself with rounds of twelve
+(one round, the packed network without rotation; at d=128 clip 0.96 and 0.0 run one kernel):
+
+    python benchmarks/quantize_pack_ab.py --round-k [--out DIR]
 """
 
 from __future__ import annotations
@@ -55,7 +61,8 @@ def load_old(path: str):
 
 class Switched:
     """The current module with some tunables set during each call (``PACKED=False``: the fp32 clip
-    network), as an "old" kernel; a CUDA graph captures the kernel the call launched."""
+    network; ``ROUND_K=6``: clip rounds of six), as an "old" kernel; a CUDA graph captures the
+    kernel the call launched."""
 
     def __init__(self, **values):
         self.values = values
@@ -75,29 +82,29 @@ def timed(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
 
 
-def inputs(n_rows: int, rot: str):
+def inputs(n_rows: int, rot: str, d: int = 128):
     g = torch.Generator(device=DEV).manual_seed(n_rows)
-    x = (torch.randn(n_rows // 8, 8, 128, device=DEV, generator=g) * 2 + 0.2).bfloat16()
+    x = (torch.randn(n_rows // 8, 8, d, device=DEV, generator=g) * 2 + 0.2).bfloat16()
     if rot == "none":
         return x, None
-    shape = (8, 128, 128) if rot == "per-head" else (128, 128)
+    shape = (8, d, d) if rot == "per-head" else (d, d)
     r = torch.linalg.qr(torch.randn(*shape, device=DEV, dtype=torch.float64, generator=g))[0].float()
     return x, r
 
 
-def compare(old, n_rows: int, clip: float, rot: str) -> dict:
-    fmt = RowFormat(128, 2, 128, clip=clip)
-    x, r = inputs(n_rows, rot)
+def compare(old, n_rows: int, clip: float, rot: str, d: int = 128) -> dict:
+    fmt = RowFormat(d, 2, d, clip=clip)
+    x, r = inputs(n_rows, rot, d)
     c0, m0 = old.quantize_pack(x, r, fmt)
     c1, m1 = new.quantize_pack(x, r, fmt)
     same = torch.equal(c0, c1) and torch.equal(m0, m1)
     t0 = timed(lambda: old.quantize_pack(x, r, fmt))
     t1 = timed(lambda: new.quantize_pack(x, r, fmt))
     tb = x.numel() * 2 / 1e9
-    row = {"rows": n_rows, "clip": clip, "rotate": rot, "identical": same,
+    row = {"rows": n_rows, "d": d, "clip": clip, "rotate": rot, "identical": same,
            "codes_equal": float((c0 == c1).float().mean()), "old_ms": t0, "new_ms": t1,
            "old_TBps": tb / t0, "new_TBps": tb / t1}  # fmt: skip
-    print(f"| {n_rows} | {clip} | {rot} | {same} | {t0:.4f} | {t1:.4f} | {tb / t0:.2f} | {tb / t1:.2f} "
+    print(f"| {n_rows} | {clip} | {rot if d == 128 else f'{rot}, d={d}'} | {same} | {t0:.4f} | {t1:.4f} | {tb / t0:.2f} | {tb / t1:.2f} "
           f"| {t0 / t1:.2f}x |", flush=True)  # fmt: skip
     return row
 
@@ -205,9 +212,8 @@ def registers() -> None:
         kw = dict(key[2])
         if kw.get("ROTATE"):
             continue
-        tags = {
-            k: kw.get(k) for k in ("D", "BLOCK_R", "N_DROP", "TREE", "PACKED", "ASM", "num_warps", "maxnreg")
-        }
+        keys = ("D", "BLOCK_R", "N_DROP", "ROUNDS", "TOP_K", "TREE", "PACKED", "ASM", "num_warps", "maxnreg")
+        tags = {k: kw.get(k) for k in keys}
         print(f"registers {tags}: {getattr(compiled, 'n_regs', '?')} registers, "
               f"{getattr(compiled, 'n_spills', '?')} spills", flush=True)  # fmt: skip
 
@@ -221,6 +227,11 @@ def main() -> None:
         action="store_true",
         help="old: the current module with the fp32 clip network (PACKED off)",
     )
+    old_kernel.add_argument(
+        "--round-k",
+        action="store_true",
+        help="old: the current module with clip rounds of six values (ROUND_K = 6)",
+    )
     ap.add_argument(
         "--sweep",
         default="",
@@ -230,14 +241,19 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="directory for quantize_pack_ab.json")
     args = ap.parse_args()
     t = time.time()
-    old = Switched(PACKED=False) if args.packed else load_old(args.old)
+    if args.packed or args.round_k:
+        old = Switched(PACKED=False) if args.packed else Switched(ROUND_K=6)
+    else:
+        old = load_old(args.old)
     print(torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(), flush=True)
     print("| rows | clip | rotate | identical | old ms | new ms | old TB/s | new TB/s | speed-up |")
     print("|---|---|---|---|---|---|---|---|---|")
     rows = []
-    for n_rows, clip, rot in [(n, c, r) for n in (65536, 262144, 1048576) for c in (0.96, 0.92, 0.0)
-                              for r in ("none", "layer")] + [(262144, 0.96, "per-head")]:  # fmt: skip
-        rows.append(compare(old, n_rows, clip, rot))
+    # d=128, then d=256 at clip 0.96 (N_DROP = 10 as d=128 at 0.92)
+    for n_rows, clip, rot, d in [(n, c, r, 128) for n in (65536, 262144, 1048576) for c in (0.96, 0.92, 0.0)
+                                 for r in ("none", "layer")] + [(262144, 0.96, "per-head", 128)] + [
+                                 (262144, 0.96, r, 256) for r in ("none", "layer")]:  # fmt: skip
+        rows.append(compare(old, n_rows, clip, rot, d))
     kinds = [k for k in args.sweep.split(",") if k]
     if any(k not in ("layer", "none", "packed") for k in kinds):
         raise SystemExit(f"--sweep takes layer, none and packed, comma-separated; got {args.sweep!r}")

@@ -186,14 +186,20 @@ def test_quantize_pack_is_bit_exact(d, clip, meta):
     ("d", "clip"), [(64, 0.96), (64, 0.8), (128, 0.96), (128, 0.92), (128, 0.8), (256, 0.96), (256, 0.92)]
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rounds", [1, 99], ids=["default-rounds", "all-rounds"])
-def test_quantize_pack_packed_network_is_bit_exact(d, clip, dtype, rounds, monkeypatch):
+@pytest.mark.parametrize(
+    ("rounds", "round_k"),
+    [(1, 12), (99, 12), (99, 6)],
+    ids=["default-rounds", "all-rounds", "all-rounds-of-6"],
+)
+def test_quantize_pack_packed_network_is_bit_exact(d, clip, dtype, rounds, round_k, monkeypatch):
     """The clip network on packed pairs (``PACKED``; ``PACKED_ROUNDS`` 99 forces it at every round
-    count): the reference's and the fp32 network's codes and metadata, bit for bit, on ties at
-    the threshold, zero, constant, integer, all-positive, huge-outlier and subnormal rows."""
+    count, of 12 or of 6 values): the reference's and the fp32 network's codes and metadata, bit
+    for bit, on ties at the threshold, zero, constant, integer, all-positive, huge-outlier and
+    subnormal rows."""
     from oscarkv.kernels.triton import quantize_pack as tqp
 
     monkeypatch.setattr(tqp, "PACKED_ROUNDS", rounds)
+    monkeypatch.setattr(tqp, "ROUND_K", round_k)
     fmt = RowFormat(d, 2, d, clip=clip, meta_dtype="bf16")
     gen = torch.Generator(device="cuda").manual_seed(d + rounds)
     x = torch.randn(3000, 8, d, device="cuda", generator=gen) * 2 + 0.2
@@ -213,7 +219,8 @@ def test_quantize_pack_packed_network_is_bit_exact(d, clip, dtype, rounds, monke
 
     monkeypatch.setattr(tqp, "_QUANTIZE_PACK", spy)
     c1, m1 = tqp.quantize_pack(x, None, fmt)
-    n_rounds = -(-(d - clip_index(clip, d)) // 6)  # (N_DROP + 1) / 6, rounded up
+    n_drop = d - 1 - clip_index(clip, d)
+    n_rounds = -(-(n_drop + 1) // (6 if n_drop < 6 else round_k))
     packed = clip > 0 and n_rounds <= rounds
     assert seen == [(packed, {torch.bfloat16: 1, torch.float16: 2}[dtype] if packed else 0)]  # the PTX pairs
     c2, m2 = ref.quantize_pack(x, None, fmt)
@@ -222,6 +229,30 @@ def test_quantize_pack_packed_network_is_bit_exact(d, clip, dtype, rounds, monke
     monkeypatch.setattr(tqp, "PACKED", False)
     c3, m3 = tqp.quantize_pack(x, None, fmt)
     assert torch.equal(c1, c3) and torch.equal(m1, m3)
+
+
+@pytest.mark.parametrize(("d", "clip"), [(128, 0.92), (128, 0.8), (256, 0.96)])
+def test_quantize_pack_with_rotation_takes_rounds_of_six_or_twelve_alike(d, clip, monkeypatch):
+    """With rotation (the fp32 network on the MMA accumulator, ``tl.reduce`` alone: twelve-lists
+    from eight-lists padded) rounds of 6 and of 12 values give the same codes and metadata, and
+    the reference's where the rotation is exact (a signed permutation)."""
+    from oscarkv.kernels.triton import quantize_pack as tqp
+
+    fmt = RowFormat(d, 2, d, clip=clip)
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    x = (torch.randn(3000, 8, d, device="cuda", generator=gen) * 2 + 0.2).bfloat16()
+    x[1] = torch.randint(-3, 4, (8, d), device="cuda", generator=gen).bfloat16() * 0.5  # ties everywhere
+    sign = torch.randint(0, 2, (d, 1), device="cuda", generator=gen).float() * 2 - 1
+    perm = torch.eye(d, device="cuda")[torch.randperm(d, device="cuda", generator=gen)] * sign
+    qr = torch.linalg.qr(torch.randn(d, d, device="cuda", dtype=torch.float64, generator=gen))[0].float()
+    for r in (qr, perm):
+        got = {}
+        for k in (6, 12):
+            monkeypatch.setattr(tqp, "ROUND_K", k)
+            got[k] = tqp.quantize_pack(x, r, fmt)
+        assert torch.equal(got[6][0], got[12][0]) and torch.equal(got[6][1], got[12][1])
+    c2, m2 = ref.quantize_pack(x.float() @ perm, None, fmt)
+    assert torch.equal(got[12][0], c2) and torch.equal(got[12][1], m2)
 
 
 def test_quantize_pack_with_rotation_matches_rotated_reference():

@@ -21,7 +21,10 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     )
 triton = pytest.importorskip("triton")
 
+import triton.language as tl  # noqa: E402
+
 from oscarkv.kernels import ref  # noqa: E402
+from oscarkv.kernels.triton.quantize_nets import _clip_threshold  # noqa: E402
 from oscarkv.quant import RowFormat  # noqa: E402
 
 torch.set_num_threads(1)
@@ -97,12 +100,12 @@ def test_quantize_pack_is_bit_exact_on_adversarial_rows(tk, d, clip):
             assert torch.equal(c1, c2) and torch.equal(m1, m2), (meta, dtype)
 
 
-def _packed_flags(qp, monkeypatch) -> list[bool]:
-    """The ``PACKED`` constexpr of each later ``_quantize_pack`` launch."""
+def _launches(qp, monkeypatch) -> list[dict]:
+    """The keyword arguments (constexprs) of each later ``_quantize_pack`` launch."""
     seen, launch = [], qp._QUANTIZE_PACK
 
     def spy(grid, *args, **kwargs):
-        seen.append(kwargs["PACKED"])
+        seen.append(kwargs)
         return launch(grid, *args, **kwargs)
 
     monkeypatch.setattr(qp, "_QUANTIZE_PACK", spy)
@@ -118,7 +121,7 @@ def test_quantize_pack_packed_network_is_bit_exact(tk, d, clip, monkeypatch):
     a huge outlier, ...) and on rows with ten values of |x| 3 of either sign."""
     qp, _ = tk
     monkeypatch.setattr(qp, "PACKED_ROUNDS", 99)
-    seen = _packed_flags(qp, monkeypatch)
+    seen = _launches(qp, monkeypatch)
     g = torch.Generator().manual_seed(d + 1)
     for dtype in (torch.bfloat16, torch.float16):
         fmt = RowFormat(d, 2, d, clip=clip, meta_dtype="bf16")
@@ -128,7 +131,7 @@ def test_quantize_pack_packed_network_is_bit_exact(tk, d, clip, monkeypatch):
         c1, m1 = qp.quantize_pack(x, None, fmt)
         c2, m2 = ref.quantize_pack(x, None, fmt)
         assert torch.equal(c1, c2) and torch.equal(m1, m2), dtype
-    assert seen == [clip > 0] * 2
+    assert [k["PACKED"] for k in seen] == [clip > 0] * 2
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # bf16 tl.dot
@@ -136,13 +139,14 @@ def test_quantize_pack_takes_the_packed_network_where_it_is_exact(tk, monkeypatc
     """Packed only for bf16/fp16 rows without rotation, with clipping, 16-byte aligned, up to
     ``PACKED_ROUNDS`` rounds, and never with ``PACKED`` off."""
     qp, _ = tk
-    seen = _packed_flags(qp, monkeypatch)
+    seen = _launches(qp, monkeypatch)
     buf = torch.randn(9 * 2 * 128 + 1).bfloat16()
     x, odd = buf[:-1].view(9, 2, 128), buf[1:].view(9, 2, 128)
     wide = torch.randn(9, 2, 132).bfloat16()[..., :128]  # rows 264 bytes apart: not all 16-byte aligned
     r = torch.eye(128)
     cases = [(x, None, 0.96, True), (x.half(), None, 0.96, True), (x.float(), None, 0.96, False),
-             (x, r, 0.96, False), (x, None, 0.0, False), (x, None, 0.92, False),  # 2 rounds
+             (x, r, 0.96, False), (x, None, 0.0, False), (x, None, 0.92, True),  # one round of 12
+             (x, None, 0.8, False),  # 3 rounds
              (odd, None, 0.96, False), (wide, None, 0.96, False)]  # rows at a 2-byte offset  # fmt: skip
     for rows, rot, clip, _ in cases:
         fmt = RowFormat(128, 2, 128, clip=clip)
@@ -150,10 +154,62 @@ def test_quantize_pack_takes_the_packed_network_where_it_is_exact(tk, monkeypatc
         if rot is None:  # (bf16 rows times R: not under the interpreter, whose bf16 tl.dot is off)
             c2, m2 = ref.quantize_pack(rows, rot, fmt)
             assert torch.equal(c1, c2) and torch.equal(m1, m2)
-    assert seen == [want for *_, want in cases]
+    assert [k["PACKED"] for k in seen] == [want for *_, want in cases]
+    monkeypatch.setattr(qp, "ROUND_K", 6)
+    qp.quantize_pack(x, None, RowFormat(128, 2, 128, clip=0.92))  # two rounds of 6
+    assert (seen[-1]["PACKED"], seen[-1]["ROUNDS"], seen[-1]["TOP_K"]) == (False, 2, 6)
     monkeypatch.setattr(qp, "PACKED", False)
     qp.quantize_pack(x, None, RowFormat(128, 2, 128, clip=0.96))
-    assert seen[-1] is False
+    assert seen[-1]["PACKED"] is False
+
+
+@pytest.mark.parametrize("round_k", [6, 12])
+@pytest.mark.parametrize(("d", "clip"), [(128, 0.92), (64, 0.8)])
+def test_quantize_pack_rounds_of_six_and_twelve_are_bit_exact(tk, round_k, d, clip, monkeypatch):
+    """Clip rounds of either size (``ROUND_K``), one or several, on the packed network (at any
+    round count) and the fp32 one, on the adversarial rows (ties at the threshold and across
+    rounds)."""
+    qp, _ = tk
+    monkeypatch.setattr(qp, "ROUND_K", round_k)
+    monkeypatch.setattr(qp, "PACKED_ROUNDS", 99)
+    seen = _launches(qp, monkeypatch)
+    fmt = RowFormat(d, 2, d, clip=clip, meta_dtype="bf16")
+    for dtype in (torch.bfloat16, torch.float32):
+        x = _adversarial_rows(d, dtype)
+        c1, m1 = qp.quantize_pack(x, None, fmt)
+        c2, m2 = ref.quantize_pack(x, None, fmt)
+        assert torch.equal(c1, c2) and torch.equal(m1, m2), dtype
+    n_drop = d - 1 - math.floor(clip * d)
+    want = (round_k, -(-(n_drop + 1) // round_k))
+    assert [(k["TOP_K"], k["ROUNDS"], k["PACKED"]) for k in seen] == [(*want, True), (*want, False)]
+
+
+@triton.jit
+def _tau_kernel(X, T, ROWS: tl.constexpr, D8: tl.constexpr, N_DROP: tl.constexpr, ROUNDS: tl.constexpr,
+                TREE: tl.constexpr, K: tl.constexpr):  # fmt: skip
+    offs = tl.arange(0, ROWS)[:, None] * (8 * D8) + tl.arange(0, D8)[None, :]
+    a = (tl.load(X + offs), tl.load(X + offs + D8), tl.load(X + offs + 2 * D8), tl.load(X + offs + 3 * D8),
+         tl.load(X + offs + 4 * D8), tl.load(X + offs + 5 * D8), tl.load(X + offs + 6 * D8),
+         tl.load(X + offs + 7 * D8))  # fmt: skip
+    tl.store(T + tl.arange(0, ROWS), _clip_threshold(a, N_DROP, ROUNDS, TREE, K))
+
+
+@pytest.mark.parametrize("k", [6, 12])
+@pytest.mark.parametrize("tree", [0, 2])
+def test_clip_threshold_at_every_merge_depth(k, tree):
+    """``_clip_threshold`` alone at merge depths that ``quantize_pack`` takes on the GPU but not
+    under the interpreter (``TREE = 0``: ``tl.reduce`` of the column lists, eight-lists padded to
+    twelve), fp32 and int16 (the packed network's bit patterns, here through ``tl.maximum``), on
+    4 rows of 32 small integers (ties everywhere), in one round and in several."""
+    g = torch.Generator().manual_seed(k + tree)
+    x = torch.randint(0, 9, (4, 32), generator=g)
+    x[:2] = torch.randint(0, 2, (2, 32), generator=g) * 7  # two values
+    for dtype in (torch.float32, torch.int16):
+        for n_drop in (5, 10, 25):
+            tau = torch.empty(4, dtype=dtype)
+            rounds = -(-(n_drop + 1) // k)
+            _tau_kernel[(1,)](x.to(dtype), tau, ROWS=4, D8=4, N_DROP=n_drop, ROUNDS=rounds, TREE=tree, K=k)
+            assert torch.equal(tau, x.sort(1, descending=True).values[:, n_drop].to(dtype)), (dtype, n_drop)
 
 
 @pytest.mark.parametrize(("d", "clip"), [(64, 0.92), (128, 0.96), (128, 0.92), (256, 0.96)])

@@ -35,47 +35,80 @@ def _max(a, b, P: tl.constexpr = 0):
         )
 
 
-@triton.jit
-def _top6_of_8(a0, a1, a2, a3, a4, a5, a6, a7, P: tl.constexpr = 0):
-    """The six largest of eight, largest first (Batcher's 19-comparator sort of eight; the
-    comparator outputs that only reach the two smallest are dead code)."""
-    a0, a2 = _ce(a0, a2, P)
-    a1, a3 = _ce(a1, a3, P)
-    a4, a6 = _ce(a4, a6, P)
-    a5, a7 = _ce(a5, a7, P)
-    a0, a4 = _ce(a0, a4, P)
-    a1, a5 = _ce(a1, a5, P)
-    a2, a6 = _ce(a2, a6, P)
-    a3, a7 = _ce(a3, a7, P)
-    a0, a1 = _ce(a0, a1, P)
-    a2, a3 = _ce(a2, a3, P)
-    a4, a5 = _ce(a4, a5, P)
-    a6, a7 = _ce(a6, a7, P)
-    a2, a4 = _ce(a2, a4, P)
-    a3, a5 = _ce(a3, a5, P)
-    a1, a4 = _ce(a1, a4, P)
-    a3, a6 = _ce(a3, a6, P)
-    a1, a2 = _ce(a1, a2, P)
-    a3, a4 = _ce(a3, a4, P)
-    a5, a6 = _ce(a5, a6, P)
-    return a0, a1, a2, a3, a4, a5
+def _v_sort(n: int) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
+    """A sorting network for ``n`` values that fall, then rise (V-shaped): the bitonic sort of the
+    next power of two with +inf in the places past ``n``, less the comparators that only move a
+    +inf up; its comparators ``(i, j)`` (``i`` takes the max) and the places of its outputs,
+    largest first (7 comparators for 6 values, 20 for 12)."""
+    size = 1 << (n - 1).bit_length()
+    at = list(range(n)) + [None] * (size - n)  # the value on each wire (None: +inf)
+    net, d = [], size // 2
+    while d:
+        for w in (w for w in range(size) if w // d % 2 == 0):
+            i, j = at[w], at[w + d]
+            if j is None:
+                at[w], at[w + d] = j, i
+            elif i is not None:
+                net.append((i, j))
+        d //= 2
+    return tuple(net), tuple(at[size - n :])
+
+
+# Batcher's sort of eight (19 comparators); the V-sorts of _merge by size (1 to 16) and where each
+# leaves its outputs
+_SORT8 = tl.constexpr(((0, 2), (1, 3), (4, 6), (5, 7), (0, 4), (1, 5), (2, 6), (3, 7), (0, 1), (2, 3), (4, 5),
+                       (6, 7), (2, 4), (3, 5), (1, 4), (3, 6), (1, 2), (3, 4), (5, 6)))  # fmt: skip
+_V_SORT = tl.constexpr(tuple(tl.constexpr(_v_sort(n)[0]) for n in range(1, 17)))
+_V_OUT = tl.constexpr(tuple(tl.constexpr(_v_sort(n)[1]) for n in range(1, 17)))
 
 
 @triton.jit
-def _merge6(a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5, P: tl.constexpr = 0):
-    """The six largest of two sorted six-lists, sorted: ``c_i = max(a_i, b_{5-i})`` holds them
-    and is V-shaped; padded with two +inf it is bitonic, and the bitonic sort of eight reduces to
-    seven comparators."""
-    c0, c1, c2 = _max(a0, b5, P), _max(a1, b4, P), _max(a2, b3, P)
-    c3, c4, c5 = _max(a3, b2, P), _max(a4, b1, P), _max(a5, b0, P)
-    c0, c4 = _ce(c0, c4, P)
-    c1, c5 = _ce(c1, c5, P)
-    t0, t1 = _ce(c0, c1, P)
-    c4, c2 = _ce(c4, c2, P)
-    c5, c3 = _ce(c5, c3, P)
-    u0, u1 = _ce(c4, c5, P)
-    u2, u3 = _ce(c2, c3, P)
-    return t0, t1, u0, u1, u2, u3
+def _put(v, i: tl.constexpr, x):
+    """The tuple ``v`` with ``x`` in place ``i``."""
+    return v[:i] + (x,) + v[i + 1 :]
+
+
+@triton.jit
+def _network(v, NET: tl.constexpr, P: tl.constexpr = 0):
+    """The comparators ``NET`` on the tuple ``v`` (outputs that no one reads are dead code, those
+    of the packed ``_ce`` too: ptxas drops them)."""
+    for c in tl.static_range(len(NET.value)):
+        hi, lo = _ce(v[NET[c][0]], v[NET[c][1]], P)
+        v = _put(_put(v, NET[c][0], hi), NET[c][1], lo)
+    return v
+
+
+@triton.jit
+def _merge(a, b, K: tl.constexpr, P: tl.constexpr = 0):
+    """The ``K`` largest of two sorted tuples of ``m`` values (largest first, ``m <= K <= 2m``),
+    sorted: ``c_i = max(a_i, b_{K-1-i})`` (one side alone past the other's end) holds them and
+    falls, then rises (``_v_sort``)."""
+    c = ()
+    for i in tl.static_range(K):
+        if i < len(a) and K - 1 - i < len(b):
+            c = c + (_max(a[i], b[K - 1 - i], P),)
+        elif i < len(a):
+            c = c + (a[i],)
+        else:
+            c = c + (b[K - 1 - i],)
+    c = _network(c, _V_SORT[K - 1], P)
+    t = ()
+    for i in tl.static_range(K):
+        t = t + (c[_V_OUT[K - 1][i]],)
+    return t
+
+
+@triton.jit
+def _merge6(a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5):
+    """``tl.reduce``'s combine: ``_merge`` of two six-lists (``_merge12``: of two twelve-lists)."""
+    return _merge((a0, a1, a2, a3, a4, a5), (b0, b1, b2, b3, b4, b5), 6)
+
+
+@triton.jit
+def _merge12(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11,
+             b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11):  # fmt: skip
+    a = (a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11)
+    return _merge(a, (b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11), 12)
 
 
 @triton.jit
@@ -90,29 +123,39 @@ def _halves(x, W: tl.constexpr = 2):
 
 
 @triton.jit
-def _level(l0, l1, l2, l3, l4, l5, W: tl.constexpr, P: tl.constexpr):
+def _level(v, W: tl.constexpr, K: tl.constexpr, P: tl.constexpr):
     """One merge level of the column tree: the halves of each run of ``W`` columns merged."""
-    l0, m0 = _halves(l0, W)
-    l1, m1 = _halves(l1, W)
-    l2, m2 = _halves(l2, W)
-    l3, m3 = _halves(l3, W)
-    l4, m4 = _halves(l4, W)
-    l5, m5 = _halves(l5, W)
-    return _merge6(l0, l1, l2, l3, l4, l5, m0, m1, m2, m3, m4, m5, P)
+    lo = ()
+    hi = ()
+    for i in tl.static_range(len(v)):
+        x, y = _halves(v[i], W)
+        lo = lo + (x,)
+        hi = hi + (y,)
+    return _merge(lo, hi, K, P)
 
 
 @triton.jit
-def _row_top6(a0, a1, a2, a3, a4, a5, a6, a7, TREE: tl.constexpr, P: tl.constexpr = 0):
-    """The row's six largest values, sorted (``[BLOCK_R]`` each). int16 (``P``: see ``_ce``):
-    packed pairs down to the last in-thread level (``2^TREE``: the columns a thread holds), whose
-    single values and the ``tl.reduce`` take int16 ops (ptxas pairs most of them up itself)."""
-    l0, l1, l2, l3, l4, l5 = _top6_of_8(a0, a1, a2, a3, a4, a5, a6, a7, P)
+def _row_top(a, K: tl.constexpr, TREE: tl.constexpr, P: tl.constexpr = 0):
+    """The ``K`` (6 or 12) largest values of the row of pieces ``a``, sorted (``[BLOCK_R]`` each):
+    each column sorted (its six largest for ``K = 6``), ``TREE`` levels of merges, ``tl.reduce``.
+    int16 (``P``: see ``_ce``): packed pairs down to the last in-thread level (``2^TREE``: the
+    columns a thread holds), whose single values and the ``tl.reduce`` take int16 ops (ptxas pairs
+    most of them up itself)."""
+    tl.static_assert(K == 6 or K == 12, "rounds of 6 or 12 values (the tl.reduce combines)")
+    v = _network(a, _SORT8, P)[:K]
     for lvl in tl.static_range(TREE):
-        if a0.dtype == tl.int16 and lvl + 1 < TREE:
-            l0, l1, l2, l3, l4, l5 = _level(l0, l1, l2, l3, l4, l5, 2 << (TREE - 1 - lvl), P)
+        if a[0].dtype == tl.int16 and lvl + 1 < TREE:
+            v = _level(v, 2 << (TREE - 1 - lvl), K, P)
         else:
-            l0, l1, l2, l3, l4, l5 = _level(l0, l1, l2, l3, l4, l5, 2, 0)
-    return tl.reduce((l0, l1, l2, l3, l4, l5), 1, _merge6)
+            v = _level(v, 2, K, 0)
+    if len(v) < K:  # TREE = 0: a column's eight, padded below every value (and the drop value)
+        pad = tl.full(a[0].shape, -16512 if a[0].dtype == tl.int16 else float("-inf"), a[0].dtype)
+        for _ in tl.static_range(K - len(v)):
+            v = v + (pad,)
+    if K == 6:
+        return tl.reduce(v, 1, _merge6)
+    else:
+        return tl.reduce(v, 1, _merge12)
 
 
 @triton.jit
@@ -144,38 +187,33 @@ def _drop_count(a, b, P: tl.constexpr = 0):
 
 
 @triton.jit
-def _clip_threshold(a0, a1, a2, a3, a4, a5, a6, a7, N_DROP: tl.constexpr, ROUNDS: tl.constexpr,
-                    TREE: tl.constexpr, P: tl.constexpr = 0):  # fmt: skip
-    """The ``(N_DROP+1)``-th largest of the row of pieces ``a*`` (all >= 0), counting ties; fp32,
-    or int16 bit patterns of 16-bit floats (``P``: see ``_ce``)."""
-    s0, s1, s2, s3, s4, s5, s6, s7 = a0, a1, a2, a3, a4, a5, a6, a7
-    above = tl.zeros([a0.shape[0]], tl.int32)  # values >= the previous list's smallest
-    tau = tl.zeros([a0.shape[0]], a0.dtype)
+def _clip_threshold(a, N_DROP: tl.constexpr, ROUNDS: tl.constexpr, TREE: tl.constexpr, K: tl.constexpr,
+                    P: tl.constexpr = 0):  # fmt: skip
+    """The ``(N_DROP+1)``-th largest of the row of pieces ``a`` (a tuple of eight, all >= 0),
+    counting ties, in rounds of its ``K`` largest; fp32, or int16 bit patterns of 16-bit floats
+    (``P``: see ``_ce``)."""
+    s = a
+    above = tl.zeros([a[0].shape[0]], tl.int32)  # values >= the previous list's smallest
+    tau = tl.zeros([a[0].shape[0]], a[0].dtype)
     for r in tl.static_range(ROUNDS):
-        t0, t1, t2, t3, t4, t5 = _row_top6(s0, s1, s2, s3, s4, s5, s6, s7, TREE, P)
-        k = N_DROP - above  # rank of tau within this list (out of [0, 6) once found)
-        tau = tl.where(k == 0, t0, tl.where(k == 1, t1, tl.where(k == 2, t2, tau)))
-        tau = tl.where(k == 3, t3, tl.where(k == 4, t4, tl.where(k == 5, t5, tau)))
-        if r + 1 < ROUNDS and a0.dtype == tl.int16:  # as below, on the bit patterns
-            b = t5[:, None]
-            s0, n0 = _drop_count(a0, b, P)
-            s1, n1 = _drop_count(a1, b, P)
-            s2, n2 = _drop_count(a2, b, P)
-            s3, n3 = _drop_count(a3, b, P)
-            s4, n4 = _drop_count(a4, b, P)
-            s5, n5 = _drop_count(a5, b, P)
-            s6, n6 = _drop_count(a6, b, P)
-            s7, n7 = _drop_count(a7, b, P)
-            above = tl.sum(n0 + n1 + n2 + n3 + n4 + n5 + n6 + n7, 1) >> 4
-            tau = tl.where((k >= 6) & (above > N_DROP), t5, tau)
-        elif r + 1 < ROUNDS:
-            b = t5[:, None]
-            n = _ge(a0, b) + _ge(a1, b) + _ge(a2, b) + _ge(a3, b) + _ge(a4, b) + _ge(a5, b) + _ge(a6, b)
-            above = tl.sum(n + _ge(a7, b), 1)
-            # rank N_DROP past this list but among the values >= t5: a tie with t5
-            tau = tl.where((k >= 6) & (above > N_DROP), t5, tau)
-            s0, s1, s2, s3 = _drop(a0, b), _drop(a1, b), _drop(a2, b), _drop(a3, b)
-            s4, s5, s6, s7 = _drop(a4, b), _drop(a5, b), _drop(a6, b), _drop(a7, b)
+        t = _row_top(s, K, TREE, P)
+        k = N_DROP - above  # rank of tau within this list (out of [0, K) once found)
+        for j in tl.static_range(K):
+            tau = tl.where(k == j, t[j], tau)
+        if r + 1 < ROUNDS:
+            b = t[K - 1][:, None]
+            s = ()
+            cnt = tl.zeros(a[0].shape, tl.int32)
+            for i in tl.static_range(8):
+                if a[0].dtype == tl.int16:  # as below, on the bit patterns: 16·count
+                    x, n = _drop_count(a[i], b, P)
+                else:
+                    x, n = _drop(a[i], b), _ge(a[i], b)
+                s = s + (x,)
+                cnt += n
+            above = tl.sum(cnt, 1) >> 4 if a[0].dtype == tl.int16 else tl.sum(cnt, 1)
+            # rank N_DROP past this list but among the values >= its smallest: a tie with it
+            tau = tl.where((k >= K) & (above > N_DROP), t[K - 1], tau)
     return tau
 
 

@@ -9,12 +9,14 @@ of the packed layout: byte ``j`` holds elements ``j, j+D/4, j+D/2, j+3D/4``).
    blocks (a grid of ``ROT_PER_SM`` programs per SM): ``R`` is read once and stays in shared
    memory, the next block's rows are prefetched. (d=256: one block per program, ``R`` in chunks.)
 2. Clip threshold ``tau``: the ``(N_DROP+1)``-th largest ``|x|`` counting ties (the reference's
-   ``⌊ratio·D⌋``-th smallest). A round finds a row's six largest values, sorted, with comparator
-   networks on multisets (so ties need no care): the six largest of the eight pieces at each
-   column (a sorting network), then sorted-list merges across columns (``_merge6``; these
-   networks live in ``quantize_nets``): ``TREE`` levels of adjacent-column pairs (reshape/split,
-   within a thread), then ``tl.reduce``. Larger drop counts take ``⌈(N_DROP+1)/6⌉`` rounds,
-   each masking the values ``>=`` the last list's smallest entry and counting them.
+   ``⌊ratio·D⌋``-th smallest). A round finds a row's ``K`` largest values, sorted (``K = 6`` if
+   ``N_DROP < 6``, else ``ROUND_K``: 12), by comparator networks on multisets (so ties need no
+   care; in ``quantize_nets``): each column's eight pieces sorted (19 comparators), then merges
+   of two sorted lists into their ``K`` largest (``_merge``: ``max(a_i, b_{K-1-i})`` falls, then
+   rises; a bitonic sort less its padding sorts it, 7 / 20 comparators for 6 / 12): ``TREE``
+   levels of adjacent-column pairs (reshape/split, within a thread), then ``tl.reduce``
+   (``TREE = 0``: of eight-lists padded to twelve). Larger drop counts take ``⌈(N_DROP+1)/K⌉``
+   rounds, each masking the values ``>=`` the last list's smallest entry and counting them.
    Packed (``PACKED``; bf16/fp16 rows, no rotation): the network takes the rows' own values,
    ``|x|`` as int16 bit patterns (ordered like the values, so exact), two per register through
    ``max/min.bf16x2`` (``.f16x2``; Triton's bf16 max/min go through fp32): half the comparator
@@ -70,6 +72,9 @@ ROT_TREE = 0  # in-thread merge levels of the clip network in the MMA layout (0:
 PACKED = True
 PACKED_ROUNDS = 1
 PACKED_MAXNREG = 128
+# Clip rounds of ROUND_K (6 or 12) values where N_DROP >= 6. d=128 at clip 0.92, sm_90 SASS per
+# thread: one round of 12, packed, 1416; two of 6 (fp32: the packed one spills) 2480
+ROUND_K = 12
 
 # β_k: the midpoint below W_k = the smallest fp32 w with fl(w + 0.5) >= k (k = 1, 2, 3); a tie
 # u + z = β_k rounds down for k = 1 only (W_1 = 0.5 - 2^-25 is odd; 1.5 and 2.5 are even)
@@ -81,7 +86,8 @@ _BETA3 = tl.constexpr(float.fromhex("0x1.3fffff0000000p+1"))
 @triton.jit
 def _finish(x0, x1, x2, x3, x4, x5, x6, x7, rows, rmask, C, M, tiny, s_cr, s_mr, BLOCK_R: tl.constexpr,
             D8: tl.constexpr, CLIP: tl.constexpr, N_DROP: tl.constexpr, ROUNDS: tl.constexpr,
-            TREE: tl.constexpr, PACKED: tl.constexpr = False, ASM: tl.constexpr = 0):  # fmt: skip
+            TOP_K: tl.constexpr, TREE: tl.constexpr, PACKED: tl.constexpr = False,
+            ASM: tl.constexpr = 0):  # fmt: skip
     """Clip, quantize and pack a block of rows held as eight fp32 column pieces (``PACKED``: as
     the rows' bf16/fp16 values, the clip network on packed pairs, ``ASM`` its PTX type); store."""
     f0, f1, f2, f3, f4, f5, f6, f7 = x0, x1, x2, x3, x4, x5, x6, x7
@@ -99,11 +105,11 @@ def _finish(x0, x1, x2, x3, x4, x5, x6, x7, rows, rmask, C, M, tiny, s_cr, s_mr,
             # SASS ops)
             a0, a1, a2, a3 = _abs_bits(x0), _abs_bits(x1), _abs_bits(x2), _abs_bits(x3)
             a4, a5, a6, a7 = _abs_bits(x4), _abs_bits(x5), _abs_bits(x6), _abs_bits(x7)
-            tau = _clip_threshold(a0, a1, a2, a3, a4, a5, a6, a7, N_DROP, ROUNDS, TREE, ASM)
+            tau = _clip_threshold((a0, a1, a2, a3, a4, a5, a6, a7), N_DROP, ROUNDS, TREE, TOP_K, ASM)
             tau = tau.to(x0.dtype, bitcast=True).to(tl.float32)  # exact
         else:
-            tau = _clip_threshold(tl.abs(x0), tl.abs(x1), tl.abs(x2), tl.abs(x3), tl.abs(x4), tl.abs(x5),
-                                  tl.abs(x6), tl.abs(x7), N_DROP, ROUNDS, TREE)  # fmt: skip
+            a = (tl.abs(x0), tl.abs(x1), tl.abs(x2), tl.abs(x3), tl.abs(x4), tl.abs(x5), tl.abs(x6), tl.abs(x7))  # fmt: skip
+            tau = _clip_threshold(a, N_DROP, ROUNDS, TREE, TOP_K)
         lo = tl.minimum(tl.maximum(lo, -tau), tau)
         hi = tl.minimum(tl.maximum(hi, -tau), tau)
     s = tl.math.div_rn(tl.maximum(hi - lo, 1e-8), 3.0)
@@ -135,8 +141,8 @@ def _block_rows(blk, n_rows, BLOCK_R: tl.constexpr, HEADS: tl.constexpr):
 @triton.jit
 def _quantize_pack(X, R, C, M, n_rows, tiny, s_xr, s_rh, s_cr, s_mr,
                    D: tl.constexpr, BLOCK_R: tl.constexpr, ROTATE: tl.constexpr, HEADS: tl.constexpr,
-                   CLIP: tl.constexpr, N_DROP: tl.constexpr, ROUNDS: tl.constexpr, TREE: tl.constexpr,
-                   KC: tl.constexpr, STAGES: tl.constexpr, PACKED: tl.constexpr = False,
+                   CLIP: tl.constexpr, N_DROP: tl.constexpr, ROUNDS: tl.constexpr, TOP_K: tl.constexpr,
+                   TREE: tl.constexpr, KC: tl.constexpr, STAGES: tl.constexpr, PACKED: tl.constexpr = False,
                    ASM: tl.constexpr = 0):  # fmt: skip
     tl.static_assert(not (PACKED and ROTATE), "the packed clip network takes the rows' own values")
     # blocks of rows of head program_id(1) (HEADS = 1 unless R is per head). With rotation and
@@ -153,7 +159,7 @@ def _quantize_pack(X, R, C, M, n_rows, tiny, s_xr, s_rh, s_cr, s_mr,
             acc = tl.dot(tl.load(xp, mask=rmask[:, None], other=0.0).to(rk.dtype), rk)
             x0, x1, x2, x3, x4, x5, x6, x7 = _split8(acc, BLOCK_R, D8)
             _finish(x0, x1, x2, x3, x4, x5, x6, x7, rows, rmask, C, M, tiny, s_cr, s_mr, BLOCK_R, D8,
-                    CLIP, N_DROP, ROUNDS, TREE)  # fmt: skip
+                    CLIP, N_DROP, ROUNDS, TOP_K, TREE)  # fmt: skip
     else:
         rows, rmask = _block_rows(tl.program_id(0), n_rows, BLOCK_R, HEADS)
         m2 = rmask[:, None]
@@ -175,7 +181,7 @@ def _quantize_pack(X, R, C, M, n_rows, tiny, s_xr, s_rh, s_cr, s_mr,
                 x0, x1, x2, x3 = x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32)
                 x4, x5, x6, x7 = x4.to(tl.float32), x5.to(tl.float32), x6.to(tl.float32), x7.to(tl.float32)
         _finish(x0, x1, x2, x3, x4, x5, x6, x7, rows, rmask, C, M, tiny, s_cr, s_mr, BLOCK_R, D8,
-                CLIP, N_DROP, ROUNDS, TREE, PACKED, ASM)  # fmt: skip
+                CLIP, N_DROP, ROUNDS, TOP_K, TREE, PACKED, ASM)  # fmt: skip
 
 
 @triton.jit
@@ -238,7 +244,8 @@ def quantize_pack(rows: torch.Tensor, rotation: torch.Tensor | None, fmt: RowFor
     per_head = rotation is not None and rotation.dim() == 3
     block_r = BLOCK_R_ROT if rotation is not None else BLOCK_R
     n_drop = d - 1 - clip_index(fmt.clip, d) if fmt.clip > 0 else 0
-    rounds = -(-(n_drop + 1) // 6)
+    top_k = 6 if n_drop < 6 else ROUND_K  # the six-network where one round of it does
+    rounds = -(-(n_drop + 1) // top_k)
     # the rotation GEMM runs in the rows' dtype (bf16 tensor cores for bf16 models), fp32 accumulation
     r = rotation.to(device=rows.device, dtype=rows.dtype).contiguous() if rotation is not None else x
     tiny = torch.finfo(meta.dtype).tiny
@@ -281,7 +288,7 @@ def quantize_pack(rows: torch.Tensor, rotation: torch.Tensor | None, fmt: RowFor
     _QUANTIZE_PACK(
         (programs, heads), x, r, codes, meta, n * h // heads, tiny, x.stride(0), r.stride(0) if per_head else 0, d // 4, 2,
         D=d, BLOCK_R=block_r, ROTATE=rotation is not None, HEADS=heads, CLIP=fmt.clip > 0, N_DROP=n_drop,
-        ROUNDS=rounds, TREE=tree, KC=kc, STAGES=stages, PACKED=packed, ASM=asm,
+        ROUNDS=rounds, TOP_K=top_k, TREE=tree, KC=kc, STAGES=stages, PACKED=packed, ASM=asm,
         num_warps=warps, **opts,
     )  # fmt: skip
     return codes, meta
