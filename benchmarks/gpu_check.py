@@ -28,6 +28,7 @@ from _harness import env_info, save
 from oscarkv.kernels import ref
 from oscarkv.kernels.triton import decode_attention as tda
 from oscarkv.kernels.triton import quantize_pack as tqp
+from oscarkv.kernels.triton.dequantize import dequantize as tdq
 from oscarkv.quant import RowFormat
 
 DEV = torch.device("cuda")
@@ -152,7 +153,7 @@ def check_quantize() -> list[dict]:
                 "ok": e < 2e-2,
             }
         )
-        c = tqp.dequantize(c2, m2, fmt, torch.float32)
+        c = tdq(c2, m2, fmt, torch.float32)
         rows.append(
             {"check": "dequantize", "shape": f"d{d}", "rel_err": rel(c, deq2), "ok": rel(c, deq2) < 1e-6}
         )

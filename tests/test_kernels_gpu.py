@@ -160,12 +160,39 @@ def test_decode_with_the_merge_as_a_dependent_launch_is_exact(batch, lq, lh, mon
     assert any(c.metadata.launch_pdl for c, _ in tda._MERGE._cache.values())
 
 
+def _non_finite_rows(d: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """Rows [6, 2, d]: one finite, then a NaN, all +inf, one +inf, one -inf, three +inf."""
+    x = torch.randn(6, 2, d, device=device)
+    x[1, :, 5] = float("nan")
+    x[2] = float("inf")
+    x[3, :, 7] = float("inf")
+    x[4, :, 9] = -float("inf")
+    x[5, :, :3] = float("inf")
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("d", "clip"), [(128, 0.0), (128, 0.96), (128, 0.92), (256, 0.96), (64, 0.8)])
+def test_quantize_pack_non_finite_rows_match_the_oracle(d, clip, dtype):
+    """NaN and infinities: the reference's scale/zero (NaN for a row holding NaN or a row of
+    infinities, inf for an unclipped infinity) and codes, bit for bit, NaN in the same places."""
+    from oscarkv.kernels.triton import quantize_pack as tqp
+
+    fmt = RowFormat(d, 2, d, clip=clip)
+    x = _non_finite_rows(d, dtype, "cuda")
+    c1, m1 = tqp.quantize_pack(x, None, fmt)
+    c2, m2 = ref.quantize_pack(x, None, fmt)
+    assert torch.equal(c1, c2) and torch.equal(m1.isnan(), m2.isnan())
+    assert torch.equal(m1.nan_to_num(0.0), m2.nan_to_num(0.0)) and m1[1:3].isnan().all()
+
+
 @pytest.mark.parametrize(
     ("d", "clip"), [(64, 0.92), (128, 0.96), (128, 0.92), (128, 0.8), (256, 0.96), (256, 0.0)]
 )
 @pytest.mark.parametrize("meta", ["fp16", "bf16", "fp32"])
 def test_quantize_pack_is_bit_exact(d, clip, meta):
     from oscarkv.kernels.triton import quantize_pack as tqp
+    from oscarkv.kernels.triton.dequantize import dequantize
 
     fmt = RowFormat(d, 2, d, clip=clip, meta_dtype=meta)
     gen = torch.Generator(device="cuda").manual_seed(d)
@@ -179,7 +206,7 @@ def test_quantize_pack_is_bit_exact(d, clip, meta):
     c1, m1 = tqp.quantize_pack(x, None, fmt)
     c2, m2 = ref.quantize_pack(x, None, fmt)
     assert torch.equal(c1, c2) and torch.equal(m1, m2)
-    assert torch.equal(tqp.dequantize(c1, m1, fmt), ref.dequantize(c1, m1, fmt))
+    assert torch.equal(dequantize(c1, m1, fmt), ref.dequantize(c1, m1, fmt))
 
 
 @pytest.mark.parametrize(

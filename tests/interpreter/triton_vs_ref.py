@@ -24,6 +24,7 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from oscarkv.kernels import ref  # noqa: E402
+from oscarkv.kernels.triton.dequantize import dequantize  # noqa: E402
 from oscarkv.kernels.triton.quantize_nets import _clip_threshold  # noqa: E402
 from oscarkv.quant import RowFormat  # noqa: E402
 
@@ -50,7 +51,23 @@ def test_quantize_pack_is_bit_exact(tk, d, clip):
     c1, m1 = qp.quantize_pack(x, None, fmt)
     c2, m2 = ref.quantize_pack(x, None, fmt)
     assert torch.equal(c1, c2) and torch.equal(m1, m2)
-    assert torch.equal(qp.dequantize(c1, m1, fmt), ref.dequantize(c1, m1, fmt))
+    assert torch.equal(dequantize(c1, m1, fmt), ref.dequantize(c1, m1, fmt))
+
+
+@pytest.mark.parametrize(("d", "clip", "dtype"), [(128, 0.0, torch.float32), (128, 0.96, torch.bfloat16),
+                                              (128, 0.92, torch.bfloat16), (64, 0.8, torch.float32)])  # fmt: skip
+def test_quantize_pack_non_finite_rows_match_reference(tk, d, clip, dtype):
+    """NaN and infinities (a NaN, all +inf, one +inf, one -inf, three +inf per row): the
+    reference's codes and scale/zero, NaN in the same places (a row holding NaN: NaN, not a
+    finite scale that would hide it)."""
+    qp, _ = tk
+    fmt = RowFormat(d, 2, d, clip=clip)
+    x = torch.randn(6, 1, d)
+    x[1, :, 5], x[2], x[3, :, 7], x[4, :, 9], x[5, :, :3] = math.nan, math.inf, math.inf, -math.inf, math.inf
+    c1, m1 = qp.quantize_pack(x.to(dtype), None, fmt)
+    c2, m2 = ref.quantize_pack(x.to(dtype), None, fmt)
+    assert torch.equal(c1, c2) and torch.equal(m1.isnan(), m2.isnan())
+    assert torch.equal(m1.nan_to_num(0.0), m2.nan_to_num(0.0)) and m1[1:3].isnan().all()
 
 
 def test_quantize_pack_with_rotation(tk):

@@ -6,7 +6,8 @@ import torch
 
 from .. import Backend, KernelOps
 from .decode_attention import decode_attention
-from .quantize_pack import dequantize, quantize_pack
+from .dequantize import dequantize
+from .quantize_pack import quantize_pack
 from .rotate import rotate_heads, rotate_new_rows
 
 __all__ = ["KERNEL_OPS", "prefill_attention"]

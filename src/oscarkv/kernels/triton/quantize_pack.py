@@ -1,4 +1,4 @@
-"""Triton rotate-clip-quantize-pack (2-bit, one (scale, zero) per row) and its inverse.
+"""Triton rotate-clip-quantize-pack (2-bit, one (scale, zero) per row); its inverse is in :mod:`.dequantize`.
 
 ``_quantize_pack``, bit-exact with the reference: a program takes ``BLOCK_R`` rows, each held as
 eight column pieces ``x_i = x[:, i·D/8 : (i+1)·D/8]`` (pieces ``2q``, ``2q+1`` make quarter ``q``
@@ -37,7 +37,6 @@ of the packed layout: byte ``j`` holds elements ``j, j+D/4, j+D/2, j+3D/4``).
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
@@ -48,7 +47,7 @@ from ...quant.quantizer import META_TORCH_DTYPES, clip_index
 from .launch import Launcher
 from .quantize_nets import _abs_bits, _clip_threshold, _pack, _split8, _threshold, _to_meta
 
-__all__ = ["dequantize", "quantize_pack"]
+__all__ = ["quantize_pack"]
 
 # Tuning (set by benchmarks/gpu_check.py's sweep; see its saved results). With rotation a program
 # can loop over row blocks (R stays in shared memory, the next block's rows are prefetched):
@@ -84,6 +83,16 @@ _BETA3 = tl.constexpr(float.fromhex("0x1.3fffff0000000p+1"))
 
 
 @triton.jit
+def _nmin(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _nmax(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _finish(x0, x1, x2, x3, x4, x5, x6, x7, rows, rmask, C, M, tiny, s_cr, s_mr, BLOCK_R: tl.constexpr,
             D8: tl.constexpr, CLIP: tl.constexpr, N_DROP: tl.constexpr, ROUNDS: tl.constexpr,
             TOP_K: tl.constexpr, TREE: tl.constexpr, PACKED: tl.constexpr = False,
@@ -94,10 +103,11 @@ def _finish(x0, x1, x2, x3, x4, x5, x6, x7, rows, rmask, C, M, tiny, s_cr, s_mr,
     if PACKED:
         f0, f1, f2, f3 = x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32)
         f4, f5, f6, f7 = x4.to(tl.float32), x5.to(tl.float32), x6.to(tl.float32), x7.to(tl.float32)
-    mn = tl.minimum(tl.minimum(tl.minimum(f0, f1), tl.minimum(f2, f3)), tl.minimum(tl.minimum(f4, f5), tl.minimum(f6, f7)))  # fmt: skip
-    mx = tl.maximum(tl.maximum(tl.maximum(f0, f1), tl.maximum(f2, f3)), tl.maximum(tl.maximum(f4, f5), tl.maximum(f6, f7)))  # fmt: skip
-    lo = tl.min(mn, 1)
-    hi = tl.max(mx, 1)
+    # min/max that keep NaN (one instruction either way): a row holding NaN gets NaN scale/zero
+    mn = _nmin(_nmin(_nmin(f0, f1), _nmin(f2, f3)), _nmin(_nmin(f4, f5), _nmin(f6, f7)))
+    mx = _nmax(_nmax(_nmax(f0, f1), _nmax(f2, f3)), _nmax(_nmax(f4, f5), _nmax(f6, f7)))
+    lo = tl.reduce(mn, 1, _nmin)
+    hi = tl.reduce(mx, 1, _nmax)
     if CLIP:
         if PACKED:
             # |x| as int16 bit patterns (ordered as the values), taken after the fp32 copies above:
@@ -110,19 +120,21 @@ def _finish(x0, x1, x2, x3, x4, x5, x6, x7, rows, rmask, C, M, tiny, s_cr, s_mr,
         else:
             a = (tl.abs(x0), tl.abs(x1), tl.abs(x2), tl.abs(x3), tl.abs(x4), tl.abs(x5), tl.abs(x6), tl.abs(x7))  # fmt: skip
             tau = _clip_threshold(a, N_DROP, ROUNDS, TREE, TOP_K)
-        lo = tl.minimum(tl.maximum(lo, -tau), tau)
-        hi = tl.minimum(tl.maximum(hi, -tau), tau)
-    s = tl.math.div_rn(tl.maximum(hi - lo, 1e-8), 3.0)
-    s = tl.maximum(s, tl.maximum(tl.abs(lo), tl.abs(hi)) * 0.00006103515625)  # exact: / 2^14
-    s = tl.maximum(s, tiny)
+        lo = _nmin(_nmax(lo, -tau), tau)
+        hi = _nmin(_nmax(hi, -tau), tau)
+    s = tl.math.div_rn(_nmax(hi - lo, 1e-8), 3.0)  # NaN for a row of infinities of one sign
+    s = _nmax(s, tl.maximum(tl.abs(lo), tl.abs(hi)) * 0.00006103515625)  # exact: / 2^14
+    s = _nmax(s, tiny)
     z = tl.math.div_rn(-lo, s)
     s_m = _to_meta(s, M.dtype.element_ty)
     z_m = _to_meta(z, M.dtype.element_ty)
     sd = s_m.to(tl.float64)
     zd = z_m.to(tl.float64)
-    t1 = _threshold(_BETA1, True, sd, zd, lo, hi)
-    t2 = _threshold(_BETA2, False, sd, zd, lo, hi)
-    t3 = _threshold(_BETA3, False, sd, zd, lo, hi)
+    # a NaN or infinite scale (rows with NaN or unclipped infinities): every code 0, as the reference
+    ok = (s < float("inf"))[:, None]
+    t1 = tl.where(ok, _threshold(_BETA1, True, sd, zd, lo, hi), float("nan"))
+    t2 = tl.where(ok, _threshold(_BETA2, False, sd, zd, lo, hi), float("nan"))
+    t3 = tl.where(ok, _threshold(_BETA3, False, sd, zd, lo, hi), float("nan"))
     m2 = rmask[:, None]
     cp = C.to(tl.pointer_type(tl.int32)) + rows[:, None] * (s_cr // 4) + tl.arange(0, D8 // 4)[None, :]
     tl.store(cp, _pack(x0, x2, x4, x6, t1, t2, t3, BLOCK_R, D8), mask=m2)
@@ -184,23 +196,7 @@ def _quantize_pack(X, R, C, M, n_rows, tiny, s_xr, s_rh, s_cr, s_mr,
                 CLIP, N_DROP, ROUNDS, TOP_K, TREE, PACKED, ASM)  # fmt: skip
 
 
-@triton.jit
-def _dequantize(C, M, OUT, n_rows, s_cr, s_mr, s_or, D4: tl.constexpr, BLOCK_R: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < n_rows
-    offs = tl.arange(0, D4)
-    c = tl.load(C + rows[:, None] * s_cr + offs[None, :], mask=rmask[:, None], other=0)
-    s = tl.load(M + rows * s_mr, mask=rmask, other=0.0).to(tl.float32)[:, None]
-    z = tl.load(M + rows * s_mr + 1, mask=rmask, other=0.0).to(tl.float32)[:, None]
-    base = OUT + rows[:, None] * s_or + offs[None, :]
-    ty = OUT.dtype.element_ty
-    tl.store(base, (((c & 3).to(tl.float32) - z) * s).to(ty), mask=rmask[:, None])
-    tl.store(base + D4, ((((c >> 2) & 3).to(tl.float32) - z) * s).to(ty), mask=rmask[:, None])
-    tl.store(base + 2 * D4, ((((c >> 4) & 3).to(tl.float32) - z) * s).to(ty), mask=rmask[:, None])
-    tl.store(base + 3 * D4, ((((c >> 6) & 3).to(tl.float32) - z) * s).to(ty), mask=rmask[:, None])
-
-
-_QUANTIZE_PACK, _DEQUANTIZE = Launcher(_quantize_pack), Launcher(_dequantize)
+_QUANTIZE_PACK = Launcher(_quantize_pack)
 _PAIRS = {torch.bfloat16: 1, torch.float16: 2}  # the packed network's PTX type (quantize_nets._PAIR_TYPES)
 
 
@@ -292,23 +288,3 @@ def quantize_pack(rows: torch.Tensor, rotation: torch.Tensor | None, fmt: RowFor
         num_warps=warps, **opts,
     )  # fmt: skip
     return codes, meta
-
-
-def dequantize(
-    codes: torch.Tensor, meta: torch.Tensor, fmt: RowFormat, out_dtype: torch.dtype = torch.float32
-):
-    """Same contract as ``kernels.ref.dequantize``."""
-    if fmt.bits != 2 or fmt.groups != 1 or fmt.quantizer == "lloyd_max_centroid":
-        raise ValueError(
-            "the Triton dequantize kernel reads 2-bit affine rows with one group (use backend='torch')"
-        )
-    n, h, p = codes.shape
-    out = torch.empty(n, h, p * 4, dtype=out_dtype, device=codes.device)
-    if n * h == 0:
-        return out
-    c, m = codes.reshape(n * h, p), meta.reshape(n * h, 2)
-    block_r = 64
-    _DEQUANTIZE(
-        (math.ceil(n * h / block_r),), c, m, out, n * h, c.stride(0), m.stride(0), p * 4, D4=p, BLOCK_R=block_r
-    )  # fmt: skip
-    return out
