@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -25,6 +26,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import env_info, save
 
+from oscarkv.config import QuantSpec
 from oscarkv.kernels import ref
 from oscarkv.kernels.triton import decode_attention as tda
 from oscarkv.kernels.triton import quantize_pack as tqp
@@ -161,17 +163,20 @@ def check_quantize() -> list[dict]:
 
 
 def bench_quantize() -> list[dict]:
+    """quantize_pack at d 128 over bf16 rows, at the default key and value clips (0.96 / 0.92)."""
     rows = []
-    for n_rows in (65536, 262144, 1048576):
-        for rot in (False, True):
-            fmt = RowFormat(128, 2, 128, clip=0.96)
-            x = torch.randn(n_rows // 8, 8, 128, device=DEV, dtype=torch.bfloat16)
-            r = torch.linalg.qr(torch.randn(128, 128, device=DEV))[0] if rot else None
-            fn = lambda x=x, r=r, fmt=fmt: tqp.quantize_pack(x, r, fmt)  # noqa: E731
-            ms, ms_eager = bench_graph(fn), bench(fn)  # graph: device time; eager: launch included
-            tbs = x.numel() * 2 / ms / 1e9
-            rows.append({"bench": "quantize_pack", "rows": n_rows, "rotate": rot, "ms": ms, "input_TBps": tbs,
-                         "eager_ms": ms_eager, "eager_TBps": x.numel() * 2 / ms_eager / 1e9})  # fmt: skip
+    spec = QuantSpec()
+    for n_rows, clip, rot in itertools.product(
+        (65536, 262144, 1048576), (spec.k_clip, spec.v_clip), (False, True)
+    ):
+        fmt = RowFormat(128, 2, 128, clip=clip)
+        x = torch.randn(n_rows // 8, 8, 128, device=DEV, dtype=torch.bfloat16)
+        r = torch.linalg.qr(torch.randn(128, 128, device=DEV))[0] if rot else None
+        fn = lambda x=x, r=r, fmt=fmt: tqp.quantize_pack(x, r, fmt)  # noqa: E731
+        ms, ms_eager = bench_graph(fn), bench(fn)  # graph: device time; eager: launch included
+        tbs = x.numel() * 2 / ms / 1e9
+        rows.append({"bench": "quantize_pack", "rows": n_rows, "clip": clip, "rotate": rot, "ms": ms,
+                     "input_TBps": tbs, "eager_ms": ms_eager, "eager_TBps": x.numel() * 2 / ms_eager / 1e9})  # fmt: skip
     return rows
 
 
@@ -320,9 +325,9 @@ def main() -> None:
     for r in checks:
         err = r.get("rel_err", 1 - r.get("codes_equal", 1))
         lines.append(f"| {r['check']} | {r['shape']} | {err:.2e} | {r['ok']} |")
-    lines += ["", "| quantize_pack rows | rotate | ms (graph) | input TB/s (graph) | eager ms | eager TB/s |",
-              "|---|---|---|---|---|---|"]  # fmt: skip
-    lines += [f"| {r['rows']} | {r['rotate']} | {r['ms']:.4f} | {r['input_TBps']:.2f} | {r['eager_ms']:.4f} | "
+    lines += ["", "| quantize_pack rows | clip | rotate | ms (graph) | input TB/s (graph) | eager ms | eager TB/s |",
+              "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [f"| {r['rows']} | {r['clip']} | {r['rotate']} | {r['ms']:.4f} | {r['input_TBps']:.2f} | {r['eager_ms']:.4f} | "
               f"{r['eager_TBps']:.2f} |" for r in qb]  # fmt: skip
     lines += ["", "CUDA-graph replay (device time) and, in the last three columns, eager Python launches:", "",
               "| batch | length | BF16 SDPA ms (backend) | INT2 ms | speedup | INT2 TB/s | of copy "
