@@ -125,6 +125,33 @@ def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta, g
             assert _rel(got[b], want[b]) < 1e-2
 
 
+@pytest.mark.parametrize(("batch", "n"), [(1, 3000), (8, 40000)])
+@pytest.mark.parametrize("loop", ["swap", "swap-one-head", "words", "bytes"])
+def test_decode_attention_rescales_past_the_first_tile(batch, n, loop, monkeypatch):
+    """Scores that grow along the list (queries x30, the later half of the keys x4): the lazy
+    rescale must fire after a split's first tile too, or fp16 probabilities overflow."""
+    from oscarkv.kernels.triton import decode_attention as tda
+
+    settings = {"small_tokens": 1 << 30 if loop == "bytes" else 0, "swap": loop.startswith("swap"),
+                "swap_heads": 1 if loop == "swap-one-head" else 8, "swap_pair_tokens": 0}  # fmt: skip
+    for key, val in settings.items():
+        monkeypatch.setitem(tda.CONFIG, key, val)
+    fmt = RowFormat(128, 2, 128)
+    k = torch.randn(batch, n, 8, 128, device="cuda")
+    k[:, n // 2 :] *= 4.0
+    kc, km = ref.quantize_pack(k.flatten(0, 1), None, fmt)
+    vc, vm = ref.quantize_pack(torch.randn(batch * n, 8, 128, device="cuda"), None, fmt)
+    hk = torch.randn(batch * 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+    hv = torch.randn_like(hk)
+    qi, qx = _lists([n] * batch, "cuda", shuffle=False)  # list order = token order: the scores grow
+    hi, hx = _lists([16] * batch, "cuda", shuffle=True)
+    q = (torch.randn(batch, 32, 128, device="cuda") * 30.0).bfloat16()
+    args = (q, kc, km, vc, vm, hk, hv, qi, qx, hi, hx, 1 / math.sqrt(128), fmt, fmt)
+    got = tda.decode_attention(*args)
+    want = ref.decode_attention(q.float(), kc, km, vc, vm, hk.float(), hv.float(), *args[7:])
+    assert torch.isfinite(got).all() and _rel(got, want) < 1e-2
+
+
 @pytest.mark.parametrize(("batch", "lq", "lh"), [(1, 5000, 320), (8, 40000, 320), (4, 0, 100), (32, 2000, 0)])
 def test_decode_with_the_merge_as_a_dependent_launch_is_exact(batch, lq, lh, monkeypatch):
     """CONFIG['pdl']: the merge waits on stage 1 through griddepcontrol, eagerly and replayed from
@@ -171,14 +198,16 @@ def _non_finite_rows(d: int, dtype: torch.dtype, device: str) -> torch.Tensor:
     return x.to(dtype)
 
 
+@pytest.mark.parametrize("meta", ["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("d", "clip"), [(128, 0.0), (128, 0.96), (128, 0.92), (256, 0.96), (64, 0.8)])
-def test_quantize_pack_non_finite_rows_match_the_oracle(d, clip, dtype):
+def test_quantize_pack_non_finite_rows_match_the_oracle(d, clip, dtype, meta):
     """NaN and infinities: the reference's scale/zero (NaN for a row holding NaN or a row of
-    infinities, inf for an unclipped infinity) and codes, bit for bit, NaN in the same places."""
+    infinities, inf for an unclipped infinity) and codes, bit for bit, NaN in the same places
+    (bf16 metadata: the GPU's NaN, 0x7FFFFFFF, must not round to -0.0)."""
     from oscarkv.kernels.triton import quantize_pack as tqp
 
-    fmt = RowFormat(d, 2, d, clip=clip)
+    fmt = RowFormat(d, 2, d, clip=clip, meta_dtype=meta)
     x = _non_finite_rows(d, dtype, "cuda")
     c1, m1 = tqp.quantize_pack(x, None, fmt)
     c2, m2 = ref.quantize_pack(x, None, fmt)

@@ -24,6 +24,7 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from oscarkv.kernels import ref  # noqa: E402
+from oscarkv.kernels.triton.decode_tiles import taper_range  # noqa: E402
 from oscarkv.kernels.triton.dequantize import dequantize  # noqa: E402
 from oscarkv.kernels.triton.quantize_nets import _clip_threshold  # noqa: E402
 from oscarkv.quant import RowFormat  # noqa: E402
@@ -56,14 +57,17 @@ def test_quantize_pack_is_bit_exact(tk, d, clip):
 
 @pytest.mark.parametrize(("d", "clip", "dtype"), [(128, 0.0, torch.float32), (128, 0.96, torch.bfloat16),
                                               (128, 0.92, torch.bfloat16), (64, 0.8, torch.float32)])  # fmt: skip
-def test_quantize_pack_non_finite_rows_match_reference(tk, d, clip, dtype):
+@pytest.mark.parametrize("meta", ["fp16", "bf16", "fp32"])
+def test_quantize_pack_non_finite_rows_match_reference(tk, d, clip, dtype, meta):
     """NaN and infinities (a NaN, all +inf, one +inf, one -inf, three +inf per row): the
     reference's codes and scale/zero, NaN in the same places (a row holding NaN: NaN, not a
-    finite scale that would hide it)."""
+    finite scale that would hide it). The NaN is the GPU's, 0x7FFFFFFF (numpy's is 0x7FC00000),
+    whose bf16 rounding must not carry into the sign bit."""
     qp, _ = tk
-    fmt = RowFormat(d, 2, d, clip=clip)
+    fmt = RowFormat(d, 2, d, clip=clip, meta_dtype=meta)
     x = torch.randn(6, 1, d)
-    x[1, :, 5], x[2], x[3, :, 7], x[4, :, 9], x[5, :, :3] = math.nan, math.inf, math.inf, -math.inf, math.inf
+    x[2], x[3, :, 7], x[4, :, 9], x[5, :, :3] = math.inf, math.inf, -math.inf, math.inf
+    x.view(torch.int32)[1, :, 5] = 0x7FFFFFFF
     c1, m1 = qp.quantize_pack(x.to(dtype), None, fmt)
     c2, m2 = ref.quantize_pack(x.to(dtype), None, fmt)
     assert torch.equal(c1, c2) and torch.equal(m1.isnan(), m2.isnan())
@@ -288,6 +292,60 @@ def test_triton_refuses_formats_it_does_not_implement(tk):
         qp.quantize_pack(torch.randn(4, 1, 64), None, RowFormat(64, 4, 64))
     with pytest.raises(ValueError, match="backend='torch'"):
         qp.quantize_pack(torch.randn(4, 1, 64), None, RowFormat(64, 2, 16))
+
+
+@triton.jit
+def _taper_ranges(INDPTR, OUT, split, n_early, split_late, S: tl.constexpr):
+    b = tl.program_id(0)
+    k = tl.program_id(1)
+    lo, hi = taper_range(INDPTR, b, k, split, n_early, split_late)
+    tl.store(OUT + (b * S + k) * 2, lo)
+    tl.store(OUT + (b * S + k) * 2 + 1, hi)
+
+
+@pytest.mark.parametrize(
+    ("n_early", "split", "split_late"), [(2, 48, 16), (0, 16, 16), (5, 32, 32), (1, 64, 32)]
+)
+def test_taper_range_gives_each_split_its_positions(n_early, split, split_late):
+    """``decode_tiles.taper_range``: split ``k`` of a list ``[s, e)`` starts after ``min(k, n_early)``
+    splits of ``split`` and ``max(k - n_early, 0)`` of ``split_late`` positions, is as long as its
+    kind, and ends at ``e`` at the latest."""
+    lens = [130, 0, 57, 200]
+    indptr = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    n_splits = 6
+    out = torch.zeros(len(lens), n_splits, 2, dtype=torch.int32)
+    _taper_ranges[(len(lens), n_splits)](indptr, out, split, n_early, split_late, S=n_splits)
+    for b in range(len(lens)):
+        for k in range(n_splits):
+            lo = int(indptr[b]) + min(k, n_early) * split + max(k - n_early, 0) * split_late
+            hi = min(lo + (split if k < n_early else split_late), int(indptr[b + 1]))
+            assert out[b, k].tolist() == [lo, hi], (b, k)
+
+
+@pytest.mark.parametrize("loop", ["swap", "swap-one-head", "words", "bytes"])
+def test_decode_attention_rescales_past_the_first_tile(tk, loop, monkeypatch):
+    """Scores that grow along the list (large queries, the later keys 4x larger): the lazy
+    rescale must fire after a split's first tile too (the first tile alone fixes the max
+    otherwise, and the probabilities overflow fp16)."""
+    _, da = tk
+    settings = {"small_tokens": 1 << 30 if loop == "bytes" else 0, "swap": loop.startswith("swap"),
+                "swap_heads": 1 if loop == "swap-one-head" else 8, "swap_pair_tokens": 0, "fill_waves": False,
+                "programs": 1, "programs_few": 1, "group_tokens": 1 << 30}  # fmt: skip
+    for key, val in settings.items():
+        monkeypatch.setitem(da.CONFIG, key, val)
+    hq, hkv, d, n = 32, 8, 128, 600
+    fmt = RowFormat(d, 2, d)
+    k = torch.randn(n, hkv, d)
+    k[n // 2 :] *= 4.0
+    kc, km = ref.quantize_pack(k, None, fmt)
+    vc, vm = ref.quantize_pack(torch.randn(n, hkv, d), None, fmt)
+    hk, hv = torch.randn(4, hkv, d), torch.randn(4, hkv, d)
+    lists = (torch.tensor([0, n], dtype=torch.int32), torch.arange(n, dtype=torch.int32),
+             torch.tensor([0, 4], dtype=torch.int32), torch.arange(4, dtype=torch.int32))  # fmt: skip
+    q = torch.randn(1, hq, d) * 30.0
+    args = (q, kc, km, vc, vm, hk, hv, *lists, 1 / math.sqrt(d), fmt, fmt)
+    got = da.decode_attention(*args)
+    assert torch.isfinite(got).all() and _rel(got, ref.decode_attention(*args)) < 5e-3
 
 
 def _pools(nq: int, nh: int, hkv: int, d: int, fmt: RowFormat):
@@ -546,10 +604,12 @@ def test_decode_attention_wave_splits_and_hp_first_match_reference(
         ("taper", -1.0, "finite number >= 0"),
         ("taper", float("nan"), "finite number >= 0"),
         ("taper", True, "finite number >= 0"),
+        ("swap_block_n", 128.0, "power of two >= 16"),
     ],
 )
 def test_decode_attention_refuses_bad_config(tk, key, value, match, monkeypatch):
     _, da = tk
+    da._check_config()  # the valid defaults cached first: a bad value equal to one must still fail
     monkeypatch.setitem(da.CONFIG, key, value)
     fmt = RowFormat(64, 2, 64)
     (kc, km, vc, vm, hk, hv), (ip, idx, hp, hidx) = _one_sequence(fmt)

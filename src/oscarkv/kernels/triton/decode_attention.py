@@ -71,8 +71,8 @@ LOG2E = 1.4426950408889634
 
 @triton.jit(do_not_specialize=["split_q", "split_h", "n_q_splits", "total", "n_early", "split_late"])
 def _stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale, split_q, split_h,
-            n_q_splits, total, n_early, split_late, HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr,
-            G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+            n_q_splits, total, n_early, split_late, HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr,
+            R_PAD: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
             ASM: tl.constexpr, META: tl.constexpr, WORDS: tl.constexpr, TG: tl.constexpr = 0,
             HP_STAGES: tl.constexpr = 3, HP_FIRST: tl.constexpr = False, SWAP: tl.constexpr = False,
             PDL: tl.constexpr = False):  # fmt: skip
@@ -157,12 +157,14 @@ _CHECKED = operator.itemgetter(*_KEYS)
 
 def _check_config() -> None:
     """Refuse CONFIG values the launch cannot honour (they are edited by hand in sweeps)."""
-    _check_config_values(CONFIG["partials"], CONFIG["merge_d"], _CHECKED(CONFIG))
+    values = _CHECKED(CONFIG)
+    _check_config_values(CONFIG["partials"], CONFIG["merge_d"], values, tuple(map(type, values)))
 
 
 @functools.lru_cache(maxsize=64)
-def _check_config_values(partials: str, md: int, values: tuple) -> None:
-    """The checks of :func:`_check_config`, cached on the values (it runs on every decode call)."""
+def _check_config_values(partials: str, md: int, values: tuple, _types: tuple) -> None:
+    """The checks of :func:`_check_config`, cached on the values and their types (it runs on every
+    decode call; ``True == 1`` and ``64.0 == 64`` as keys, but only one of each is valid)."""
     if partials not in _PARTIALS:
         raise ValueError(f"CONFIG['partials'] must be 'fp32' or 'fp16'; got {partials!r}")
     if not isinstance(md, int) or md < 1 or md & (md - 1):

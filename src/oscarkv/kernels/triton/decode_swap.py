@@ -107,9 +107,10 @@ def _tile(IDX, KC, KM, VC, VM, n0, hi, h0, qk_scale, offs_r, q00, q01, q10, q11,
 def int2_split_swap(Q, KC, KM, VC, VM, IDX, O, LSE, qk_scale, lo, hi, total, hg, sp, b,
                     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
                     BLOCK_N: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr):  # fmt: skip
-    """Split ``sp`` of sequence ``b``'s quantized list (slot-list positions ``[lo, hi)``) for KV heads ``HP·hg …``: normalised partial
-    outputs and LSEs of their ``G`` query heads each (column ``c`` of the tile is query head
-    ``c % GP`` of KV head ``HP·hg + c // GP``; columns with ``c % GP >= G`` are padding)."""
+    """Split ``sp`` of sequence ``b``'s quantized list (slot-list positions ``[lo, hi)``) for KV
+    heads ``HP·hg …``: normalised partial outputs and LSEs of their ``G`` query heads each (column
+    ``c`` of the tile is query head ``c % GP`` of KV head ``HP·hg + c // GP``; columns with
+    ``c % GP >= G`` are padding)."""
     D4: tl.constexpr = D // 4
     D8: tl.constexpr = D // 8
     h0 = hg * HP

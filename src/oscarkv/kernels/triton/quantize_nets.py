@@ -256,10 +256,11 @@ def _abs_bits(x):
 @triton.jit
 def _to_meta(v, ty: tl.constexpr):
     """Round fp32 ``v`` to the metadata dtype, to nearest even (bf16 by integer rounding of the
-    bits, as the GPU's conversion does, since Triton's interpreter truncates)."""
+    bits, as the GPU's conversion does, since Triton's interpreter truncates; NaN as 0x7FC0: the
+    GPU's NaN, 0x7FFFFFFF, would round into the sign bit, -0.0)."""
     if ty == tl.bfloat16:
         b = v.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        b = tl.where(v == v, (b + 0x7FFF + ((b >> 16) & 1)) >> 16, 0x7FC0)
         return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return v.to(ty)
