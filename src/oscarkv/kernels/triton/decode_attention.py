@@ -106,7 +106,7 @@ def _stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale,
     else:
         for j in tl.static_range(HPB):  # the 16-bit tier is short (sink + recent): one head at a time
             hp_split(Q, HK, HV, HPTR, HIDX, O, LSE, qk_scale, split_h, total, hg * HPB + j, sp, b,
-                      n_q_splits, HKV, G, G_PAD, D, BLOCK_H, HP_STAGES)  # fmt: skip
+                     n_q_splits, HKV, G, G_PAD, D, BLOCK_H, HP_STAGES)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["total"])
