@@ -140,42 +140,10 @@ def _packed_configs() -> list[dict]:
     ]
 
 
-def _loop_configs() -> list[dict]:
-    """Without rotation, the row-block loop: programs per SM (0: one block per program),
-    prefetch depth, the packed network's register cap."""
-    cfgs = [(0, 1, 128)] + [(per_sm, st, mr) for per_sm in (2, 3, 4, 6) for st in (1, 2, 3) for mr in (128, 168, 0)
-                            if not (st == 1 and mr != 128)]  # fmt: skip
-    return [{"PLAIN_PER_SM": a, "PLAIN_STAGES": b, "PACKED_MAXNREG": c} for a, b, c in cfgs]
-
-
-def sweep_loop() -> list[dict]:
-    """``--sweep loop``: the row-block loop without rotation at 64K and 1M rows, clips 0.96 and
-    0.92; every config must give the default's codes and metadata."""
-    runs = [
-        (*inputs(n, "none"), RowFormat(128, 2, 128, clip=c)) for n in (65536, 1048576) for c in (0.96, 0.92)
-    ]
-    want = [new.quantize_pack(x, r, fmt) for x, r, fmt in runs]
-    rows = []
-    for cfg in _loop_configs():
-        f = Switched(**cfg)
-        got = [f.quantize_pack(x, r, fmt) for x, r, fmt in runs]
-        ts = [timed(lambda x=x, r=r, fmt=fmt, f=f: f.quantize_pack(x, r, fmt)) for x, r, fmt in runs]
-        same = all(
-            torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want, strict=True)
-        )
-        tbs = [x.numel() * 2 / 1e9 / t for (x, _, _), t in zip(runs, ts, strict=True)]
-        rows.append({"rotate": "none", "config": cfg, "ms": ts, "TBps": tbs, "identical": same})
-        print(f"sweep loop {cfg}: 64K {tbs[0]:.2f} / {tbs[1]:.2f} TB/s, 1M {tbs[2]:.2f} / {tbs[3]:.2f} TB/s "
-              f"(clip 0.96 / 0.92), identical {same}", flush=True)  # fmt: skip
-    return rows
-
-
 def sweep(rot: str) -> list[dict]:
     """Time the module's tunables (``rot``: "layer" for the rotation path, "none" without,
     "packed" without for both clip networks) at 64K and 1M rows, clip 0.96 (packed: also 0.92
     at 64K); every config must give the default's codes and metadata."""
-    if rot == "loop":
-        return sweep_loop()
     fmt = RowFormat(128, 2, 128, clip=0.96)
     cases = [inputs(n, "none" if rot == "packed" else rot) for n in (65536, 1048576)]
     configs = {"layer": _rot_configs, "none": _plain_configs, "packed": _packed_configs}[rot]()
@@ -268,7 +236,7 @@ def main() -> None:
         "--sweep",
         default="",
         help="also sweep the tunables of: layer (the rotation path), none, packed (none, both clip networks), "
-        "loop (none, the row-block loop), comma-separated",
+        "comma-separated",
     )
     ap.add_argument("--out", default=None, help="directory for quantize_pack_ab.json")
     args = ap.parse_args()
@@ -287,8 +255,8 @@ def main() -> None:
                                  (262144, 0.96, r, 256) for r in ("none", "layer")]:  # fmt: skip
         rows.append(compare(old, n_rows, clip, rot, d))
     kinds = [k for k in args.sweep.split(",") if k]
-    if any(k not in ("layer", "none", "packed", "loop") for k in kinds):
-        raise SystemExit(f"--sweep takes layer, none, packed and loop, comma-separated; got {args.sweep!r}")
+    if any(k not in ("layer", "none", "packed") for k in kinds):
+        raise SystemExit(f"--sweep takes layer, none and packed, comma-separated; got {args.sweep!r}")
     swept = [r for rot in kinds for r in sweep(rot)]
     registers()
     bad = [r for r in rows if not r["identical"]]

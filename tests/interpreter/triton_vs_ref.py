@@ -286,25 +286,6 @@ def test_quantize_pack_with_rotation_loops_over_row_blocks(tk, per_sm, monkeypat
         assert torch.equal(c1, c2) and torch.equal(m1, m2), r.shape
 
 
-@pytest.mark.parametrize(
-    ("per_sm", "stages", "dtype"), [(1, 1, torch.float32), (2, 2, torch.bfloat16), (3, 3, torch.float16)]
-)
-def test_quantize_pack_without_rotation_loops_over_row_blocks(tk, per_sm, stages, dtype, monkeypatch):
-    """Without rotation too a program may take every ``programs``-th block of rows, the next
-    ones prefetched: several blocks per program and a partial last block stay bit-exact, with the
-    fp32 and the packed clip network (bf16/fp16 rows)."""
-    qp, _ = tk
-    monkeypatch.setattr(qp, "PLAIN_PER_SM", per_sm)  # the interpreter counts one SM
-    monkeypatch.setattr(qp, "PLAIN_STAGES", stages)
-    g = torch.Generator().manual_seed(per_sm)
-    for d, clip in ((64, 0.92), (128, 0.96)):
-        fmt = RowFormat(d, 2, d, clip=clip)
-        x = (torch.randn(301, 2, d, generator=g) * 2).to(dtype)  # 602 rows: 10 blocks of 64
-        c1, m1 = qp.quantize_pack(x, None, fmt)
-        c2, m2 = ref.quantize_pack(x, None, fmt)
-        assert torch.equal(c1, c2) and torch.equal(m1, m2), (d, clip)
-
-
 def test_triton_refuses_formats_it_does_not_implement(tk):
     qp, _ = tk
     with pytest.raises(ValueError, match="backend='torch'"):

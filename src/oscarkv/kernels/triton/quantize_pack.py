@@ -60,10 +60,6 @@ __all__ = ["quantize_pack"]
 BLOCK_R = 64
 NUM_WARPS = 4
 MAXNREG = 0  # without rotation (0: no cap)
-# Without rotation a program may loop over row blocks too: PLAIN_PER_SM programs per SM (0: one
-# block per program), the next blocks' rows prefetched PLAIN_STAGES deep
-PLAIN_PER_SM = 0
-PLAIN_STAGES = 1
 BLOCK_R_ROT = 64
 ROT_STAGES = 1
 ROT_PER_SM = 0
@@ -176,22 +172,18 @@ def _quantize_pack(X, R, C, M, n_rows, tiny, s_xr, s_rh, s_cr, s_mr,
             x0, x1, x2, x3, x4, x5, x6, x7 = _split8(acc, BLOCK_R, D8)
             _finish(x0, x1, x2, x3, x4, x5, x6, x7, rows, rmask, C, M, tiny, s_cr, s_mr, BLOCK_R, D8,
                     CLIP, N_DROP, ROUNDS, TOP_K, TREE)  # fmt: skip
-    elif ROTATE:  # d=256: one block per program, R (128 KB) in KC-row chunks
+    else:
         rows, rmask = _block_rows(tl.program_id(0), n_rows, BLOCK_R, HEADS)
-        acc = tl.zeros([BLOCK_R, D], tl.float32)
-        kc = tl.arange(0, KC)
-        for k0 in tl.static_range(0, D, KC):
-            xk = tl.load(X + rows[:, None] * s_xr + (k0 + kc)[None, :], mask=rmask[:, None], other=0.0)
-            rc = tl.load(Rh + (k0 + kc)[:, None] * D + tl.arange(0, D)[None, :])
-            acc += tl.dot(xk.to(rc.dtype), rc)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _split8(acc, BLOCK_R, D8)
-        _finish(x0, x1, x2, x3, x4, x5, x6, x7, rows, rmask, C, M, tiny, s_cr, s_mr, BLOCK_R, D8,
-                CLIP, N_DROP, ROUNDS, TOP_K, TREE)  # fmt: skip
-    else:  # blocks program_id(0) + i·num_programs(0), the next ones' rows prefetched (STAGES)
-        n_blocks = tl.cdiv(n_rows, BLOCK_R)
-        for blk in tl.range(tl.program_id(0), n_blocks, tl.num_programs(0), num_stages=STAGES):
-            rows, rmask = _block_rows(blk, n_rows, BLOCK_R, HEADS)
-            m2 = rmask[:, None]
+        m2 = rmask[:, None]
+        if ROTATE:  # d=256: R (128 KB) in KC-row chunks
+            acc = tl.zeros([BLOCK_R, D], tl.float32)
+            kc = tl.arange(0, KC)
+            for k0 in tl.static_range(0, D, KC):
+                xk = tl.load(X + rows[:, None] * s_xr + (k0 + kc)[None, :], mask=m2, other=0.0)
+                rc = tl.load(Rh + (k0 + kc)[:, None] * D + tl.arange(0, D)[None, :])
+                acc += tl.dot(xk.to(rc.dtype), rc)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _split8(acc, BLOCK_R, D8)
+        else:
             xp = X + rows[:, None] * s_xr + tl.arange(0, D8)[None, :]
             x0, x1 = tl.load(xp, mask=m2, other=0.0), tl.load(xp + D8, mask=m2, other=0.0)
             x2, x3 = tl.load(xp + 2 * D8, mask=m2, other=0.0), tl.load(xp + 3 * D8, mask=m2, other=0.0)
@@ -200,8 +192,8 @@ def _quantize_pack(X, R, C, M, n_rows, tiny, s_xr, s_rh, s_cr, s_mr,
             if not PACKED:
                 x0, x1, x2, x3 = x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32)
                 x4, x5, x6, x7 = x4.to(tl.float32), x5.to(tl.float32), x6.to(tl.float32), x7.to(tl.float32)
-            _finish(x0, x1, x2, x3, x4, x5, x6, x7, rows, rmask, C, M, tiny, s_cr, s_mr, BLOCK_R, D8,
-                    CLIP, N_DROP, ROUNDS, TOP_K, TREE, PACKED, ASM)  # fmt: skip
+        _finish(x0, x1, x2, x3, x4, x5, x6, x7, rows, rmask, C, M, tiny, s_cr, s_mr, BLOCK_R, D8,
+                CLIP, N_DROP, ROUNDS, TOP_K, TREE, PACKED, ASM)  # fmt: skip
 
 
 _QUANTIZE_PACK = Launcher(_quantize_pack)
@@ -271,10 +263,8 @@ def quantize_pack(rows: torch.Tensor, rotation: torch.Tensor | None, fmt: RowFor
     # on a GPU only with its PTX pairs (the int16 fallback is exact but slower than fp32)
     asm = _pair_asm(x.device, x.dtype, rounds) if packed and x.is_cuda else 0
     packed = packed and (asm > 0 or not x.is_cuda)
-    sms = torch.cuda.get_device_properties(rows.device).multi_processor_count if x.is_cuda else 1
     if rotation is None:
-        warps, stages = NUM_WARPS, PLAIN_STAGES
-        programs = min(n_blocks, sms * PLAIN_PER_SM) if PLAIN_PER_SM else n_blocks
+        warps, programs = NUM_WARPS, n_blocks
         cap = (PACKED_MAXNREG if d == 128 else 0) if packed else MAXNREG
         if x.is_cuda and cap:
             opts["maxnreg"] = cap
@@ -283,6 +273,7 @@ def quantize_pack(rows: torch.Tensor, rotation: torch.Tensor | None, fmt: RowFor
     else:
         # one warp group (4 warps) per 64 rows: at 64 rows, 2 or 8 warps took 1.7x / 2.2x as long
         warps = 8 if d > 128 else max(4, block_r // 16)
+        sms = torch.cuda.get_device_properties(rows.device).multi_processor_count if x.is_cuda else 1
         programs = min(n_blocks, max(1, sms * ROT_PER_SM // heads)) if ROT_PER_SM else n_blocks
         if d > 128:  # R in 64-row chunks per block, one block per program (as before the loop)
             programs, stages = n_blocks, 1

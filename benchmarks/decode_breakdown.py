@@ -1,0 +1,69 @@
+"""Where a decode call's time goes at a few shapes: the whole call, stage 1 alone (the merge
+skipped), the 16-bit tier left out, and ``CONFIG`` variants, all graph-timed in one run (TB/s on
+the bytes each variant must read). Session 13's diagnostics (results/dv_s13_breakdown.md):
+
+    python benchmarks/decode_breakdown.py [--shapes 8x32768,32x8192] [--set swap_block_n=64,swap_per_sm=10 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import config_value
+from gpu_check import SINK_RECENT, bench_graph, make_pools
+
+import oscarkv.kernels.triton.decode_attention as tda
+from oscarkv.kernels.triton.decode_config import CONFIG
+from oscarkv.quant import RowFormat
+
+HQ, HKV, D = 32, 8, 128
+
+
+def timed(b: int, lq: int, lh: int) -> tuple[float, float]:
+    fmt = RowFormat(D, 2, D)
+    q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
+    pools = make_pools(b, lq, lh, HKV, D, fmt)
+    ms = bench_graph(lambda: tda.decode_attention(q, *pools, 1 / math.sqrt(D), fmt, fmt, lens_hint=(lq, lh)))
+    nbytes = b * HKV * (lq * 2 * (D // 4 + 4) + lh * 2 * D * 2)
+    return ms, nbytes / ms / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="8x32768,32x8192,32x32768,8x131072")
+    ap.add_argument(
+        "--set", action="append", default=[], help="KEY=VALUE[,KEY=VALUE]: one CONFIG variant (repeatable)"
+    )
+    args = ap.parse_args()
+    variants = [("default", {}, SINK_RECENT, False), ("stage 1 alone", {}, SINK_RECENT, True),
+                ("no 16-bit tier", {}, 0, False)]  # fmt: skip
+    for text in args.set:
+        pairs = (kv.split("=", 1) for kv in text.split(","))
+        variants.append((text, {k: config_value(v) for k, v in pairs}, SINK_RECENT, False))
+    print(torch.cuda.get_device_name(), torch.__version__)
+    print("| batch | length | variant | ms | TB/s |\n|---|---|---|---|---|")
+    saved, merge = dict(CONFIG), tda._MERGE
+    for shape in args.shapes.split(","):
+        b, length = (int(x) for x in shape.split("x"))
+        for name, cfg, lh, skip_merge in variants:
+            CONFIG.update(cfg)
+            if skip_merge:
+                tda._MERGE = lambda *a, **k: None
+            try:
+                ms, tbs = timed(b, length - SINK_RECENT, lh)
+                print(f"| {b} | {length} | {name} | {ms:.4f} | {tbs:.2f} |", flush=True)
+            finally:
+                tda._MERGE = merge
+                CONFIG.clear()
+                CONFIG.update(saved)
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
