@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import config_value
-from gpu_check import SINK_RECENT, bench_graph, make_pools
+from gpu_check import SINK_RECENT, bench_graph, decode_bytes, make_pools
 
 import oscarkv.kernels.triton.decode_attention as tda
 from oscarkv.kernels.triton.decode_config import CONFIG
@@ -30,8 +30,7 @@ def timed(b: int, lq: int, lh: int) -> tuple[float, float]:
     q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
     pools = make_pools(b, lq, lh, HKV, D, fmt)
     ms = bench_graph(lambda: tda.decode_attention(q, *pools, 1 / math.sqrt(D), fmt, fmt, lens_hint=(lq, lh)))
-    nbytes = b * HKV * (lq * 2 * (D // 4 + 4) + lh * 2 * D * 2)
-    return ms, nbytes / ms / 1e9
+    return ms, decode_bytes(b, HKV, D, lq, lh) / ms / 1e9
 
 
 def main() -> None:

@@ -25,7 +25,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import config_value, import_kernel_copy, save
-from gpu_check import SINK_RECENT, bench, bench_graph, decode_inputs, parse_heads, rel, sdpa_best
+from gpu_check import (
+    SINK_RECENT,
+    bench,
+    bench_graph,
+    decode_bytes,
+    decode_inputs,
+    parse_heads,
+    rel,
+    sdpa_best,
+)
 
 import oscarkv.kernels.triton.decode_attention as tda
 from oscarkv.kernels import ref
@@ -105,7 +114,7 @@ def main() -> None:
     rows = []
     for shape in args.shapes.split(","):
         b, L, lq, q, pools = decode_inputs(shape, hq, hkv, d, fmt)
-        nbytes = b * hkv * (lq * 2 * (d // 4 + 4) + SINK_RECENT * 2 * d * 2)
+        nbytes = decode_bytes(b, hkv, d, lq, SINK_RECENT)
         want = ref.decode_attention(q, *pools, 1 / math.sqrt(d), fmt, fmt) if b * L <= 1 << 20 else None
         for (vname, mod), (bn, w, st, progs, gt, msplit, tg, ex) in itertools.product(versions.items(), grid):
             saved = dict(mod.CONFIG)

@@ -98,6 +98,12 @@ def decode_inputs(shape: str, hq: int, hkv: int, d: int, fmt: RowFormat):
     return b, L, lq, q, make_pools(b, lq, SINK_RECENT, hkv, d, fmt)
 
 
+def decode_bytes(b: int, hkv: int, d: int, lq: int, lh: int) -> int:
+    """Bytes a decode call must read: per KV head and token, 2-bit K and V codes with a 16-bit
+    (scale, zero) pair each for ``lq`` quantized tokens, 16-bit K and V rows for ``lh``."""
+    return b * hkv * (lq * 2 * (d // 4 + 4) + lh * 2 * d * 2)
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
@@ -291,7 +297,7 @@ def bench_decode(quick: bool, copy_tbps: float) -> list[dict]:
             ms_sdpa_eager, _ = sdpa_best(q[:, :, None], k, v, bench)
             del k, v
             torch.cuda.synchronize()
-            nbytes = b * hkv * (lq * 2 * (d // 4 + 4) + SINK_RECENT * 2 * d * 2)
+            nbytes = decode_bytes(b, hkv, d, lq, SINK_RECENT)
             tbs = nbytes / ms / 1e9
             rows.append({"bench": "decode", "batch": b, "len": L, "sdpa_ms": ms_sdpa, "sdpa_backend": be,
                          "int2_ms": ms, "speedup": ms_sdpa / ms, "int2_TBps": tbs,
