@@ -62,7 +62,7 @@ from .decode_plan import (
 from .decode_swap import int2_split_swap
 from .decode_tiles import hp_split, int2_split_bytes, taper_range
 from .decode_words import int2_split_words
-from .launch import Launcher
+from .launch import Launcher, pdl_ok
 
 __all__ = ["CONFIG", "decode_attention", "heads_per_program", "int2_loop", "num_splits", "token_groups"]
 
@@ -192,12 +192,6 @@ def _sm_count(device: torch.device) -> int:
 
 
 @functools.cache
-def _pdl_ok(device: torch.device) -> bool:
-    """Programmatic dependent launch needs compute capability 9.0 (Hopper) or newer."""
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
-@functools.cache
 def _check(fmt: RowFormat) -> None:
     if fmt.bits != 2 or fmt.groups != 1 or fmt.quantizer not in ("asymmetric", "symmetric", "lloyd_max"):
         raise ValueError(
@@ -289,7 +283,7 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     q = q_rot.contiguous() if q_rot.dtype in (torch.bfloat16, torch.float16) else q_rot.half().contiguous()
     kc, vc = (k_codes.view(torch.int16), v_codes.view(torch.int16)) if words else (k_codes, v_codes)
     # the merge as a programmatic dependent launch of stage 1 (Hopper and newer; not the interpreter)
-    pdl = bool(CONFIG["pdl"]) and q.is_cuda and _pdl_ok(q.device)
+    pdl = bool(CONFIG["pdl"]) and pdl_ok(q.device)
     grid = (hkv // hpb, bsz, total) if hp_first else (hkv // hpb, total, bsz)
     _STAGE1(
         grid, q, kc, k_meta.view(word), vc, v_meta.view(word), hp_k, hp_v, int2_indptr, int2_indices, hp_indptr, hp_indices,

@@ -18,13 +18,14 @@ hooks (profilers) still run.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
 import torch
 from triton.runtime import driver
 
-__all__ = ["Launcher"]
+__all__ = ["Launcher", "pdl_ok"]
 
 _I32 = 1 << 31
 
@@ -40,6 +41,18 @@ def _spec(a: Any) -> Any:
     if isinstance(a, float):
         return float
     raise TypeError(f"Launcher: unsupported kernel argument of type {type(a).__name__}")
+
+
+@functools.cache
+def pdl_ok(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can be programmatic dependent launches (``launch_pdl``, with
+    ``griddepcontrol`` in the kernel): CUDA devices of compute capability 9.0 (Hopper) or newer;
+    not the CPU interpreter, not ROCm."""
+    return (
+        device.type == "cuda"
+        and torch.version.hip is None
+        and torch.cuda.get_device_capability(device)[0] >= 9
+    )
 
 
 class Launcher:

@@ -41,10 +41,11 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ...quant import RowFormat
 from ...quant.quantizer import META_TORCH_DTYPES, clip_index
-from .launch import Launcher
+from .launch import Launcher, pdl_ok
 from .quantize_nets import _abs_bits, _clip_threshold, _pack, _split8, _threshold, _to_meta
 
 __all__ = ["quantize_pack"]
@@ -74,6 +75,10 @@ PACKED_MAXNREG = 128
 # Clip rounds of ROUND_K (6 or 12) values where N_DROP >= 6. d=128 at clip 0.92, sm_90 SASS per
 # thread: one round of 12, packed, 1416; two of 6 (fp32: the packed one spills) 2480
 ROUND_K = 12
+# Launch as a programmatic dependent of the previous kernel (compute capability >= 9; the kernel
+# waits on griddepcontrol.wait before it reads anything), so that its launch overlaps that
+# kernel's tail, and let the next kernel launch the same way
+PDL = True
 
 # β_k: the midpoint below W_k = the smallest fp32 w with fl(w + 0.5) >= k (k = 1, 2, 3); a tie
 # u + z = β_k rounds down for k = 1 only (W_1 = 0.5 - 2^-25 is odd; 1.5 and 2.5 are even)
@@ -155,8 +160,11 @@ def _quantize_pack(X, R, C, M, n_rows, tiny, s_xr, s_rh, s_cr, s_mr,
                    D: tl.constexpr, BLOCK_R: tl.constexpr, ROTATE: tl.constexpr, HEADS: tl.constexpr,
                    CLIP: tl.constexpr, N_DROP: tl.constexpr, ROUNDS: tl.constexpr, TOP_K: tl.constexpr,
                    TREE: tl.constexpr, KC: tl.constexpr, STAGES: tl.constexpr, PACKED: tl.constexpr = False,
-                   ASM: tl.constexpr = 0):  # fmt: skip
+                   ASM: tl.constexpr = 0, PDL: tl.constexpr = False):  # fmt: skip
     tl.static_assert(not (PACKED and ROTATE), "the packed clip network takes the rows' own values")
+    if PDL:  # a programmatic dependent launch: wait for the previous kernel before the first read
+        gdc_wait()
+        gdc_launch_dependents()
     # blocks of rows of head program_id(1) (HEADS = 1 unless R is per head). With rotation and
     # KC == D a program loops over blocks program_id(0) + i·num_programs(0): R is loaded once and
     # stays in shared memory, the next block's rows are prefetched (STAGES); otherwise one block
@@ -281,10 +289,11 @@ def quantize_pack(rows: torch.Tensor, rotation: torch.Tensor | None, fmt: RowFor
             opts["maxnreg"] = ROT_MAXNREG
     if not x.is_cuda:
         tree = (d // 8).bit_length() - 1
+    pdl = PDL and pdl_ok(x.device)
     _QUANTIZE_PACK(
         (programs, heads), x, r, codes, meta, n * h // heads, tiny, x.stride(0), r.stride(0) if per_head else 0, d // 4, 2,
         D=d, BLOCK_R=block_r, ROTATE=rotation is not None, HEADS=heads, CLIP=fmt.clip > 0, N_DROP=n_drop,
-        ROUNDS=rounds, TOP_K=top_k, TREE=tree, KC=kc, STAGES=stages, PACKED=packed, ASM=asm,
-        num_warps=warps, **opts,
+        ROUNDS=rounds, TOP_K=top_k, TREE=tree, KC=kc, STAGES=stages, PACKED=packed, ASM=asm, PDL=pdl,
+        num_warps=warps, **opts, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return codes, meta
