@@ -187,6 +187,77 @@ def test_decode_with_the_merge_as_a_dependent_launch_is_exact(batch, lq, lh, mon
     assert any(c.metadata.launch_pdl for c, _ in tda._MERGE._cache.values())
 
 
+@pytest.mark.parametrize("rotate", [False, True])
+def test_quantize_pack_as_a_dependent_launch_waits_for_its_producer(rotate, monkeypatch):
+    """quantize_pack is launched as a programmatic dependent of the kernel before it and lets its
+    successor launch once all its programs have started, so a quantize_pack that consumes the
+    previous one's output (here its codes, read as bf16 rows) must wait on griddepcontrol. In a
+    CUDA graph (programmatic edges) the chain quantize K -> quantize K's codes -> quantize V ->
+    decode must give the ordinary launches' codes, metadata and output, bit for bit, on every
+    replay with new rows, and eagerly."""
+    from oscarkv.kernels.triton import decode_attention as tda
+    from oscarkv.kernels.triton import quantize_pack as tqp
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    batch, lq, lh, d = 8, 6000, 64, 128
+    fmt = RowFormat(d, 2, d, clip=0.96)
+    rk = torch.empty(batch * lq, 8, d, device="cuda", dtype=torch.bfloat16)
+    rv = torch.empty_like(rk)
+    rot = (
+        torch.linalg.qr(torch.randn(d, d, device="cuda", dtype=torch.float64))[0].float() if rotate else None
+    )
+    hk = torch.randn(batch * lh, 8, d, device="cuda", dtype=torch.bfloat16)
+    hv = torch.randn_like(hk)
+    qi, qx = _lists([lq] * batch, "cuda", shuffle=True)
+    hi, hx = _lists([lh] * batch, "cuda", shuffle=True)
+    q = torch.randn(batch, 32, d, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        kc, km = tqp.quantize_pack(rk, rot, fmt)
+        cc, cm = tqp.quantize_pack(kc.view(torch.bfloat16).view(-1, 8, d), None, fmt)  # K's codes as rows
+        vc, vm = tqp.quantize_pack(rv, rot, fmt)
+        out = tda.decode_attention(
+            q, kc, km, vc, vm, hk, hv, qi, qx, hi, hx, 0.088, fmt, fmt, lens_hint=(lq, lh)
+        )
+        return kc, km, cc, cm, vc, vm, out
+
+    def ordinary():
+        with monkeypatch.context() as m:
+            m.setattr(tqp, "PDL", False)
+            m.setitem(tda.CONFIG, "pdl", False)
+            return step()
+
+    def same(got, want):  # bit patterns: the codes read as rows hold NaN, and so may the metadata
+        return all(
+            torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want, strict=True)
+        )
+
+    def refill():
+        rk.normal_().mul_(2.0)
+        rv.normal_()
+        q.normal_()
+
+    refill()
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = step()
+    for _ in range(3):
+        refill()
+        want = ordinary()
+        for t in got:
+            t.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        assert same(got, want)
+    refill()
+    assert same(step(), ordinary())  # eagerly too
+    # the kernel really was compiled for (and so launched as) a programmatic dependent launch
+    assert any(c.metadata.launch_pdl for c, _ in tqp._QUANTIZE_PACK._cache.values())
+
+
 def _non_finite_rows(d: int, dtype: torch.dtype, device: str) -> torch.Tensor:
     """Rows [6, 2, d]: one finite, then a NaN, all +inf, one +inf, one -inf, three +inf."""
     x = torch.randn(6, 2, d, device=device)
