@@ -24,6 +24,12 @@ or, with ``--round-k``, the current module with clip rounds of six values (``ROU
 (one round, the packed network without rotation; at d=128 clip 0.96 and 0.0 run one kernel):
 
     python benchmarks/quantize_pack_ab.py --round-k [--out DIR]
+
+or, with ``--pdl``, the current module launched ordinarily (``PDL = False``) against itself as a
+programmatic dependent launch (each call of the CUDA graph waits on the one before it through
+``griddepcontrol``, as it would on the kernel that produced its rows):
+
+    python benchmarks/quantize_pack_ab.py --pdl [--out DIR]
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ def load_old(path: str):
 
 class Switched:
     """The current module with some tunables set during each call (``PACKED=False``: the fp32 clip
-    network; ``ROUND_K=6``: clip rounds of six), as an "old" kernel; a CUDA graph captures the
+    network; ``ROUND_K=6``: clip rounds of six; ``PDL=False``: ordinary launches), as an "old" kernel; a CUDA graph captures the
     kernel the call launched."""
 
     def __init__(self, **values):
@@ -232,6 +238,11 @@ def main() -> None:
         action="store_true",
         help="old: the current module with clip rounds of six values (ROUND_K = 6)",
     )
+    old_kernel.add_argument(
+        "--pdl",
+        action="store_true",
+        help="old: the current module launched ordinarily (PDL off)",
+    )
     ap.add_argument(
         "--sweep",
         default="",
@@ -241,7 +252,9 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="directory for quantize_pack_ab.json")
     args = ap.parse_args()
     t = time.time()
-    if args.packed or args.round_k:
+    if args.pdl:
+        old = Switched(PDL=False)
+    elif args.packed or args.round_k:
         old = Switched(PACKED=False) if args.packed else Switched(ROUND_K=6)
     else:
         old = load_old(args.old)
