@@ -75,9 +75,12 @@ PACKED_MAXNREG = 128
 # Clip rounds of ROUND_K (6 or 12) values where N_DROP >= 6. d=128 at clip 0.92, sm_90 SASS per
 # thread: one round of 12, packed, 1416; two of 6 (fp32: the packed one spills) 2480
 ROUND_K = 12
-# Launch as a programmatic dependent of the previous kernel (compute capability >= 9; the kernel
-# waits on griddepcontrol.wait before it reads anything), so that its launch overlaps that
-# kernel's tail, and let the next kernel launch the same way
+# Without rotation, launch as a programmatic dependent of the previous kernel (compute capability
+# >= 9; the kernel waits on griddepcontrol.wait before it reads anything), so that its launch
+# overlaps that kernel's tail, and let the next kernel launch the same way. H200, back-to-back
+# calls in a CUDA graph, two runs (results/quantize_pack_pdl_s14_h200.md): +2-4% at 64K-256K
+# rows (clip 0.92, 64K: 1.45-1.46 -> 1.50 TB/s), 0 to -2% at 1M; with rotation 0.99x at every
+# size, so the rotation path keeps the ordinary launch
 PDL = True
 
 # β_k: the midpoint below W_k = the smallest fp32 w with fl(w + 0.5) >= k (k = 1, 2, 3); a tie
@@ -289,7 +292,7 @@ def quantize_pack(rows: torch.Tensor, rotation: torch.Tensor | None, fmt: RowFor
             opts["maxnreg"] = ROT_MAXNREG
     if not x.is_cuda:
         tree = (d // 8).bit_length() - 1
-    pdl = PDL and pdl_ok(x.device)
+    pdl = PDL and rotation is None and pdl_ok(x.device)
     _QUANTIZE_PACK(
         (programs, heads), x, r, codes, meta, n * h // heads, tiny, x.stride(0), r.stride(0) if per_head else 0, d // 4, 2,
         D=d, BLOCK_R=block_r, ROTATE=rotation is not None, HEADS=heads, CLIP=fmt.clip > 0, N_DROP=n_drop,
