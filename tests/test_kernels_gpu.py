@@ -189,9 +189,11 @@ def test_decode_with_the_merge_as_a_dependent_launch_is_exact(batch, lq, lh, mon
 
 @pytest.mark.parametrize("rotate", [False, True])
 def test_quantize_pack_as_a_dependent_launch_waits_for_its_producer(rotate, monkeypatch):
-    """quantize_pack is launched as a programmatic dependent of the kernel before it and lets its
-    successor launch once all its programs have started, so a quantize_pack that consumes the
-    previous one's output (here its codes, read as bf16 rows) must wait on griddepcontrol. In a
+    """quantize_pack (without rotation) is launched as a programmatic dependent of the kernel
+    before it and lets its successor launch once all its programs have started, so a
+    quantize_pack that consumes the previous one's output must wait on griddepcontrol. Here it
+    reads the codes of K's last rows, read as bf16 rows: the producer's last programs write them
+    while its first ones have already freed slots (without the wait this read stale codes). In a
     CUDA graph (programmatic edges) the chain quantize K -> quantize K's codes -> quantize V ->
     decode must give the ordinary launches' codes, metadata and output, bit for bit, on every
     replay with new rows, and eagerly."""
@@ -201,6 +203,7 @@ def test_quantize_pack_as_a_dependent_launch_waits_for_its_producer(rotate, monk
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
     batch, lq, lh, d = 8, 6000, 64, 128
+    tail = 4096  # K rows whose codes the second call reads: the producer's last 64 programs
     fmt = RowFormat(d, 2, d, clip=0.96)
     rk = torch.empty(batch * lq, 8, d, device="cuda", dtype=torch.bfloat16)
     rv = torch.empty_like(rk)
@@ -215,7 +218,7 @@ def test_quantize_pack_as_a_dependent_launch_waits_for_its_producer(rotate, monk
 
     def step():
         kc, km = tqp.quantize_pack(rk, rot, fmt)
-        cc, cm = tqp.quantize_pack(kc.view(torch.bfloat16).view(-1, 8, d), None, fmt)  # K's codes as rows
+        cc, cm = tqp.quantize_pack(kc[-tail:].view(torch.bfloat16).view(-1, 8, d), None, fmt)
         vc, vm = tqp.quantize_pack(rv, rot, fmt)
         out = tda.decode_attention(
             q, kc, km, vc, vm, hk, hv, qi, qx, hi, hx, 0.088, fmt, fmt, lens_hint=(lq, lh)
