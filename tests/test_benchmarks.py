@@ -20,7 +20,7 @@ def bench(monkeypatch, tmp_path):
     monkeypatch.setattr(_harness, "RESULTS", tmp_path)
     monkeypatch.setattr(_harness, "git_commit", lambda: "test")
     yield tmp_path
-    for mod in ("e2e_decode", "_harness", "calibration_speed", "gpu_check", "trace_decode"):
+    for mod in ("e2e_decode", "_harness", "calibration_speed", "gpu_check", "trace_decode", "gpu_lane"):
         sys.modules.pop(mod, None)
 
 
@@ -73,3 +73,29 @@ def test_heads_argument_of_the_decode_benchmarks_is_checked(bench):
     ):
         with pytest.raises(ValueError, match=match):
             gpu_check.parse_heads(bad)
+
+
+def test_gpu_lane_splits_contiguously_and_reports_a_failing_shard(bench):
+    import gpu_lane
+
+    ids = [f"t{i}" for i in range(10)]
+    parts = gpu_lane.split(ids, 4)
+    assert [len(p) for p in parts] == [3, 3, 2, 2] and [t for p in parts for t in p] == ids
+    assert gpu_lane.split(ids[:2], 4) == [["t0"], ["t1"]]
+    target = bench / "test_tiny.py"
+    target.write_text(
+        "def test_a():\n    pass\n\ndef test_b():\n    pass\n\ndef test_c():\n    assert False\n"
+    )
+    assert (
+        gpu_lane.main(
+            ["--target", str(target), "--shards", "2", "--out", str(bench / "ok"), "-k", "not test_c"]
+        )
+        == 0
+    )
+    text = (bench / "ok" / "gpu_lane.md").read_text()
+    assert (
+        "2 tests of test_tiny.py" in text and text.count("1 passed") == 2 and "every shard exited 0" in text
+    )
+    assert gpu_lane.main(["--target", str(target), "--shards", "2", "--out", str(bench / "bad")]) == 1
+    text = (bench / "bad" / "gpu_lane.md").read_text()
+    assert "NOT every shard exited 0" in text and "1 failed" in text and "2 passed" in text
