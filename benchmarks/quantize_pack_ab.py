@@ -27,7 +27,8 @@ or, with ``--round-k``, the current module with clip rounds of six values (``ROU
 
 or, with ``--pdl``, the current module launched ordinarily (``PDL = False``) against itself as a
 programmatic dependent launch (each call of the CUDA graph waits on the one before it through
-``griddepcontrol``, as it would on the kernel that produced its rows):
+``griddepcontrol``, as it would on the kernel that produced its rows; only without rotation: with
+it both columns are ordinary launches):
 
     python benchmarks/quantize_pack_ab.py --pdl [--out DIR]
 """

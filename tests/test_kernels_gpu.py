@@ -203,7 +203,7 @@ def test_quantize_pack_as_a_dependent_launch_waits_for_its_producer(rotate, monk
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
     batch, lq, lh, d = 8, 6000, 64, 128
-    tail = 4096  # K rows whose codes the second call reads: the producer's last 64 programs
+    tail = 4096  # K tokens whose codes the second call reads: the last 512 of its producer's 6000 programs
     fmt = RowFormat(d, 2, d, clip=0.96)
     rk = torch.empty(batch * lq, 8, d, device="cuda", dtype=torch.bfloat16)
     rv = torch.empty_like(rk)
