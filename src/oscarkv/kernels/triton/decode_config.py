@@ -107,6 +107,4 @@ CONFIG = {
     # (batch 8 / 32K 0.0604 -> 0.0586 ms, 4 / 32K 0.0358 -> 0.0349), 7-10 lose at some; small,
     # because an SM's throughput, not a program's latency, sets most of the time
     "taper": 4.0,
-    # swap loop, software-pipelined: the value half of tile n beside the key half of tile n + 1
-    "swap_skew": False,
 }

@@ -63,22 +63,14 @@ def _meta_cols(M, sh, nmask, HP: tl.constexpr, GP: tl.constexpr, META: tl.conste
 
 
 @triton.jit
-def _slots(IDX, n0, hi, h0, HKV: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Slot-list positions ``n0 …`` of a tile: the mask and the rows' first word offsets."""
+def _tile(IDX, KC, KM, VC, VM, n0, hi, h0, qk_scale, offs_r, q00, q01, q10, q11, q20, q21, q30, q31, qsum,
+          m_i, l_i, zacc, a00, a01, a10, a11, a20, a21, a30, a31, HKV: tl.constexpr, HP: tl.constexpr,
+          GP: tl.constexpr, D8: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr):  # fmt: skip
+    """One tile of ``BLOCK_N`` slot-list positions from ``n0`` (those at or past ``hi`` dropped):
+    the online-softmax state and the eight transposed accumulators after it."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     nmask = offs_n < hi
-    return nmask, tl.load(IDX + offs_n, mask=nmask, other=0).to(tl.int64) * HKV + h0
-
-
-@triton.jit
-def _scores_probs(IDX, KC, KM, VM, n0, hi, h0, qk_scale, offs_r, q00, q01, q10, q11, q20, q21, q30, q31,
-                  qsum, m_i, l_i, zacc, a00, a01, a10, a11, a20, a21, a30, a31, HKV: tl.constexpr,
-                  HP: tl.constexpr, GP: tl.constexpr, D8: tl.constexpr, BLOCK_N: tl.constexpr,
-                  ASM: tl.constexpr, META: tl.constexpr):  # fmt: skip
-    """The key half of a tile of ``BLOCK_N`` slot-list positions from ``n0`` (those at or past
-    ``hi`` dropped): scores, the lazy rescale of the state and accumulators, and ``p∘s_V`` as the
-    fp16 operand of the value product."""
-    nmask, sh = _slots(IDX, n0, hi, h0, HKV, BLOCK_N)
+    sh = tl.load(IDX + offs_n, mask=nmask, other=0).to(tl.int64) * HKV + h0
     ks, kz = _meta_cols(KM, sh, nmask, HP, GP, META)
     # S^T: code-word planes [BLOCK_N, HP·D8] (tokens as MMA rows) times block-diagonal query parts
     kc = tl.load(KC + sh[:, None] * D8 + offs_r[None, :], mask=nmask[:, None], other=0)
@@ -101,23 +93,20 @@ def _scores_probs(IDX, KC, KM, VM, n0, hi, h0, qk_scale, offs_r, q00, q01, q10, 
     vs, vz = _meta_cols(VM, sh, nmask, HP, GP, META)
     ps = p * vs
     zacc = zacc + tl.sum(ps * vz, 0)
-    return m_i, l_i, zacc, ps.to(tl.float16), a00, a01, a10, a11, a20, a21, a30, a31
-
-
-@triton.jit
-def _values(IDX, VC, n0, hi, h0, offs_r, ps, a00, a01, a10, a11, a20, a21, a30, a31, HKV: tl.constexpr,
-            D8: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
-    """The value half of the tile from ``n0``: ``O^T += V-planes^T [HP·D8, BLOCK_N] × p∘s_V``."""
-    nmask, sh = _slots(IDX, n0, hi, h0, HKV, BLOCK_N)
+    ps = ps.to(tl.float16)
+    # O^T += value planes transposed [HP·D8, BLOCK_N] times p∘s_V [BLOCK_N, HP·GP]
     vc = tl.load(VC + sh[None, :] * D8 + offs_r[:, None], mask=nmask[None, :], other=0)
     v00, v01, v10, v11, v20, v21, v30, v31 = _planes(vc, ASM)
-    return _vp8(ps, v00, v01, v10, v11, v20, v21, v30, v31, a00, a01, a10, a11, a20, a21, a30, a31)
+    a00, a01, a10, a11, a20, a21, a30, a31 = _vp8(
+        ps, v00, v01, v10, v11, v20, v21, v30, v31, a00, a01, a10, a11, a20, a21, a30, a31
+    )
+    return m_i, l_i, zacc, a00, a01, a10, a11, a20, a21, a30, a31
 
 
 @triton.jit
 def int2_split_swap(Q, KC, KM, VC, VM, IDX, O, LSE, qk_scale, lo, hi, total, hg, sp, b,
                     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
-                    BLOCK_N: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr, SKEW: tl.constexpr = False):  # fmt: skip
+                    BLOCK_N: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr):  # fmt: skip
     """Split ``sp`` of sequence ``b``'s quantized list (slot-list positions ``[lo, hi)``) for KV
     heads ``HP·hg …``: normalised partial outputs and LSEs of their ``G`` query heads each (column
     ``c`` of the tile is query head ``c % GP`` of KV head ``HP·hg + c // GP``; columns with
@@ -138,41 +127,12 @@ def int2_split_swap(Q, KC, KM, VC, VM, IDX, O, LSE, qk_scale, lo, hi, total, hg,
     l_i = tl.zeros([HP * GP], tl.float32)
     zacc = tl.zeros([HP * GP], tl.float32)
     a00, a01, a10, a11, a20, a21, a30, a31 = _zeros8(HP * D8, HP * GP)
-    if SKEW:
-        if lo < hi:
-            # software-pipelined: the value half of tile n beside the key half of tile n + 1 (two
-            # independent instruction streams in one basic block for the scheduler); a rescale in
-            # tile n + 1 then scales accumulators that already hold tile n, as it must
-            m_i, l_i, zacc, ps, a00, a01, a10, a11, a20, a21, a30, a31 = _scores_probs(
-                IDX, KC, KM, VM, lo, hi, h0, qk_scale, offs_r,
-                q00, q01, q10, q11, q20, q21, q30, q31, qsum, m_i, l_i, zacc,
-                a00, a01, a10, a11, a20, a21, a30, a31, HKV, HP, GP, D8, BLOCK_N, ASM, META,
-            )  # fmt: skip
-            for n0 in range(lo + BLOCK_N, hi, BLOCK_N):
-                a00, a01, a10, a11, a20, a21, a30, a31 = _values(
-                    IDX, VC, n0 - BLOCK_N, hi, h0, offs_r, ps, a00, a01, a10, a11, a20, a21, a30, a31,
-                    HKV, D8, BLOCK_N, ASM,
-                )  # fmt: skip
-                m_i, l_i, zacc, ps, a00, a01, a10, a11, a20, a21, a30, a31 = _scores_probs(
-                    IDX, KC, KM, VM, n0, hi, h0, qk_scale, offs_r,
-                    q00, q01, q10, q11, q20, q21, q30, q31, qsum, m_i, l_i, zacc,
-                    a00, a01, a10, a11, a20, a21, a30, a31, HKV, HP, GP, D8, BLOCK_N, ASM, META,
-                )  # fmt: skip
-            last = lo + tl.maximum(tl.cdiv(hi - lo, BLOCK_N) - 1, 0) * BLOCK_N
-            a00, a01, a10, a11, a20, a21, a30, a31 = _values(
-                IDX, VC, last, hi, h0, offs_r, ps, a00, a01, a10, a11, a20, a21, a30, a31, HKV, D8, BLOCK_N, ASM,
-            )  # fmt: skip
-    else:
-        for n0 in range(lo, hi, BLOCK_N):
-            m_i, l_i, zacc, ps, a00, a01, a10, a11, a20, a21, a30, a31 = _scores_probs(
-                IDX, KC, KM, VM, n0, hi, h0, qk_scale, offs_r,
-                q00, q01, q10, q11, q20, q21, q30, q31, qsum, m_i, l_i, zacc,
-                a00, a01, a10, a11, a20, a21, a30, a31, HKV, HP, GP, D8, BLOCK_N, ASM, META,
-            )  # fmt: skip
-            a00, a01, a10, a11, a20, a21, a30, a31 = _values(
-                IDX, VC, n0, hi, h0, offs_r, ps, a00, a01, a10, a11, a20, a21, a30, a31,
-                HKV, D8, BLOCK_N, ASM,
-            )  # fmt: skip
+    for n0 in range(lo, hi, BLOCK_N):
+        m_i, l_i, zacc, a00, a01, a10, a11, a20, a21, a30, a31 = _tile(
+            IDX, KC, KM, VC, VM, n0, hi, h0, qk_scale, offs_r,
+            q00, q01, q10, q11, q20, q21, q30, q31, qsum, m_i, l_i, zacc,
+            a00, a01, a10, a11, a20, a21, a30, a31, HKV, HP, GP, D8, BLOCK_N, ASM, META,
+        )  # fmt: skip
     inv = _inv(l_i)
     z = zacc * inv
     op = O + row[None, :] * D + 2 * (offs_r % D8)[:, None]
