@@ -107,4 +107,6 @@ CONFIG = {
     # (batch 8 / 32K 0.0604 -> 0.0586 ms, 4 / 32K 0.0358 -> 0.0349), 7-10 lose at some; small,
     # because an SM's throughput, not a program's latency, sets most of the time
     "taper": 4.0,
+    # the swap loop's key product on int8 MMAs (decode_kint8.py): four codes per operand register
+    "swap_k_int8": False,
 }

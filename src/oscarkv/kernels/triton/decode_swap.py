@@ -29,6 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .decode_kint8 import _dot_i8, _kplanes_i8, _qparts_i8
 from .decode_tiles import (
     SUBNORMAL,
     _inv,
@@ -63,20 +64,29 @@ def _meta_cols(M, sh, nmask, HP: tl.constexpr, GP: tl.constexpr, META: tl.conste
 
 
 @triton.jit
-def _tile(IDX, KC, KM, VC, VM, n0, hi, h0, qk_scale, offs_r, q00, q01, q10, q11, q20, q21, q30, q31, qsum,
-          m_i, l_i, zacc, a00, a01, a10, a11, a20, a21, a30, a31, HKV: tl.constexpr, HP: tl.constexpr,
-          GP: tl.constexpr, D8: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr):  # fmt: skip
+def _tile(IDX, KC, KM, VC, VM, n0, hi, h0, qk_scale, kscale, offs_k, offs_r, q00, q01, q10, q11, q20, q21, q30, q31,
+          qsum, m_i, l_i, zacc, a00, a01, a10, a11, a20, a21, a30, a31, HKV: tl.constexpr, HP: tl.constexpr,
+          GP: tl.constexpr, D8: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr,
+          KI8: tl.constexpr):  # fmt: skip
     """One tile of ``BLOCK_N`` slot-list positions from ``n0`` (those at or past ``hi`` dropped):
-    the online-softmax state and the eight transposed accumulators after it."""
+    the online-softmax state and the eight transposed accumulators after it. ``KI8``: the key
+    product on int8 MMAs (``KC`` a byte pointer, ``q00 … q31`` the int8 ``hi`` / ``lo`` parts,
+    ``kscale`` per column; :mod:`.decode_kint8`), else on fp16 planes (``kscale`` a scalar)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     nmask = offs_n < hi
     sh = tl.load(IDX + offs_n, mask=nmask, other=0).to(tl.int64) * HKV + h0
     ks, kz = _meta_cols(KM, sh, nmask, HP, GP, META)
     # S^T: code-word planes [BLOCK_N, HP·D8] (tokens as MMA rows) times block-diagonal query parts
-    kc = tl.load(KC + sh[:, None] * D8 + offs_r[None, :], mask=nmask[:, None], other=0)
-    k00, k01, k10, k11, k20, k21, k30, k31 = _planes(kc, ASM)
-    t = _dot8(k00, k01, k10, k11, k20, k21, k30, k31, q00, q01, q10, q11, q20, q21, q30, q31)
-    s = t * (ks * (qk_scale * SUBNORMAL)) - qsum[None, :] * (ks * kz * qk_scale)
+    if KI8:
+        kb = tl.load(KC + sh[:, None] * (2 * D8) + offs_k[None, :], mask=nmask[:, None], other=0)
+        k0, k1, k2, k3 = _kplanes_i8(kb, ASM)
+        t = _dot_i8(k0, k1, k2, k3, q00, q01, q10, q11, q20, q21, q30, q31)
+        s = t * (ks * kscale[None, :]) - qsum[None, :] * (ks * kz * qk_scale)
+    else:
+        kc = tl.load(KC + sh[:, None] * D8 + offs_k[None, :], mask=nmask[:, None], other=0)
+        k00, k01, k10, k11, k20, k21, k30, k31 = _planes(kc, ASM)
+        t = _dot8(k00, k01, k10, k11, k20, k21, k30, k31, q00, q01, q10, q11, q20, q21, q30, q31)
+        s = t * (ks * kscale) - qsum[None, :] * (ks * kz * qk_scale)
     s = tl.where(nmask[:, None], s, float("-inf"))
     # the lazy rescale's test (some score above its column's max + 2^8) as one integer max over
     # the tile, a warp-wide redux: the float max over the tokens, a chain of shuffles, only when
@@ -106,7 +116,7 @@ def _tile(IDX, KC, KM, VC, VM, n0, hi, h0, qk_scale, offs_r, q00, q01, q10, q11,
 @triton.jit
 def int2_split_swap(Q, KC, KM, VC, VM, IDX, O, LSE, qk_scale, lo, hi, total, hg, sp, b,
                     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
-                    BLOCK_N: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr):  # fmt: skip
+                    BLOCK_N: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr, KI8: tl.constexpr = False):  # fmt: skip
     """Split ``sp`` of sequence ``b``'s quantized list (slot-list positions ``[lo, hi)``) for KV
     heads ``HP·hg …``: normalised partial outputs and LSEs of their ``G`` query heads each (column
     ``c`` of the tile is query head ``c % GP`` of KV head ``HP·hg + c // GP``; columns with
@@ -121,17 +131,28 @@ def int2_split_swap(Q, KC, KM, VC, VM, IDX, O, LSE, qk_scale, lo, hi, total, hg,
     offs_r = tl.arange(0, HP * D8)  # word m of head j: row j·D8 + m
     diag = (offs_r // D8)[:, None] == (offs_c // GP)[None, :]
     qp = Q + qrow[None, :] * D + 2 * (offs_r % D8)[:, None]
-    # query parts transposed, [HP·D8, HP·GP], block-diagonal: plane (i, e) holds dims D4·i + 2m + e
-    q00, q01, q10, q11, q20, q21, q30, q31, qsum = _qparts8(qp, diag & gmask[None, :], D4, 0)
+    if KI8:  # the key product on int8 MMAs (decode_kint8.py): byte m of head j is K row j·D4 + m
+        offs_k = tl.arange(0, HP * D4)
+        diag_k = (offs_k // D4)[:, None] == (offs_c // GP)[None, :]
+        qk = Q + qrow[None, :] * D + (offs_k % D4)[:, None]
+        q00, q01, q10, q11, q20, q21, q30, q31, sig, qsum = _qparts_i8(qk, diag_k & gmask[None, :], D4)
+        kscale = sig * qk_scale
+        KK = KC.to(tl.pointer_type(tl.uint8))
+    else:
+        # query parts transposed, [HP·D8, HP·GP], block-diagonal: plane (i, e) holds dims D4·i + 2m + e
+        q00, q01, q10, q11, q20, q21, q30, q31, qsum = _qparts8(qp, diag & gmask[None, :], D4, 0)
+        kscale = qk_scale * SUBNORMAL
+        offs_k = offs_r
+        KK = KC
     m_i = tl.full([HP * GP], float("-inf"), tl.float32)
     l_i = tl.zeros([HP * GP], tl.float32)
     zacc = tl.zeros([HP * GP], tl.float32)
     a00, a01, a10, a11, a20, a21, a30, a31 = _zeros8(HP * D8, HP * GP)
     for n0 in range(lo, hi, BLOCK_N):
         m_i, l_i, zacc, a00, a01, a10, a11, a20, a21, a30, a31 = _tile(
-            IDX, KC, KM, VC, VM, n0, hi, h0, qk_scale, offs_r,
+            IDX, KK, KM, VC, VM, n0, hi, h0, qk_scale, kscale, offs_k, offs_r,
             q00, q01, q10, q11, q20, q21, q30, q31, qsum, m_i, l_i, zacc,
-            a00, a01, a10, a11, a20, a21, a30, a31, HKV, HP, GP, D8, BLOCK_N, ASM, META,
+            a00, a01, a10, a11, a20, a21, a30, a31, HKV, HP, GP, D8, BLOCK_N, ASM, META, KI8,
         )  # fmt: skip
     inv = _inv(l_i)
     z = zacc * inv
