@@ -97,6 +97,24 @@ def test_int2_loop_picks_bytes_swap_or_the_padded_words_by_size(monkeypatch):
     assert (lp.loop, lp.hpb, lp.rows) == ("words", 1, 16)
 
 
+def test_int2_loop_takes_int8_keys_where_a_program_reads_64_key_bytes_per_token(monkeypatch):
+    """The swap loop's key product on int8 MMAs (decode_kint8.py) with two KV heads at head dim 128
+    and at head dim 256 (measured faster), the fp16 planes with one head at head dim 128 (measured
+    slower) and in every other loop; ``CONFIG['swap_k_int8']`` off turns it off everywhere."""
+    for key, val in (("small_tokens", 100), ("swap", True), ("swap_max_tokens", 1 << 30),
+                     ("swap_pair_tokens", 500), ("swap_k_int8", True)):  # fmt: skip
+        monkeypatch.setitem(plan.CONFIG, key, val)
+    assert plan.int2_loop(128, 4, 8, 1000)[:2] == ("swap", 2) and plan.int2_loop(128, 4, 8, 1000).k_int8
+    assert plan.int2_loop(256, 4, 8, 1000)[:2] == ("swap", 1) and plan.int2_loop(256, 4, 8, 1000).k_int8
+    assert plan.int2_loop(128, 4, 8, 400)[:2] == ("swap", 1) and not plan.int2_loop(128, 4, 8, 400).k_int8
+    assert not plan.int2_loop(128, 4, 8, 99).k_int8  # byte planes
+    monkeypatch.setitem(plan.CONFIG, "swap", False)
+    assert not plan.int2_loop(128, 4, 8, 1000).k_int8  # padded word loop
+    monkeypatch.setitem(plan.CONFIG, "swap", True)
+    monkeypatch.setitem(plan.CONFIG, "swap_k_int8", False)
+    assert not plan.int2_loop(128, 4, 8, 1000).k_int8
+
+
 @pytest.mark.parametrize(
     ("g", "kv_heads", "d", "want"),
     [

@@ -394,9 +394,7 @@ def test_decode_attention_matches_reference(tk, lens_q, lens_h, hq, hkv, d, meta
         ([60], [3], 8, 8, 128, "fp16"),  # g = 1: two KV heads per swap program (2 of the 8 MMA columns)
     ],
 )
-@pytest.mark.parametrize(
-    "loop", ["auto-heads", "grouped-heads", "swap", "swap-one-head", "swap-int8", "swap-one-head-int8"]
-)
+@pytest.mark.parametrize("loop", ["auto-heads", "grouped-heads", "swap", "swap-one-head", "swap-fp16-keys"])
 def test_decode_attention_word_planes_match_reference(
     tk, lens_q, lens_h, hq, hkv, d, meta, loop, monkeypatch
 ):
@@ -404,12 +402,13 @@ def test_decode_attention_word_planes_match_reference(
     ``CONFIG['small_tokens']`` quantized tokens on, forced at these small sizes: query heads as the
     MMA rows (decode_words.py, one or several KV heads per program) and tokens as the MMA rows
     (decode_swap.py, ``CONFIG['swap']``: as many KV heads per program as fill the MMA's 8 columns,
-    or one with ``CONFIG['swap_heads']`` 1; ``-int8``: the key product on int8 MMAs,
-    ``CONFIG['swap_k_int8']``)."""
+    or one with ``CONFIG['swap_heads']`` 1). The swap loop's key product runs on int8 MMAs where
+    a program reads >= 64 key bytes per token (two heads, or head dim 256; ``CONFIG['swap_k_int8']``),
+    ``-fp16-keys`` on fp16 planes everywhere."""
     _, da = tk
     monkeypatch.setitem(da.CONFIG, "small_tokens", 0)
-    monkeypatch.setitem(da.CONFIG, "swap_k_int8", loop.endswith("-int8"))
-    loop = loop.removesuffix("-int8")
+    monkeypatch.setitem(da.CONFIG, "swap_k_int8", not loop.endswith("-fp16-keys"))
+    loop = loop.removesuffix("-fp16-keys")
     if loop == "grouped-heads":
         monkeypatch.setitem(da.CONFIG, "group_tokens", 0)
     monkeypatch.setitem(da.CONFIG, "swap", loop.startswith("swap"))

@@ -291,7 +291,7 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
         HKV=hkv, G=g, HPB=hpb, R_PAD=lp.rows, G_PAD=max(16, _pow2(g)),
         D=d, BLOCK_N=block_n,
         BLOCK_H=lp.hp_block, ASM=q.is_cuda, META=meta_id, WORDS=words, TG=lp.token_groups, HP_STAGES=lp.hp_stages,
-        HP_FIRST=hp_first, SWAP=swap, PDL=pdl, KI8=swap and bool(CONFIG["swap_k_int8"]),
+        HP_FIRST=hp_first, SWAP=swap, PDL=pdl, KI8=lp.k_int8,
         num_warps=lp.warps, num_stages=CONFIG["num_stages"], **opts,
     )  # fmt: skip
     out = torch.empty_like(q_rot)

@@ -107,6 +107,11 @@ CONFIG = {
     # (batch 8 / 32K 0.0604 -> 0.0586 ms, 4 / 32K 0.0358 -> 0.0349), 7-10 lose at some; small,
     # because an SM's throughput, not a program's latency, sets most of the time
     "taper": 4.0,
-    # the swap loop's key product on int8 MMAs (decode_kint8.py): four codes per operand register
-    "swap_k_int8": False,
+    # the swap loop's key product on int8 MMAs (decode_kint8.py: four codes per operand register,
+    # the queries as two int8 parts), taken where a program reads >= 64 key bytes per token (two
+    # heads at head dim 128, head dim 256). H200, side by side (results/dv_s15_kint8.md,
+    # dv_s15_kint8_d256.md): batch 8 / 32K 0.0585 -> 0.0563 ms, 32 / 32K 0.218 -> 0.208, 8 / 64K
+    # -4%, 8 / 128K -2..-5%, 32 / 8K and 32 / 128K -0.5%, head dim 256 -3..-6%; with one head at
+    # head dim 128 it lost (1 / 32K 0.0152 -> 0.0158), so there the fp16 planes stay
+    "swap_k_int8": True,
 }

@@ -61,7 +61,8 @@ class Int2Loop(NamedTuple):
     swap loop's ``g`` rounded up to a power of two); ``hp_block``/``hp_stages``: the 16-bit tier's
     tile and pipeline depth compiled into the same kernel; ``per_sm``: programs per SM for the
     wave-filling splits (``None``: ``CONFIG['per_sm']``); ``min_split``: the least tokens per split
-    (``None``: ``CONFIG['min_split']``)."""
+    (``None``: ``CONFIG['min_split']``); ``k_int8``: the swap loop's key product on int8 MMAs
+    (decode_kint8.py)."""
 
     loop: str
     hpb: int
@@ -73,6 +74,7 @@ class Int2Loop(NamedTuple):
     hp_stages: int
     per_sm: int | None
     min_split: int | None = None
+    k_int8: bool = False
 
 
 def swap_heads(g: int, kv_heads: int, d: int, tokens: int | None = None) -> int:
@@ -178,9 +180,10 @@ def int2_loop(d: int, g: int, kv_heads: int, tokens: int) -> Int2Loop:
         # a tile holds the code bytes of swap_block_n tokens of one head-dim-128 head: at head dim
         # 256, 128-token tiles spill (offline sm_90: 93 local-memory instructions per tile, 64: 30)
         block_n = max(16, c["swap_block_n"] * 128 // (d * hpb))
-        # a split's floor counts the tokens of one head: hpb heads per program take 1/hpb of it
+        # a split's floor counts the tokens of one head: hpb heads per program take 1/hpb of it;
+        # int8 keys where a token's key bytes per program are >= 64 (measured faster there only)
         return Int2Loop("swap", hpb, block_n, c["num_warps"], _pow2(g), 0, c["swap_hp_block"], c["swap_hp_stages"],
-                        c["swap_per_sm"], max(1, c["min_split"] // hpb))  # fmt: skip
+                        c["swap_per_sm"], max(1, c["min_split"] // hpb), bool(c["swap_k_int8"]) and hpb * d >= 256)  # fmt: skip
     hpb = heads_per_program(g, kv_heads, tokens)
     block_n = c["block_n"] if hpb == 1 else c["block_n_grouped"]
     return Int2Loop("words", hpb, block_n, c["num_warps"], max(16, _pow2(hpb * g)), token_groups(g, hpb, block_n),
