@@ -65,7 +65,7 @@ def _meta_cols(M, sh, nmask, HP: tl.constexpr, GP: tl.constexpr, META: tl.conste
 
 @triton.jit
 def _tile(IDX, KC, KM, VC, VM, n0, hi, h0, qk_scale, kscale, offs_k, offs_r, q00, q01, q10, q11, q20, q21, q30, q31,
-          qsum, m_i, l_i, zacc, a00, a01, a10, a11, a20, a21, a30, a31, HKV: tl.constexpr, HP: tl.constexpr,
+          zq, m_i, l_i, zacc, a00, a01, a10, a11, a20, a21, a30, a31, HKV: tl.constexpr, HP: tl.constexpr,
           GP: tl.constexpr, D8: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr,
           KI8: tl.constexpr):  # fmt: skip
     """One tile of ``BLOCK_N`` slot-list positions from ``n0`` (those at or past ``hi`` dropped):
@@ -81,12 +81,12 @@ def _tile(IDX, KC, KM, VC, VM, n0, hi, h0, qk_scale, kscale, offs_k, offs_r, q00
         kb = tl.load(KC + sh[:, None] * (2 * D8) + offs_k[None, :], mask=nmask[:, None], other=0)
         k0, k1, k2, k3 = _kplanes_i8(kb, ASM)
         t = _dot_i8(k0, k1, k2, k3, q00, q01, q10, q11, q20, q21, q30, q31)
-        s = t * (ks * kscale[None, :]) - qsum[None, :] * (ks * kz * qk_scale)
+        s = (t * kscale[None, :] - kz * zq[None, :]) * ks
     else:
         kc = tl.load(KC + sh[:, None] * D8 + offs_k[None, :], mask=nmask[:, None], other=0)
         k00, k01, k10, k11, k20, k21, k30, k31 = _planes(kc, ASM)
         t = _dot8(k00, k01, k10, k11, k20, k21, k30, k31, q00, q01, q10, q11, q20, q21, q30, q31)
-        s = t * (ks * kscale) - qsum[None, :] * (ks * kz * qk_scale)
+        s = (t * kscale - kz * zq[None, :]) * ks
     s = tl.where(nmask[:, None], s, float("-inf"))
     # the lazy rescale's test (some score above its column's max + 2^8) as one integer max over
     # the tile, a warp-wide redux: the float max over the tokens, a chain of shuffles, only when
@@ -151,7 +151,7 @@ def int2_split_swap(Q, KC, KM, VC, VM, IDX, O, LSE, qk_scale, lo, hi, total, hg,
     for n0 in range(lo, hi, BLOCK_N):
         m_i, l_i, zacc, a00, a01, a10, a11, a20, a21, a30, a31 = _tile(
             IDX, KK, KM, VC, VM, n0, hi, h0, qk_scale, kscale, offs_k, offs_r,
-            q00, q01, q10, q11, q20, q21, q30, q31, qsum, m_i, l_i, zacc,
+            q00, q01, q10, q11, q20, q21, q30, q31, qsum * qk_scale, m_i, l_i, zacc,
             a00, a01, a10, a11, a20, a21, a30, a31, HKV, HP, GP, D8, BLOCK_N, ASM, META, KI8,
         )  # fmt: skip
     inv = _inv(l_i)
