@@ -35,7 +35,7 @@ _KPLANES_PTX = tl.constexpr(
 
 @triton.jit
 def _kplanes_i8(b, ASM: tl.constexpr):
-    """uint8 code bytes -> four int8 planes ``(c, 4c, c, 4c)`` of dims ``m, D/4 + m, D/2 + m,
+    """uint8 code bytes -> four int8 planes (the codes) of dims ``m, D/4 + m, D/2 + m,
     3D/4 + m`` for byte ``m``."""
     if ASM:
         p0, p1, p2, p3 = tl.inline_asm_elementwise(
