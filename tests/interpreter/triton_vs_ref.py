@@ -345,7 +345,10 @@ def test_decode_attention_rescales_past_the_first_tile(tk, loop, monkeypatch):
     q = torch.randn(1, hq, d) * 30.0
     args = (q, kc, km, vc, vm, hk, hv, *lists, 1 / math.sqrt(d), fmt, fmt)
     got = da.decode_attention(*args)
-    assert torch.isfinite(got).all() and _rel(got, ref.decode_attention(*args)) < 5e-3
+    # scores in the hundreds magnify the query rounding: fp16 planes 4.8e-3 here, the two-head
+    # swap loop's int8 queries (decode_kint8.py, up to 2^-14 of a head's largest element) 6.5e-3
+    tol = 1e-2 if da.int2_loop(d, hq // hkv, hkv, n).k_int8 else 5e-3
+    assert torch.isfinite(got).all() and _rel(got, ref.decode_attention(*args)) < tol
 
 
 def _pools(nq: int, nh: int, hkv: int, d: int, fmt: RowFormat):

@@ -3,18 +3,21 @@
 With fp16 planes (:mod:`.decode_words`) a 32-bit register holds two codes, so building the key
 planes costs one AND per two codes plus a byte permute per register. An int8 MMA operand register
 holds four: the code bytes as loaded are the MMA's A fragment (four consecutive bytes, i.e. four
-consecutive K elements of one token), and a mask (after a shift for the upper planes) keeps one
-plane of four codes. Byte ``m`` of a head's row holds the codes of dims ``m, D/4 + m, D/2 + m,
-3D/4 + m`` in bits ``0-1, 2-3, 4-5, 6-7``; plane ``i`` is ``(b >> 2i) & 0x03`` per byte, worth the
-code itself. (Masks in place, ``b & 0x0C`` worth ``4c``, save three shifts per register, 1319
-against 1383 sm_90 instructions per tile offline, but lose two bits of the queries of those
-planes: the attention error of an interpreter test with scores in the hundreds grew from 4.8e-3
-on fp16 planes to 6.5e-3, against 4.4e-3 with the shifts.)
+consecutive K elements of one token), and one AND per register keeps one plane of four codes in
+place. Byte ``m`` of a head's row holds the codes of dims ``m, D/4 + m, D/2 + m, 3D/4 + m`` in bits
+``0-1, 2-3, 4-5, 6-7``; the planes are ``b & 0x03``, ``b & 0x0C``, ``(b >> 4) & 0x03`` and
+``(b >> 4) & 0x0C``, worth ``c, 4c, c, 4c`` (one shift for the upper two keeps every plane's
+weight within 4).
 
-The queries become integers: per query head a scale ``σ`` (the largest ``|q_d|`` over 127) and
-two int8 parts, ``q_d / σ ≈ hi + lo / 256`` (error at most ``σ / 512``, about ``2^-16`` of the
-head's largest element), so ``q·c = σ (T_hi + T_lo / 256)`` with both int32 MMA sums exact. Scores
-differ from the fp16 path's only by that rounding; the value product is unchanged.
+The queries become integers: per query head a scale ``σ`` (the largest ``|q_d| / w_d`` over 127,
+``w`` the plane weight) and two int8 parts, ``q_d / (w_d σ) ≈ hi + lo / 256``, so ``q·c = σ (T_hi
++ T_lo / 256)`` with both int32 MMA sums exact. The rounding error of a query element is at most
+``w_d σ / 512``, i.e. ``2^-14`` of the head's largest ``|q_d| / w_d`` for the ``4c`` planes: far
+below the bf16 queries' own rounding, about that of the fp16 planes' path on fp32 queries (an
+interpreter test with scores in the hundreds: 6.5e-3 against 4.8e-3). Planes all worth ``c``
+(three shifts more per register; 2^-16) measured no faster than the fp16 planes on the H200, the
+planes above 2-4% faster (``results/dv_s15_kint8_w1.md``), so these stay. The value product is
+unchanged.
 """
 
 from __future__ import annotations
@@ -26,16 +29,15 @@ __all__ = ["_dot_i8", "_kplanes_i8", "_qparts_i8"]
 
 _KPLANES_PTX = tl.constexpr(
     "{\n.reg .b32 t;\n"
-    "and.b32 $0, $4, 0x03030303;\n"
-    "shr.u32 t, $4, 2;\nand.b32 $1, t, 0x03030303;\n"
-    "shr.u32 t, $4, 4;\nand.b32 $2, t, 0x03030303;\n"
-    "shr.u32 t, $4, 6;\nand.b32 $3, t, 0x03030303;\n}"
+    "and.b32 $0, $4, 0x03030303;\nand.b32 $1, $4, 0x0C0C0C0C;\n"
+    "shr.u32 t, $4, 4;\n"
+    "and.b32 $2, t, 0x03030303;\nand.b32 $3, t, 0x0C0C0C0C;\n}"
 )
 
 
 @triton.jit
 def _kplanes_i8(b, ASM: tl.constexpr):
-    """uint8 code bytes -> four int8 planes (the codes) of dims ``m, D/4 + m, D/2 + m,
+    """uint8 code bytes -> four int8 planes ``(c, 4c, c, 4c)`` of dims ``m, D/4 + m, D/2 + m,
     3D/4 + m`` for byte ``m``."""
     if ASM:
         p0, p1, p2, p3 = tl.inline_asm_elementwise(
@@ -43,9 +45,9 @@ def _kplanes_i8(b, ASM: tl.constexpr):
         )
     else:
         p0 = (b & 3).to(tl.int8, bitcast=True)
-        p1 = ((b >> 2) & 3).to(tl.int8, bitcast=True)
+        p1 = (b & 12).to(tl.int8, bitcast=True)
         p2 = ((b >> 4) & 3).to(tl.int8, bitcast=True)
-        p3 = (b >> 6).to(tl.int8, bitcast=True)
+        p3 = ((b >> 4) & 12).to(tl.int8, bitcast=True)
     return p0, p1, p2, p3
 
 
@@ -67,14 +69,14 @@ def _qparts_i8(qp, mask, D4: tl.constexpr):
     x2 = tl.load(qp + 2 * D4, mask=mask, other=0.0).to(tl.float32)
     x3 = tl.load(qp + 3 * D4, mask=mask, other=0.0).to(tl.float32)
     qsum = tl.sum(x0 + x1 + x2 + x3, 0)
-    big = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
+    big = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x2)), tl.maximum(tl.abs(x1), tl.abs(x3)) * 0.25)
     top = tl.max(big, 0)
     sig = tl.where(top > 0, top / 127.0, 1.0)
     inv = 1.0 / sig[None, :]
     h0, l0 = _split(x0 * inv)
-    h1, l1 = _split(x1 * inv)
+    h1, l1 = _split(x1 * (inv * 0.25))
     h2, l2 = _split(x2 * inv)
-    h3, l3 = _split(x3 * inv)
+    h3, l3 = _split(x3 * (inv * 0.25))
     return h0, h1, h2, h3, l0, l1, l2, l3, sig, qsum
 
 
