@@ -21,7 +21,9 @@ off-diagonal blocks are never stored. The online softmax then runs on ``HP`` hea
 cost of one padded head.
 
 The planes, their ``(i, e)`` order, the query scaling by ``4^-i`` and the final ``2²⁴ / 4^i``
-factors are those of :mod:`.decode_words`; the partial output / LSE contract is unchanged.
+factors are those of :mod:`.decode_words`; the partial output / LSE contract is unchanged. Where
+a program reads at least 64 key bytes per token (``Int2Loop.k_int8``) the key product runs on int8
+MMAs instead (:mod:`.decode_kint8`: four codes per operand register, int8 query parts).
 """
 
 from __future__ import annotations
