@@ -66,7 +66,9 @@ def _forced_taper(units, n_q, n_h, split, split_h, max_len, tile, slots):
 )
 @pytest.mark.parametrize("meta", ["fp16", "bf16"])
 @pytest.mark.parametrize("grouped", [False, True], ids=["auto-heads", "grouped-heads"])
-@pytest.mark.parametrize("planes", ["auto", "words", "groups", "swap", "swap-one-head", "hp-short", "taper"])
+@pytest.mark.parametrize(
+    "planes", ["auto", "words", "groups", "swap", "swap-one-head", "swap-fp16-keys", "hp-short", "taper"]
+)
 def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta, grouped, planes, monkeypatch):
     from oscarkv.kernels.triton import decode_attention as tda
 
@@ -92,6 +94,8 @@ def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta, g
         # KV heads per program: as many as fill the MMA's 8 columns at any size, or one
         monkeypatch.setitem(tda.CONFIG, "swap_heads", 1 if planes == "swap-one-head" else 8)
         monkeypatch.setitem(tda.CONFIG, "swap_pair_tokens", 0)
+        # the key product on fp16 planes where the launch would take int8 MMAs (decode_kint8.py)
+        monkeypatch.setitem(tda.CONFIG, "swap_k_int8", planes != "swap-fp16-keys")
 
     if planes == "hp-short":  # 16-bit splits of one tile at every size (word planes)
         if d < 128:

@@ -410,7 +410,8 @@ def test_decode_attention_word_planes_match_reference(
     ``-fp16-keys`` on fp16 planes everywhere."""
     _, da = tk
     monkeypatch.setitem(da.CONFIG, "small_tokens", 0)
-    monkeypatch.setitem(da.CONFIG, "swap_k_int8", not loop.endswith("-fp16-keys"))
+    keys16 = loop.endswith("-fp16-keys")
+    monkeypatch.setitem(da.CONFIG, "swap_k_int8", not keys16)
     loop = loop.removesuffix("-fp16-keys")
     if loop == "grouped-heads":
         monkeypatch.setitem(da.CONFIG, "group_tokens", 0)
@@ -421,7 +422,10 @@ def test_decode_attention_word_planes_match_reference(
         monkeypatch.setitem(da.CONFIG, "swap_pair_tokens", 0)
     if loop.startswith("swap"):  # the heads per program the launch takes (two at head dim 128)
         want = 2 if loop == "swap" and d == 128 else 1
-        assert da.int2_loop(d, hq // hkv, hkv, sum(lens_q))[:2] == ("swap", want)
+        lp = da.int2_loop(d, hq // hkv, hkv, sum(lens_q))
+        assert lp[:2] == ("swap", want)
+        # int8 keys where a program reads >= 64 key bytes per token, unless turned off
+        assert lp.k_int8 == (want * d >= 256 and not keys16)
     _check_decode(da, lens_q, lens_h, hq, hkv, d, meta)
 
 

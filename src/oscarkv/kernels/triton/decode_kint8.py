@@ -53,10 +53,11 @@ def _kplanes_i8(b, ASM: tl.constexpr):
 
 @triton.jit
 def _split(x):
-    """``x`` (|x| <= 127) -> int8 ``hi, lo`` with ``x ≈ hi + lo / 256``."""
-    hi = tl.floor(x + 0.5)
-    lo = tl.minimum(tl.maximum(tl.floor((x - hi) * 256.0 + 0.5), -127.0), 127.0)
-    return hi.to(tl.int8), lo.to(tl.int8)
+    """``x`` (|x| <= 127) -> int8 ``hi, lo`` with ``hi + lo / 256 = round(256 x) / 256``, i.e.
+    within ``1/512`` of ``x`` (``hi`` in ±127, ``lo`` in -128 … 127, no clamping)."""
+    n = tl.floor(x * 256.0 + 0.5)
+    hi = tl.floor((n + 128.0) * (1.0 / 256.0))
+    return hi.to(tl.int8), (n - hi * 256.0).to(tl.int8)
 
 
 @triton.jit
@@ -71,7 +72,7 @@ def _qparts_i8(qp, mask, D4: tl.constexpr):
     qsum = tl.sum(x0 + x1 + x2 + x3, 0)
     big = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x2)), tl.maximum(tl.abs(x1), tl.abs(x3)) * 0.25)
     top = tl.max(big, 0)
-    sig = tl.where(top > 0, top / 127.0, 1.0)
+    sig = tl.where(top > 1e-30, top / 127.0, 1.0)  # 1/σ stays finite (zero or padding columns)
     inv = 1.0 / sig[None, :]
     h0, l0 = _split(x0 * inv)
     h1, l1 = _split(x1 * (inv * 0.25))

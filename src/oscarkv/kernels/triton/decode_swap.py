@@ -66,19 +66,23 @@ def _meta_cols(M, sh, nmask, HP: tl.constexpr, GP: tl.constexpr, META: tl.conste
 
 
 @triton.jit
-def _tile(IDX, KC, KM, VC, VM, n0, hi, h0, qk_scale, kscale, offs_k, offs_r, q00, q01, q10, q11, q20, q21, q30, q31,
+def _tile(IDX, KC, KM, VC, VM, n0, hi, h0, kscale, offs_k, offs_r, q00, q01, q10, q11, q20, q21, q30, q31,
           zq, m_i, l_i, zacc, a00, a01, a10, a11, a20, a21, a30, a31, HKV: tl.constexpr, HP: tl.constexpr,
           GP: tl.constexpr, D8: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr,
           KI8: tl.constexpr):  # fmt: skip
     """One tile of ``BLOCK_N`` slot-list positions from ``n0`` (those at or past ``hi`` dropped):
-    the online-softmax state and the eight transposed accumulators after it. ``KI8``: the key
-    product on int8 MMAs (``KC`` a byte pointer, ``q00 … q31`` the int8 ``hi`` / ``lo`` parts,
-    ``kscale`` per column; :mod:`.decode_kint8`), else on fp16 planes (``kscale`` a scalar)."""
+    the online-softmax state and the eight transposed accumulators after it. Scores are
+    ``(t·kscale − kz·zq)·ks`` for the planes' dot ``t`` (``zq``: ``Σq·qk_scale`` per column).
+    ``KI8``: the key product on int8 MMAs (``KC`` a byte pointer, ``offs_k`` the ``HP·D/4`` bytes
+    of a row, ``q00 … q31`` the int8 ``hi`` / ``lo`` parts, ``kscale`` per column;
+    :mod:`.decode_kint8`), else on fp16 planes (``offs_k`` the ``HP·D/8`` words, ``kscale`` a
+    scalar)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     nmask = offs_n < hi
     sh = tl.load(IDX + offs_n, mask=nmask, other=0).to(tl.int64) * HKV + h0
     ks, kz = _meta_cols(KM, sh, nmask, HP, GP, META)
-    # S^T: code-word planes [BLOCK_N, HP·D8] (tokens as MMA rows) times block-diagonal query parts
+    # S^T: code planes (tokens as MMA rows; int8 [BLOCK_N, HP·D4] or fp16 [BLOCK_N, HP·D8]) times
+    # block-diagonal query parts
     if KI8:
         kb = tl.load(KC + sh[:, None] * (2 * D8) + offs_k[None, :], mask=nmask[:, None], other=0)
         k0, k1, k2, k3 = _kplanes_i8(kb, ASM)
@@ -152,7 +156,7 @@ def int2_split_swap(Q, KC, KM, VC, VM, IDX, O, LSE, qk_scale, lo, hi, total, hg,
     a00, a01, a10, a11, a20, a21, a30, a31 = _zeros8(HP * D8, HP * GP)
     for n0 in range(lo, hi, BLOCK_N):
         m_i, l_i, zacc, a00, a01, a10, a11, a20, a21, a30, a31 = _tile(
-            IDX, KK, KM, VC, VM, n0, hi, h0, qk_scale, kscale, offs_k, offs_r,
+            IDX, KK, KM, VC, VM, n0, hi, h0, kscale, offs_k, offs_r,
             q00, q01, q10, q11, q20, q21, q30, q31, qsum * qk_scale, m_i, l_i, zacc,
             a00, a01, a10, a11, a20, a21, a30, a31, HKV, HP, GP, D8, BLOCK_N, ASM, META, KI8,
         )  # fmt: skip
