@@ -110,8 +110,8 @@ CONFIG = {
     # the swap loop's key product on int8 MMAs (decode_kint8.py: four codes per operand register,
     # the queries as two int8 parts), taken where a program reads >= 64 key bytes per token (two
     # heads at head dim 128, head dim 256). H200, side by side (results/dv_s15_kint8.md,
-    # dv_s15_kint8_d256.md): batch 8 / 32K 0.0585 -> 0.0563 ms, 32 / 32K 0.218 -> 0.208, 8 / 64K
-    # -4%, 8 / 128K -2..-5%, 32 / 8K and 32 / 128K -0.5%, head dim 256 -3..-6%; with one head at
-    # head dim 128 it lost (1 / 32K 0.0152 -> 0.0158), so there the fp16 planes stay
+    # dv_s15_kint8_d256.md): batch 8 / 32K 0.0585 -> 0.0562 ms, 32 / 32K 0.218 -> 0.208, 8 / 64K
+    # -4%, 8 / 128K -1.5..-4.4%, 32 / 8K and 32 / 128K under 1%, head dim 256 -5% (0 at batch 1);
+    # with one head at head dim 128 it lost (1 / 32K 0.0152 -> 0.0158), so there the fp16 planes stay
     "swap_k_int8": True,
 }
