@@ -16,7 +16,8 @@ The queries become integers: per query head a scale ``σ`` (the largest ``|q_d| 
 below the bf16 queries' own rounding, about that of the fp16 planes' path on fp32 queries (an
 interpreter test with scores in the hundreds: 6.5e-3 against 4.8e-3). Planes all worth ``c``
 (three shifts more per register; 2^-16) measured no faster than the fp16 planes on the H200, the
-planes above 2-4% faster (``results/dv_s15_kint8_w1.md``), so these stay. The value product is
+planes above 0.3-3% faster than them in the same run (one round, ``results/dv_s15_kint8_w1.md``),
+so these stay. The value product is
 unchanged.
 """
 
