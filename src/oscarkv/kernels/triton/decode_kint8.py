@@ -17,14 +17,15 @@ below the bf16 queries' own rounding, about that of the fp16 planes' path on fp3
 interpreter test with scores in the hundreds: 6.5e-3 against 4.8e-3). Planes all worth ``c``
 (three shifts more per register; 2^-16) measured no faster than the fp16 planes on the H200, the
 planes above 0.3-3% faster than them in the same run (one round, ``results/dv_s15_kint8_w1.md``),
-so these stay. The value product is
-unchanged.
+so these stay. The value product is unchanged.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .decode_tiles import _qpart
 
 __all__ = ["_dot_i8", "_kplanes_i8", "_qparts_i8"]
 
@@ -66,10 +67,8 @@ def _qparts_i8(qp, mask, D4: tl.constexpr):
     """Query parts of the four planes (dims ``D4·i`` onwards from ``qp``; ``mask`` broadcasts
     against ``qp``, rows are bytes and columns query heads) as int8 ``hi`` and ``lo`` operands,
     the per-column scale ``σ`` and the true sums ``Σq`` (fp32)."""
-    x0 = tl.load(qp, mask=mask, other=0.0).to(tl.float32)
-    x1 = tl.load(qp + D4, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(qp + 2 * D4, mask=mask, other=0.0).to(tl.float32)
-    x3 = tl.load(qp + 3 * D4, mask=mask, other=0.0).to(tl.float32)
+    x0, x1 = _qpart(qp, 0, 0, mask, D4), _qpart(qp, 1, 0, mask, D4)
+    x2, x3 = _qpart(qp, 2, 0, mask, D4), _qpart(qp, 3, 0, mask, D4)
     qsum = tl.sum(x0 + x1 + x2 + x3, 0)
     big = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x2)), tl.maximum(tl.abs(x1), tl.abs(x3)) * 0.25)
     top = tl.max(big, 0)

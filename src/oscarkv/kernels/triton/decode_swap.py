@@ -84,6 +84,7 @@ def _tile(IDX, KC, KM, VC, VM, n0, hi, h0, kscale, offs_k, offs_r, q00, q01, q10
     # S^T: code planes (tokens as MMA rows; int8 [BLOCK_N, HP·D4] or fp16 [BLOCK_N, HP·D8]) times
     # block-diagonal query parts
     if KI8:
+        # code rows of 2·D8 = D/4 bytes
         kb = tl.load(KC + sh[:, None] * (2 * D8) + offs_k[None, :], mask=nmask[:, None], other=0)
         k0, k1, k2, k3 = _kplanes_i8(kb, ASM)
         t = _dot_i8(k0, k1, k2, k3, q00, q01, q10, q11, q20, q21, q30, q31)
@@ -136,7 +137,6 @@ def int2_split_swap(Q, KC, KM, VC, VM, IDX, O, LSE, qk_scale, lo, hi, total, hg,
     row = qrow.to(tl.int64) * total + sp
     offs_r = tl.arange(0, HP * D8)  # word m of head j: row j·D8 + m
     diag = (offs_r // D8)[:, None] == (offs_c // GP)[None, :]
-    qp = Q + qrow[None, :] * D + 2 * (offs_r % D8)[:, None]
     if KI8:  # the key product on int8 MMAs (decode_kint8.py): byte m of head j is K row j·D4 + m
         offs_k = tl.arange(0, HP * D4)
         diag_k = (offs_k // D4)[:, None] == (offs_c // GP)[None, :]
@@ -146,6 +146,7 @@ def int2_split_swap(Q, KC, KM, VC, VM, IDX, O, LSE, qk_scale, lo, hi, total, hg,
         KK = KC.to(tl.pointer_type(tl.uint8))
     else:
         # query parts transposed, [HP·D8, HP·GP], block-diagonal: plane (i, e) holds dims D4·i + 2m + e
+        qp = Q + qrow[None, :] * D + 2 * (offs_r % D8)[:, None]
         q00, q01, q10, q11, q20, q21, q30, q31, qsum = _qparts8(qp, diag & gmask[None, :], D4, 0)
         kscale = qk_scale * SUBNORMAL
         offs_k = offs_r
