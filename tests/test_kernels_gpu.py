@@ -191,38 +191,6 @@ def test_decode_with_the_merge_as_a_dependent_launch_is_exact(batch, lq, lh, mon
     assert any(c.metadata.launch_pdl for c, _ in tda._MERGE._cache.values())
 
 
-@pytest.mark.parametrize(
-    ("batch", "lq", "lh", "heads"), [(8, 40000, 320, 8), (1, 5000, 16, 1), (3, 700, 0, 8)]
-)
-@pytest.mark.parametrize(("tiles", "early"), [(1, True), (2, True), (2, False), (8, True)])
-def test_decode_prefetch_changes_nothing(batch, lq, lh, heads, tiles, early, monkeypatch):
-    """CONFIG['prefetch_tiles'] / ['prefetch_early']: the swap loop asks L2 for its first tiles'
-    lines; a hint only, so the output must be that without it, bit for bit (also where the
-    prefetched positions run past a short split's end: 8 tiles at 700 tokens)."""
-    from oscarkv.kernels.triton import decode_attention as tda
-
-    fmt = RowFormat(128, 2, 128)
-    kc, km = ref.quantize_pack(torch.randn(max(batch * lq, 1), 8, 128, device="cuda"), None, fmt)
-    vc, vm = ref.quantize_pack(torch.randn(max(batch * lq, 1), 8, 128, device="cuda"), None, fmt)
-    hk = torch.randn(max(batch * lh, 1), 8, 128, device="cuda", dtype=torch.bfloat16)
-    hv = torch.randn_like(hk)
-    qi, qx = _lists([lq] * batch, "cuda", shuffle=True)
-    hi, hx = _lists([lh] * batch, "cuda", shuffle=True)
-    q = torch.randn(batch, 32, 128, device="cuda", dtype=torch.bfloat16)
-    args = (q, kc, km, vc, vm, hk, hv, qi, qx, hi, hx, 1 / math.sqrt(128), fmt, fmt)
-    monkeypatch.setitem(tda.CONFIG, "swap_heads", heads)
-    monkeypatch.setitem(tda.CONFIG, "swap_pair_tokens", 0)
-    monkeypatch.setitem(tda.CONFIG, "small_tokens", 0)  # the swap loop at every size
-    assert tda.int2_loop(128, 4, 8, batch * lq).loop == "swap"
-    monkeypatch.setitem(tda.CONFIG, "prefetch_tiles", 0)
-    want = tda.decode_attention(*args)
-    monkeypatch.setitem(tda.CONFIG, "prefetch_tiles", tiles)
-    monkeypatch.setitem(tda.CONFIG, "prefetch_early", early)
-    assert torch.equal(tda.decode_attention(*args), want)
-    # the prefetch really was compiled in
-    assert any("prefetch.global.L2" in c.asm["ptx"] for c, _ in tda._STAGE1._cache.values())
-
-
 @pytest.mark.parametrize("rotate", [False, True])
 def test_quantize_pack_as_a_dependent_launch_waits_for_its_producer(rotate, monkeypatch):
     """quantize_pack (without rotation) is launched as a programmatic dependent of the kernel

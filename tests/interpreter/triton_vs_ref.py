@@ -613,8 +613,6 @@ def test_decode_attention_wave_splits_and_hp_first_match_reference(
         ("swap_pair_tokens", "64K", "integer >= 0"),
         ("pdl", "yes", "True or False"),
         ("swap_k_int8", 2, "True or False"),
-        ("prefetch_tiles", -1, "integer >= 0"),
-        ("prefetch_early", None, "True or False"),
         ("taper", -1.0, "finite number >= 0"),
         ("taper", float("nan"), "finite number >= 0"),
         ("taper", True, "finite number >= 0"),

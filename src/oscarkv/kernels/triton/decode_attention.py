@@ -75,7 +75,7 @@ def _stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale,
             R_PAD: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
             ASM: tl.constexpr, META: tl.constexpr, WORDS: tl.constexpr, TG: tl.constexpr = 0,
             HP_STAGES: tl.constexpr = 3, HP_FIRST: tl.constexpr = False, SWAP: tl.constexpr = False,
-            PDL: tl.constexpr = False, KI8: tl.constexpr = False, PREFETCH: tl.constexpr = 0):  # fmt: skip
+            PDL: tl.constexpr = False, KI8: tl.constexpr = False):  # fmt: skip
     if PDL:  # the merge may launch (and wait) once every program of this grid has started
         gdc_launch_dependents()
     # axis 0 is the group of HPB KV heads, so that programs reading the same tokens run together
@@ -96,7 +96,7 @@ def _stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale,
                               HKV, G, R_PAD, D, BLOCK_N, TG, ASM, META)  # fmt: skip
         elif SWAP:  # tokens as the MMA rows, HPB KV heads' query heads as its columns (decode_swap.py)
             int2_split_swap(Q, KC, KM, VC, VM, QIDX, O, LSE, qk_scale, lo, hi, total, hg, sp, b,
-                            HKV, G, R_PAD, HPB, D, BLOCK_N, ASM, META, KI8, PREFETCH)  # fmt: skip
+                            HKV, G, R_PAD, HPB, D, BLOCK_N, ASM, META, KI8)  # fmt: skip
         elif WORDS:  # codes read as int16 words (head dim >= 128)
             int2_split_words(Q, KC, KM, VC, VM, QIDX, O, LSE, qk_scale, lo, hi, total, hg, sp, b,
                              HKV, G, HPB, R_PAD, D, BLOCK_N, ASM, META)  # fmt: skip
@@ -147,8 +147,8 @@ _TILE_KEYS = ("block_n", "block_n_grouped", "swap_block_n", "hp_block", "swap_hp
 # counts that must be positive integers
 _COUNT_KEYS = ("swap_heads", "swap_per_sm", "per_sm", "num_warps", "num_stages", "hp_split", "min_split")
 # sizes and thresholds that must be integers >= 0 (0 turns hp_programs off), and flags
-_SIZE_KEYS = ("hp_programs", "swap_pair_tokens", "prefetch_tiles")
-_FLAG_KEYS = ("pdl", "swap_k_int8", "prefetch_early")
+_SIZE_KEYS = ("hp_programs", "swap_pair_tokens")
+_FLAG_KEYS = ("pdl", "swap_k_int8")
 # real numbers >= 0
 _RATE_KEYS = ("taper",)
 _KEYS = _TILE_KEYS + _COUNT_KEYS + _SIZE_KEYS + _FLAG_KEYS + _RATE_KEYS
@@ -292,7 +292,6 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
         D=d, BLOCK_N=block_n,
         BLOCK_H=lp.hp_block, ASM=q.is_cuda, META=meta_id, WORDS=words, TG=lp.token_groups, HP_STAGES=lp.hp_stages,
         HP_FIRST=hp_first, SWAP=swap, PDL=pdl, KI8=lp.k_int8,
-        PREFETCH=(CONFIG["prefetch_tiles"] * block_n * (1 if CONFIG["prefetch_early"] else -1)) if swap and q.is_cuda else 0,
         num_warps=lp.warps, num_stages=CONFIG["num_stages"], **opts,
     )  # fmt: skip
     out = torch.empty_like(q_rot)

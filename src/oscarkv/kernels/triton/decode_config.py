@@ -114,10 +114,4 @@ CONFIG = {
     # -4%, 8 / 128K -1.5..-4.4%, 32 / 8K and 32 / 128K under 1%, head dim 256 -5% (0 at batch 1);
     # with one head at head dim 128 it lost (1 / 32K 0.0152 -> 0.0158), so there the fp16 planes stay
     "swap_k_int8": True,
-    # swap loop: before building the query parts, ask L2 for the lines of the first this many
-    # tiles (the ones the pipelined loop's prologue loads), so that the first tile's chain of
-    # dependent loads overlaps the query work (0: off; GPU only, an inline PTX prefetch)
-    "prefetch_tiles": 2,
-    # the prefetch before the query loads (True) or after them, before the work on them
-    "prefetch_early": True,
 }

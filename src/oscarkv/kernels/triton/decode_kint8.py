@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .decode_tiles import _qpart
 
-__all__ = ["_dot_i8", "_kplanes_i8", "_qload_i8", "_qparts_i8"]
+__all__ = ["_dot_i8", "_kplanes_i8", "_qparts_i8"]
 
 _KPLANES_PTX = tl.constexpr(
     "{\n.reg .b32 t;\n"
@@ -63,21 +63,12 @@ def _split(x):
 
 
 @triton.jit
-def _qload_i8(qp, mask, D4: tl.constexpr):
-    """The four planes' query parts (dims ``D4·i`` onwards from ``qp``; ``mask`` broadcasts against
-    ``qp``, rows are bytes and columns query heads) as fp32, for :func:`_qparts_i8`."""
-    return (
-        _qpart(qp, 0, 0, mask, D4),
-        _qpart(qp, 1, 0, mask, D4),
-        _qpart(qp, 2, 0, mask, D4),
-        _qpart(qp, 3, 0, mask, D4),
-    )
-
-
-@triton.jit
-def _qparts_i8(x0, x1, x2, x3):
-    """Query parts of the four planes (:func:`_qload_i8`) as int8 ``hi`` and ``lo`` operands, the
-    per-column scale ``σ`` and the true sums ``Σq`` (fp32)."""
+def _qparts_i8(qp, mask, D4: tl.constexpr):
+    """Query parts of the four planes (dims ``D4·i`` onwards from ``qp``; ``mask`` broadcasts
+    against ``qp``, rows are bytes and columns query heads) as int8 ``hi`` and ``lo`` operands,
+    the per-column scale ``σ`` and the true sums ``Σq`` (fp32)."""
+    x0, x1 = _qpart(qp, 0, 0, mask, D4), _qpart(qp, 1, 0, mask, D4)
+    x2, x3 = _qpart(qp, 2, 0, mask, D4), _qpart(qp, 3, 0, mask, D4)
     qsum = tl.sum(x0 + x1 + x2 + x3, 0)
     big = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x2)), tl.maximum(tl.abs(x1), tl.abs(x3)) * 0.25)
     top = tl.max(big, 0)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode_kint8 import _dot_i8, _kplanes_i8, _qload_i8, _qparts_i8
+from .decode_kint8 import _dot_i8, _kplanes_i8, _qparts_i8
 from .decode_tiles import (
     SUBNORMAL,
     _inv,
@@ -39,32 +39,9 @@ from .decode_tiles import (
     _rescale,
     _store_lse,
 )
-from .decode_words import _dot8, _planes, _qload8, _qscale8, _scale8, _store8, _zeros8
+from .decode_words import _dot8, _planes, _qparts8, _scale8, _store8, _zeros8
 
 __all__ = ["int2_split_swap"]
-
-# an L2 prefetch of the line holding each address (the result is a dummy: inline asm needs one)
-_PREFETCH_PTX = tl.constexpr("prefetch.global.L2 [$1];\nmov.u32 $0, 0;")
-
-
-@triton.jit
-def _prefetch(ptrs):
-    tl.inline_asm_elementwise(_PREFETCH_PTX, "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_first(IDX, KC, KM, VC, VM, lo, hi, h0, HKV: tl.constexpr, D8: tl.constexpr, N: tl.constexpr):
-    """Ask L2 for the code and metadata lines of positions ``[lo, lo + N)`` (the tiles the loop's
-    prologue loads), so that they travel while the query parts are built: a program's ``HP``
-    heads' rows are adjacent, one line per token and tensor (at most 64 code bytes)."""
-    offs = lo + tl.arange(0, N)
-    m = offs < hi
-    sh = tl.load(IDX + offs, mask=m, other=0).to(tl.int64) * HKV + h0
-    sh = tl.where(m, sh, h0)  # masked positions ask for a row that is read anyway
-    _prefetch(KC + sh * D8)
-    _prefetch(VC + sh * D8)
-    _prefetch(KM + sh)
-    _prefetch(VM + sh)
 
 
 @triton.jit
@@ -146,18 +123,14 @@ def _tile(IDX, KC, KM, VC, VM, n0, hi, h0, kscale, offs_k, offs_r, q00, q01, q10
 @triton.jit
 def int2_split_swap(Q, KC, KM, VC, VM, IDX, O, LSE, qk_scale, lo, hi, total, hg, sp, b,
                     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
-                    BLOCK_N: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr, KI8: tl.constexpr = False,
-                    PREFETCH: tl.constexpr = 0):  # fmt: skip
+                    BLOCK_N: tl.constexpr, ASM: tl.constexpr, META: tl.constexpr, KI8: tl.constexpr = False):  # fmt: skip
     """Split ``sp`` of sequence ``b``'s quantized list (slot-list positions ``[lo, hi)``) for KV
     heads ``HP·hg …``: normalised partial outputs and LSEs of their ``G`` query heads each (column
     ``c`` of the tile is query head ``c % GP`` of KV head ``HP·hg + c // GP``; columns with
-    ``c % GP >= G`` are padding). ``PREFETCH``: positions whose lines are asked of L2 first (0:
-    none; negative: after the query loads instead of before; inline PTX, so GPU only)."""
+    ``c % GP >= G`` are padding)."""
     D4: tl.constexpr = D // 4
     D8: tl.constexpr = D // 8
     h0 = hg * HP
-    if PREFETCH > 0:  # before the query loads (the chain QPTR -> IDX -> prefetch starts at once)
-        _prefetch_first(IDX, KC, KM, VC, VM, lo, hi, h0, HKV, D8, PREFETCH)
     offs_c = tl.arange(0, HP * GP)
     gmask = offs_c % GP < G
     qrow = b * HKV * G + (h0 + offs_c // GP) * G + offs_c % GP
@@ -168,19 +141,13 @@ def int2_split_swap(Q, KC, KM, VC, VM, IDX, O, LSE, qk_scale, lo, hi, total, hg,
         offs_k = tl.arange(0, HP * D4)
         diag_k = (offs_k // D4)[:, None] == (offs_c // GP)[None, :]
         qk = Q + qrow[None, :] * D + (offs_k % D4)[:, None]
-        x0, x1, x2, x3 = _qload_i8(qk, diag_k & gmask[None, :], D4)
-        if PREFETCH < 0:  # after the query loads, before the work on them
-            _prefetch_first(IDX, KC, KM, VC, VM, lo, hi, h0, HKV, D8, -PREFETCH)
-        q00, q01, q10, q11, q20, q21, q30, q31, sig, qsum = _qparts_i8(x0, x1, x2, x3)
+        q00, q01, q10, q11, q20, q21, q30, q31, sig, qsum = _qparts_i8(qk, diag_k & gmask[None, :], D4)
         kscale = sig * qk_scale
         KK = KC.to(tl.pointer_type(tl.uint8))
     else:
         # query parts transposed, [HP·D8, HP·GP], block-diagonal: plane (i, e) holds dims D4·i + 2m + e
         qp = Q + qrow[None, :] * D + 2 * (offs_r % D8)[:, None]
-        q00, q01, q10, q11, q20, q21, q30, q31 = _qload8(qp, diag & gmask[None, :], D4)
-        if PREFETCH < 0:
-            _prefetch_first(IDX, KC, KM, VC, VM, lo, hi, h0, HKV, D8, -PREFETCH)
-        q00, q01, q10, q11, q20, q21, q30, q31, qsum = _qscale8(q00, q01, q10, q11, q20, q21, q30, q31, 0)
+        q00, q01, q10, q11, q20, q21, q30, q31, qsum = _qparts8(qp, diag & gmask[None, :], D4, 0)
         kscale = qk_scale * SUBNORMAL
         offs_k = offs_r
         KK = KC

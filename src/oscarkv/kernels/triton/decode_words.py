@@ -64,29 +64,23 @@ def _planes(c, ASM: tl.constexpr):
 
 
 @triton.jit
-def _qload8(qp, mask, D4: tl.constexpr):
+def _qparts8(qp, mask, D4: tl.constexpr, AXIS: tl.constexpr = 1):
     """The eight query parts of planes ``(i, e)`` (dims ``D4·i + 2m + e`` from ``qp``; ``mask``
-    broadcasts against ``qp``) as fp32, for :func:`_qscale8`."""
-    return (_qpart(qp, 0, 0, mask, D4), _qpart(qp, 0, 1, mask, D4), _qpart(qp, 1, 0, mask, D4),
-            _qpart(qp, 1, 1, mask, D4), _qpart(qp, 2, 0, mask, D4), _qpart(qp, 2, 1, mask, D4),
-            _qpart(qp, 3, 0, mask, D4), _qpart(qp, 3, 1, mask, D4))  # fmt: skip
-
-
-@triton.jit
-def _qscale8(q00, q01, q10, q11, q20, q21, q30, q31, AXIS: tl.constexpr = 1):
-    """The eight query parts (:func:`_qload8`) as fp16 dot operands scaled by ``4^-i`` (exact), and
-    their sums over the dims' axis ``AXIS`` (``Σq`` per head, unscaled, fp32)."""
+    broadcasts against ``qp``) as fp16 dot operands scaled by ``4^-i`` (exact), and their sums over
+    the dims' axis ``AXIS`` (``Σq`` per head, unscaled, fp32; 0 for decode_swap.py's transposed
+    parts)."""
+    q00 = _qpart(qp, 0, 0, mask, D4)
+    q01 = _qpart(qp, 0, 1, mask, D4)
+    q10 = _qpart(qp, 1, 0, mask, D4)
+    q11 = _qpart(qp, 1, 1, mask, D4)
+    q20 = _qpart(qp, 2, 0, mask, D4)
+    q21 = _qpart(qp, 2, 1, mask, D4)
+    q30 = _qpart(qp, 3, 0, mask, D4)
+    q31 = _qpart(qp, 3, 1, mask, D4)
     qsum = tl.sum(q00 + q01 + q10 + q11 + q20 + q21 + q30 + q31, AXIS)
     q00, q01, q10, q11 = _qscale(q00, 0), _qscale(q01, 0), _qscale(q10, 1), _qscale(q11, 1)
     q20, q21, q30, q31 = _qscale(q20, 2), _qscale(q21, 2), _qscale(q30, 3), _qscale(q31, 3)
     return q00, q01, q10, q11, q20, q21, q30, q31, qsum
-
-
-@triton.jit
-def _qparts8(qp, mask, D4: tl.constexpr, AXIS: tl.constexpr = 1):
-    """:func:`_qscale8` of :func:`_qload8`: the eight fp16 query operands and their sums."""
-    q00, q01, q10, q11, q20, q21, q30, q31 = _qload8(qp, mask, D4)
-    return _qscale8(q00, q01, q10, q11, q20, q21, q30, q31, AXIS)
 
 
 @triton.jit
