@@ -67,19 +67,7 @@ def _forced_taper(units, n_q, n_h, split, split_h, max_len, tile, slots):
 @pytest.mark.parametrize("meta", ["fp16", "bf16"])
 @pytest.mark.parametrize("grouped", [False, True], ids=["auto-heads", "grouped-heads"])
 @pytest.mark.parametrize(
-    "planes",
-    [
-        "auto",
-        "words",
-        "groups",
-        "swap",
-        "swap-one-head",
-        "swap-fp16-keys",
-        "hp-short",
-        "taper",
-        "tier-merge",
-        "tier-split",
-    ],
+    "planes", ["auto", "words", "groups", "swap", "swap-one-head", "swap-fp16-keys", "hp-short", "taper"]
 )
 def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta, grouped, planes, monkeypatch):
     from oscarkv.kernels.triton import decode_attention as tda
@@ -118,15 +106,6 @@ def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta, g
 
     if planes == "taper":  # whatever loop the size picks: half its splits longer, the rest shorter
         monkeypatch.setattr(tda, "taper", _forced_taper)
-    # the 16-bit tier in the merge kernel (decode_tier.py) at every size, or never (stage 1's splits)
-    if planes in ("tier-merge", "tier-split"):
-        if d < 128:
-            pytest.skip("head dim 64 always uses the byte planes")
-        monkeypatch.setitem(tda.CONFIG, "small_tokens", 0)
-        monkeypatch.setitem(tda.CONFIG, "tier_merge", planes == "tier-merge")
-        monkeypatch.setitem(tda.CONFIG, "tier_merge_units", 0)
-    if planes in ("hp-short", "taper"):  # they shape stage 1's 16-bit splits
-        monkeypatch.setitem(tda.CONFIG, "tier_merge", False)
 
     dev = "cuda"
     fmt = RowFormat(d, 2, d, meta_dtype=meta)

@@ -870,35 +870,3 @@ def test_gather_probe_reads_every_word_of_its_heads(heads, meta, via_idx, monkey
                         macc[: len(rows)] ^= vmw[rows, hg * heads : (hg + 1) * heads]
                 want[(b * splits + sp) * (hkv // heads) + hg] = acc.sum() + macc.sum()
     assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize(
-    ("lens_q", "lens_h", "hq", "hkv", "d", "meta", "loop"),
-    [
-        ([200, 33], [20, 0], 32, 8, 128, "fp16", "swap"),  # Qwen3-8B's GQA, an empty 16-bit list
-        ([90, 0, 129], [7, 5, 70], 8, 2, 128, "bf16", "swap-one-head"),  # an empty INT2 list; 2 tiles
-        ([90, 40], [3, 1], 16, 4, 256, "fp32", "words"),  # head dim 256, the padded loop
-        ([300], [0], 8, 8, 128, "fp16", "swap"),  # g = 1, no 16-bit token at all
-    ],
-)
-def test_decode_attention_16bit_tier_in_the_merge_matches_reference(
-    tk, lens_q, lens_h, hq, hkv, d, meta, loop, monkeypatch
-):
-    """``CONFIG['tier_merge']``: stage 1 takes the INT2 splits only, and one merge program per
-    (sequence, KV head) attends the 16-bit list (the last partial of each row) and merges; taken
-    here at small sizes (``tier_merge_units`` 0), and not where a 16-bit list is longer than
-    ``tier_merge_max``."""
-    _, da = tk
-    for key, value in (("small_tokens", 0), ("tier_merge_units", 0), ("swap", loop != "words"),
-                       ("swap_heads", 1 if loop == "swap-one-head" else 8), ("swap_pair_tokens", 0),
-                       ("hp_block", 16), ("tier_block", 64 if d == 128 else 32)):  # fmt: skip
-        monkeypatch.setitem(da.CONFIG, key, value)
-    calls = []
-    launch = da._TIER_MERGE
-    monkeypatch.setattr(da, "_TIER_MERGE", lambda grid, *a, **k: calls.append(grid) or launch(grid, *a, **k))
-    _check_decode(da, lens_q, lens_h, hq, hkv, d, meta)
-    assert calls == [(len(lens_q) * hkv,)]
-    # a list longer than tier_merge_max (an empty one counts as 1): the 16-bit splits of stage 1
-    monkeypatch.setitem(da.CONFIG, "tier_merge_max", max(*lens_h, 1) - 1)
-    _check_decode(da, lens_q, lens_h, hq, hkv, d, meta)
-    assert len(calls) == 1

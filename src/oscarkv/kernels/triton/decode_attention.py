@@ -60,7 +60,6 @@ from .decode_plan import (
     token_groups,
 )
 from .decode_swap import int2_split_swap
-from .decode_tier import tier_merge
 from .decode_tiles import hp_split, int2_split_bytes, taper_range
 from .decode_words import int2_split_words
 from .launch import Launcher, pdl_ok
@@ -140,26 +139,16 @@ def _merge(
 
 
 _PARTIALS = {"fp32": torch.float32, "fp16": torch.float16}
-_STAGE1, _MERGE, _TIER_MERGE = Launcher(_stage1), Launcher(_merge), Launcher(tier_merge)
+_STAGE1, _MERGE = Launcher(_stage1), Launcher(_merge)
 
 
 # tile sizes (tokens): tl.arange lengths and tl.dot's K or N side, so powers of two >= 16
-_TILE_KEYS = ("block_n", "block_n_grouped", "swap_block_n", "hp_block", "swap_hp_block", "tier_block")
+_TILE_KEYS = ("block_n", "block_n_grouped", "swap_block_n", "hp_block", "swap_hp_block")
 # counts that must be positive integers
-_COUNT_KEYS = (
-    "swap_heads",
-    "swap_per_sm",
-    "per_sm",
-    "num_warps",
-    "num_stages",
-    "hp_split",
-    "min_split",
-    "tier_stages",
-    "tier_warps",
-)
+_COUNT_KEYS = ("swap_heads", "swap_per_sm", "per_sm", "num_warps", "num_stages", "hp_split", "min_split")
 # sizes and thresholds that must be integers >= 0 (0 turns hp_programs off), and flags
-_SIZE_KEYS = ("hp_programs", "swap_pair_tokens", "tier_merge_units", "tier_merge_max")
-_FLAG_KEYS = ("pdl", "swap_k_int8", "tier_merge")
+_SIZE_KEYS = ("hp_programs", "swap_pair_tokens")
+_FLAG_KEYS = ("pdl", "swap_k_int8")
 # real numbers >= 0
 _RATE_KEYS = ("taper",)
 _KEYS = _TILE_KEYS + _COUNT_KEYS + _SIZE_KEYS + _FLAG_KEYS + _RATE_KEYS
@@ -281,15 +270,10 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     split_q = split_size(bsz, hkv // hpb, max_q, block_n, sms, words, lp.per_sm, lp.min_split)
     sq = math.ceil(max_q / split_q)
     slots = sms * (lp.per_sm or CONFIG["per_sm"]) if words else 0  # the byte path keeps hp_split
-    # the 16-bit tier in the merge kernel (decode_tier.py): stage 1 takes the INT2 splits only and
-    # each row gets one 16-bit partial, the last
-    in_merge = (
-        words and CONFIG["tier_merge"] and bsz * hkv >= CONFIG["tier_merge_units"] and max_h <= CONFIG["tier_merge_max"]
-    )  # fmt: skip
-    split_h = max_h if in_merge else hp_split_size(bsz * (hkv // hpb), sq, max_h, lp.hp_block, slots)
+    split_h = hp_split_size(bsz * (hkv // hpb), sq, max_h, lp.hp_block, slots)
     sh = math.ceil(max_h / split_h)
     total = sq + sh
-    hp_first = CONFIG["hp_first"] and words and not in_merge
+    hp_first = CONFIG["hp_first"] and words
     # the INT2 splits that start after the first wave get fewer positions (only with hp_first)
     tp = taper(bsz * (hkv // hpb), sq, sh, split_q, split_h, max_q, block_n, slots if hp_first else 0)
     pdt = _PARTIALS[CONFIG["partials"]]
@@ -300,7 +284,7 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     kc, vc = (k_codes.view(torch.int16), v_codes.view(torch.int16)) if words else (k_codes, v_codes)
     # the merge as a programmatic dependent launch of stage 1 (Hopper and newer; not the interpreter)
     pdl = bool(CONFIG["pdl"]) and pdl_ok(q.device)
-    grid = (hkv // hpb, bsz, total) if hp_first else (hkv // hpb, sq if in_merge else total, bsz)
+    grid = (hkv // hpb, bsz, total) if hp_first else (hkv // hpb, total, bsz)
     _STAGE1(
         grid, q, kc, k_meta.view(word), vc, v_meta.view(word), hp_k, hp_v, int2_indptr, int2_indices, hp_indptr, hp_indices,
         o_part, lse, sm_scale * LOG2E, tp.split, split_h, sq, total, tp.n_early, tp.split_late,
@@ -311,14 +295,6 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
         num_warps=lp.warps, num_stages=CONFIG["num_stages"], **opts,
     )  # fmt: skip
     out = torch.empty_like(q_rot)
-    if in_merge:
-        _TIER_MERGE(
-            (bsz * hkv,), q, hp_k, hp_v, hp_indptr, hp_indices, o_part, lse, out, sm_scale * LOG2E, total, max_h,
-            HKV=hkv, G=g, G_PAD=max(16, _pow2(g)), D=d, BLOCK_H=CONFIG["tier_block"], STAGES=CONFIG["tier_stages"],
-            S_BLOCK=min(64, max(2, _pow2(total))), PDL=pdl, num_warps=CONFIG["tier_warps"],
-            **({"launch_pdl": True} if pdl else {}),
-        )  # fmt: skip
-        return out
     db = min(d, CONFIG["merge_d"])
     _MERGE(
         (bsz * hq, d // db), o_part, lse, out, total, S_BLOCK=min(64, max(2, _pow2(total))), D=d, DB=db,

@@ -114,15 +114,4 @@ CONFIG = {
     # -4%, 8 / 128K -1.5..-4.4%, 32 / 8K and 32 / 128K under 1%, head dim 256 -5% (0 at batch 1);
     # with one head at head dim 128 it lost (1 / 32K 0.0152 -> 0.0158), so there the fp16 planes stay
     "swap_k_int8": True,
-    # word-plane path: the 16-bit tier in the merge kernel (decode_tier.py: one program per
-    # sequence and KV head attends the whole 16-bit list, then merges; as a dependent launch it
-    # takes the slots stage 1 frees at its end) where there are at least tier_merge_units
-    # (sequence, KV head) pairs and the 16-bit lists hold at most tier_merge_max tokens; its tile,
-    # pipeline depth and warps
-    "tier_merge": True,
-    "tier_merge_units": 64,
-    "tier_merge_max": 1024,
-    "tier_block": 64,
-    "tier_stages": 3,
-    "tier_warps": 4,
 }
