@@ -74,7 +74,7 @@ def _tile(IDX, KC, KM, VC, VM, n0, hi, h0, kscale, offs_k, offs_r, q00, q01, q10
     the online-softmax state and the eight transposed accumulators after it. Scores are
     ``(t·kscale − kz·zq)·ks`` for the planes' dot ``t`` (``zq``: ``Σq·qk_scale`` per column).
     ``KI8``: the key product on int8 MMAs (``KC`` a byte pointer, ``offs_k`` the ``HP·D/4`` bytes
-    of a row, ``q00 … q31`` the int8 ``hi`` / ``lo`` parts, ``kscale`` per column;
+    of a row, ``q00 … q31`` the int8 ``hi`` / ``lo`` parts, ``kscale`` ``[1, HP·GP]``;
     :mod:`.decode_kint8`), else on fp16 planes (``offs_k`` the ``HP·D/8`` words, ``kscale`` a
     scalar)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -88,12 +88,11 @@ def _tile(IDX, KC, KM, VC, VM, n0, hi, h0, kscale, offs_k, offs_r, q00, q01, q10
         kb = tl.load(KC + sh[:, None] * (2 * D8) + offs_k[None, :], mask=nmask[:, None], other=0)
         k0, k1, k2, k3 = _kplanes_i8(kb, ASM)
         t = _dot_i8(k0, k1, k2, k3, q00, q01, q10, q11, q20, q21, q30, q31)
-        s = (t * kscale[None, :] - kz * zq[None, :]) * ks
     else:
         kc = tl.load(KC + sh[:, None] * D8 + offs_k[None, :], mask=nmask[:, None], other=0)
         k00, k01, k10, k11, k20, k21, k30, k31 = _planes(kc, ASM)
         t = _dot8(k00, k01, k10, k11, k20, k21, k30, k31, q00, q01, q10, q11, q20, q21, q30, q31)
-        s = (t * kscale - kz * zq[None, :]) * ks
+    s = (t * kscale - kz * zq[None, :]) * ks
     s = tl.where(nmask[:, None], s, float("-inf"))
     # the lazy rescale's test (some score above its column's max + 2^8) as one integer max over
     # the tile, a warp-wide redux: the float max over the tokens, a chain of shuffles, only when
@@ -142,7 +141,7 @@ def int2_split_swap(Q, KC, KM, VC, VM, IDX, O, LSE, qk_scale, lo, hi, total, hg,
         diag_k = (offs_k // D4)[:, None] == (offs_c // GP)[None, :]
         qk = Q + qrow[None, :] * D + (offs_k % D4)[:, None]
         q00, q01, q10, q11, q20, q21, q30, q31, sig, qsum = _qparts_i8(qk, diag_k & gmask[None, :], D4)
-        kscale = sig * qk_scale
+        kscale = (sig * qk_scale)[None, :]
         KK = KC.to(tl.pointer_type(tl.uint8))
     else:
         # query parts transposed, [HP·D8, HP·GP], block-diagonal: plane (i, e) holds dims D4·i + 2m + e
