@@ -1,9 +1,9 @@
 """Where a decode call's time goes at a few shapes: the whole call, stage 1 alone (the merge
 skipped), the 16-bit tier left out, ``--hot`` variants and ``CONFIG`` variants, all graph-timed in
 one run (TB/s on the bytes each variant must read, as if from DRAM). Session 13's diagnostics
-(results/dv_s13_breakdown.md); ``--hot N`` (session 17) points every quantized slot-list entry of a
-sequence at one of N slots, so the kernel executes the same instructions but its code and metadata
-loads hit in L2: what the kernel would take if its memory latency were hidden.
+(results/dv_s13_breakdown.md); ``--hot N`` (session 17) points every quantized slot-list entry at
+one of the pool's first N slots, so the kernel executes the same instructions but its code and
+metadata loads hit in L2: what the kernel would take if its memory latency were hidden.
 
     python benchmarks/decode_breakdown.py [--shapes 8x32768,32x8192] [--hot 256] [--set swap_block_n=64,swap_per_sm=10 ...]
 """
@@ -28,12 +28,25 @@ from oscarkv.quant import RowFormat
 HQ, HKV, D = 32, 8, 128
 
 
+def hot_slots(idx: torch.Tensor, n: int) -> torch.Tensor:
+    """Slot list ``idx`` (int32) folded onto slots ``0 … n-1``, ``n >= 1`` (the pools keep their size)."""
+    return idx % n
+
+
+def _slots(text: str) -> int:
+    """``--hot``'s value: an integer >= 1."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--hot takes a number of slots >= 1; got {text!r}")
+    return int(text)
+
+
 def timed(b: int, lq: int, lh: int, hot: int = 0) -> tuple[float, float]:
     fmt = RowFormat(D, 2, D)
     q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
-    pools = make_pools(b, lq, lh, HKV, D, fmt)
-    if hot:  # the quantized lists over `hot` slots (the pools keep their size)
-        pools = (*pools[:7], pools[7] % hot, *pools[8:])
+    kc, km, vc, vm, hk, hv, qptr, qidx, hptr, hidx = make_pools(b, lq, lh, HKV, D, fmt)
+    if hot:
+        qidx = hot_slots(qidx, hot)
+    pools = (kc, km, vc, vm, hk, hv, qptr, qidx, hptr, hidx)
     ms = bench_graph(lambda: tda.decode_attention(q, *pools, 1 / math.sqrt(D), fmt, fmt, lens_hint=(lq, lh)))
     return ms, decode_bytes(b, HKV, D, lq, lh) / ms / 1e9
 
@@ -42,7 +55,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="8x32768,32x8192,32x32768,8x131072")
     ap.add_argument(
-        "--hot", action="append", type=int, default=[], help="N: a variant whose slot lists use N slots"
+        "--hot", action="append", type=_slots, default=[], help="N: a variant whose slot lists use N slots"
     )
     ap.add_argument(
         "--set", action="append", default=[], help="KEY=VALUE[,KEY=VALUE]: one CONFIG variant (repeatable)"

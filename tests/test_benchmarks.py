@@ -20,7 +20,15 @@ def bench(monkeypatch, tmp_path):
     monkeypatch.setattr(_harness, "RESULTS", tmp_path)
     monkeypatch.setattr(_harness, "git_commit", lambda: "test")
     yield tmp_path
-    for mod in ("e2e_decode", "_harness", "calibration_speed", "gpu_check", "trace_decode", "gpu_lane"):
+    for mod in (
+        "e2e_decode",
+        "_harness",
+        "calibration_speed",
+        "gpu_check",
+        "trace_decode",
+        "gpu_lane",
+        "decode_breakdown",
+    ):
         sys.modules.pop(mod, None)
 
 
@@ -99,3 +107,18 @@ def test_gpu_lane_splits_contiguously_and_reports_a_failing_shard(bench):
     assert gpu_lane.main(["--target", str(target), "--shards", "2", "--out", str(bench / "bad")]) == 1
     text = (bench / "bad" / "gpu_lane.md").read_text()
     assert "NOT every shard exited 0" in text and "1 failed" in text and "2 passed" in text
+
+
+def test_decode_breakdown_hot_variant_folds_the_slot_list_and_checks_its_argument(bench):
+    """``--hot N`` points the quantized slot list at slots 0 … N-1; N must be an integer >= 1."""
+    import argparse
+
+    import decode_breakdown
+    import torch
+
+    idx = torch.arange(10, dtype=torch.int32)
+    assert decode_breakdown.hot_slots(idx, 4).tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+    assert decode_breakdown._slots("256") == 256
+    for bad in ("0", "-3", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="number of slots >= 1"):
+            decode_breakdown._slots(bad)
