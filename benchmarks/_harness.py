@@ -1,17 +1,26 @@
-"""Shared benchmark plumbing: environment stamp and result files (outside the package)."""
+"""Shared benchmark plumbing: environment stamp, result files and the CSV history (outside the
+package)."""
 
 from __future__ import annotations
 
+import csv
 import datetime as dt
 import json
 import platform
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# every run's headline figures, one row per figure, appended (never rewritten)
+HISTORY = Path(__file__).resolve().parent / "history.csv"
+HISTORY_FIELDS = ("date", "commit", "gpu", "python", "torch", "triton", "transformers",
+                  "benchmark", "shape", "metric", "value")  # fmt: skip
+
+Figure = tuple[str, str, float]  # (shape, metric, value)
 
 
 def config_value(text: str) -> int | float | str:
@@ -91,8 +100,39 @@ def env_info() -> dict[str, Any]:
     return info
 
 
-def save(name: str, payload: dict[str, Any], markdown: str) -> tuple[Path, Path]:
-    """Write ``results/<name>.json`` (payload + env) and ``results/<name>.md``."""
+def append_history(benchmark: str, figures: Iterable[Figure], env: dict[str, Any]) -> int:
+    """Append one row per ``(shape, metric, value)`` of ``figures`` to ``HISTORY``, stamped with
+    ``env`` (``env_info()`` of the run); the header is written when the file is new. Existing rows
+    are never rewritten. Returns the number of rows appended."""
+    stamp = [env.get(k, "") for k in HISTORY_FIELDS[:7]]
+    rows = [[*stamp, benchmark, shape, metric, _figure(value)] for shape, metric, value in figures]
+    if not rows:
+        return 0
+    new = not HISTORY.exists() or HISTORY.stat().st_size == 0
+    if not new:
+        with HISTORY.open(newline="") as f:
+            header = next(csv.reader(f), None)
+        if tuple(header or ()) != HISTORY_FIELDS:
+            raise ValueError(f"{HISTORY} has the header {header}, expected {list(HISTORY_FIELDS)}")
+    HISTORY.parent.mkdir(parents=True, exist_ok=True)
+    with HISTORY.open("a", newline="") as f:
+        w = csv.writer(f, lineterminator="\n")
+        if new:
+            w.writerow(HISTORY_FIELDS)
+        w.writerows(rows)
+    return len(rows)
+
+
+def _figure(value: float) -> str:
+    """Integers as they are (byte counts), other numbers to 6 significant digits."""
+    return str(value) if isinstance(value, int) else f"{value:.6g}"
+
+
+def save(
+    name: str, payload: dict[str, Any], markdown: str, history: Iterable[Figure] = ()
+) -> tuple[Path, Path]:
+    """Write ``results/<name>.json`` (payload + env) and ``results/<name>.md``, and append the
+    ``(shape, metric, value)`` figures of ``history`` to ``HISTORY`` as benchmark ``name``."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     env = env_info()
     j = RESULTS / f"{name}.json"
@@ -100,4 +140,5 @@ def save(name: str, payload: dict[str, Any], markdown: str) -> tuple[Path, Path]
     stamp = ", ".join(f"{k}: {v}" for k, v in env.items())
     m = RESULTS / f"{name}.md"
     m.write_text(f"<!-- {stamp} -->\n{markdown}\n\n_{stamp}_\n")
+    append_history(name, history, env)
     return j, m

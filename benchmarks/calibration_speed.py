@@ -44,6 +44,17 @@ def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def headline(payload: dict) -> list[tuple[str, str, float]]:
+    """The figures for the CSV history: seconds and peak extra MB, without and with the clip
+    search."""
+    out = []
+    for r in payload["rows"]:
+        search = ", clip search" if r["clip_search"] else ""
+        shape = f"{payload['label']}, {payload['tokens']} tokens{search}"
+        out += [(shape, "seconds", r["seconds"]), (shape, "peak_extra_mb", r["peak_extra_mb"])]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model")
@@ -98,7 +109,8 @@ def main() -> None:
             "so a later row shows only what it added beyond the earlier peak.",
         ]
     name = args.name or ("calibration_speed_gpu" if dev.type == "cuda" else "calibration_speed_cpu")
-    save(name, {"label": label, "rows": rows}, "\n".join(md))
+    payload = {"label": label, "tokens": args.tokens, "rows": rows}
+    save(name, payload, "\n".join(md), history=headline(payload))
     print("\n".join(md))
 
 

@@ -162,6 +162,19 @@ def run_shape(model, cfg, rots, batch: int, context: int, args) -> tuple[dict, l
     return res, md
 
 
+def headline(payload: dict) -> list[tuple[str, str, float]]:
+    """The figures for the CSV history, per ``BATCHxCONTEXT``: each cache's median ms per step,
+    decode tok/s and KV bytes, and the BF16 / OscarCache ratio of the medians."""
+    out = []
+    for shape, res in payload["results"].items():
+        for name, r in res.items():
+            out += [(shape, f"{name}_ms_per_step", r["ms_per_step"]), (shape, f"{name}_tok_per_s", r["tok_per_s"]),
+                    (shape, f"{name}_kv_bytes", r["kv_bytes_allocated"])]  # fmt: skip
+        if "bf16" in res and "oscar" in res:
+            out.append((shape, "speedup", res["bf16"]["ms_per_step"] / res["oscar"]["ms_per_step"]))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="16x32768", help="comma list of BATCHxCONTEXT")
@@ -201,7 +214,8 @@ def main(argv: list[str] | None = None) -> None:
         results[shape] = res
         md += [f"## {shape}", "", *lines, ""]
     print("\n".join(md))
-    save(args.name, {"args": vars(args), "results": results}, "\n".join(md))
+    payload = {"args": vars(args), "results": results}
+    save(args.name, payload, "\n".join(md), history=headline(payload))
 
 
 if __name__ == "__main__":

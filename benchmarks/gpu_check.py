@@ -308,6 +308,21 @@ def bench_decode(quick: bool, copy_tbps: float) -> list[dict]:
     return rows
 
 
+def headline(payload: dict) -> list[tuple[str, str, float]]:
+    """The figures for the CSV history: per decode shape (``BATCHxLENGTH``) the graph-timed INT2
+    and SDPA ms, their ratio and the INT2 kernel's effective TB/s; per quantize_pack case the
+    graph-timed ms and input TB/s."""
+    out = []
+    for r in payload["decode"]:
+        shape = f"{r['batch']}x{r['len']}"
+        out += [(shape, "decode_int2_ms", r["int2_ms"]), (shape, "decode_sdpa_ms", r["sdpa_ms"]),
+                (shape, "decode_speedup", r["speedup"]), (shape, "decode_int2_TBps", r["int2_TBps"])]  # fmt: skip
+    for r in payload["quantize"]:
+        shape = f"{r['rows']}x128 clip {r['clip']}" + (" rotated" if r["rotate"] else "")
+        out += [(shape, "quantize_pack_ms", r["ms"]), (shape, "quantize_pack_TBps", r["input_TBps"])]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -365,7 +380,7 @@ def main() -> None:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, "gpu_check.json").write_text(json.dumps({"env": env_info(), **payload}, indent=1))
-    save("gpu_check" + ("_quick" if args.quick else ""), payload, md)
+    save("gpu_check" + ("_quick" if args.quick else ""), payload, md, history=headline(payload))
 
 
 if __name__ == "__main__":

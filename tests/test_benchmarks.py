@@ -1,15 +1,18 @@
 """Smoke runs of GPU benchmark scripts on the CPU with tiny models: their plumbing (argument
-handling, cache bookkeeping across rounds, result files) works before GPU time is spent on them."""
+handling, cache bookkeeping across rounds, result files, the CSV history) works before GPU time is
+spent on them."""
 
 from __future__ import annotations
 
+import csv
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
 
 
 @pytest.fixture
@@ -18,18 +21,16 @@ def bench(monkeypatch, tmp_path):
     import _harness
 
     monkeypatch.setattr(_harness, "RESULTS", tmp_path)
+    monkeypatch.setattr(_harness, "HISTORY", tmp_path / "history.csv")
     monkeypatch.setattr(_harness, "git_commit", lambda: "test")
     yield tmp_path
-    for mod in (
-        "e2e_decode",
-        "_harness",
-        "calibration_speed",
-        "gpu_check",
-        "trace_decode",
-        "gpu_lane",
-        "decode_breakdown",
-    ):
+    for mod in ("e2e_decode", "_harness", "calibration_speed", "gpu_check", "gpu_lane"):
         sys.modules.pop(mod, None)
+
+
+def history(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
 
 
 def test_e2e_decode_alternates_rounds_and_keeps_each_cache_consistent(bench):
@@ -45,32 +46,50 @@ def test_e2e_decode_alternates_rounds_and_keeps_each_cache_consistent(bench):
         assert res[name]["tokens_cached"] == 300 + 1 + 3 * 3  # prompt, warm-up, 3 rounds of 3 steps
     assert res["oscar"]["bits_per_element"] > 2
     assert "ratio of the medians" in (bench / "smoke.md").read_text()
+    rows = history(bench / "history.csv")
+    assert {r["benchmark"] for r in rows} == {"smoke"} and {r["shape"] for r in rows} == {"2x300"}
+    got = {r["metric"]: r["value"] for r in rows}
+    assert set(got) == {
+        f"{c}_{m}" for c in ("bf16", "oscar") for m in ("ms_per_step", "tok_per_s", "kv_bytes")
+    } | {"speedup"}
+    assert float(got["oscar_ms_per_step"]) == pytest.approx(res["oscar"]["ms_per_step"], rel=1e-5)
 
 
-def test_trace_decode_patches_the_current_kernel_and_its_summary_reads_the_timeline(bench):
-    """``benchmarks/trace_decode.py`` edits a copy of the decode kernel by text: every edit must
-    still match the kernel's current source, and the summary must place a known timeline."""
-    import torch
-    import trace_decode
+def test_save_appends_history_rows_and_never_rewrites_them(bench):
+    import _harness
 
-    mod = trace_decode.traced_module()
-    assert "TR" in mod._stage1.arg_names and "TRM" in mod._merge.arg_names
-    # the end-of-program record sits in _stage1 itself, after both tiers
-    src = mod._stage1.src
-    assert src.rstrip().endswith("_record(TR, (sp < n_q_splits).to(tl.int64))") and "_start(TR)" in src
-    assert mod._merge.src.rstrip().endswith("_record(TRM, 2)")
-    # stage 1: two INT2 programs (kind 1) on SMs 0/1 and one 16-bit program (kind 0); ns
-    mod.TRACE[0] = torch.tensor([[0, 5000, 0, 1], [1000, 9000, 1, 1], [0, 2000, 1, 0]])
-    mod.TRACE[1] = torch.tensor([[10000, 12000, 0, 2], [10500, 11000, 1, 2]])
-    s = trace_decode.summarise(mod, 0.015)
-    assert (s["int2_programs"], s["hp_programs"], s["merge_programs"]) == (2, 1, 2)
-    assert s["int2_late"] == 0 and s["stage1_span_us"] == 9.0 and s["merge_gap_us"] == 1.0
-    assert s["by_int2_per_sm"] == "1: 2 SMs, 7.0 µs, 0.5 hp"
-    assert s["kernel_span_us"] == 12.0 and s["outside_us"] == 3.0 and s["sm_end_us"] == [5.0, 5.0, 9.0, 9.0]
+    _harness.save("one", {}, "x", history=[("8x32768", "decode_int2_ms", 0.0562187), ("16x32768", "kv_bytes", 11688814592)])  # fmt: skip
+    path = bench / "history.csv"
+    first = path.read_text()
+    assert first.splitlines()[0] == ",".join(_harness.HISTORY_FIELDS)
+    rows = history(path)
+    assert [(r["benchmark"], r["shape"], r["metric"], r["value"]) for r in rows] == [
+        ("one", "8x32768", "decode_int2_ms", "0.0562187"), ("one", "16x32768", "kv_bytes", "11688814592")]  # fmt: skip
+    assert rows[0]["commit"] == "test" and rows[0]["torch"] and rows[0]["date"]
+    _harness.save("two", {}, "y", history=[("a, b", "seconds", 1.5)])
+    _harness.save("three", {}, "z")  # no figures: nothing appended
+    second = path.read_text()
+    assert second.startswith(first) and second.count("\n") == first.count("\n") + 1
+    assert history(path)[-1]["shape"] == "a, b"
+    path.write_text("date,value\n1,2\n")  # another header: refused, left as it is
+    with pytest.raises(ValueError, match="header"):
+        _harness.save("four", {}, "", history=[("s", "m", 1.0)])
+    assert path.read_text() == "date,value\n1,2\n"
+
+
+def test_gpu_check_headline_reads_its_saved_results(bench):
+    import gpu_check
+
+    payload = json.loads((BENCH / "results" / "gpu_check.json").read_text())
+    figs = gpu_check.headline(payload)
+    assert len(figs) == 4 * len(payload["decode"]) + 2 * len(payload["quantize"])
+    d, q = payload["decode"][0], payload["quantize"][0]
+    assert (f"{d['batch']}x{d['len']}", "decode_speedup", d["speedup"]) in figs
+    assert (f"{q['rows']}x128 clip {q['clip']}", "quantize_pack_TBps", q["input_TBps"]) in figs
 
 
 def test_heads_argument_of_the_decode_benchmarks_is_checked(bench):
-    """``--heads QUERYxKVxHEAD_DIM`` of decode_variants.py and trace_decode.py."""
+    """``gpu_check.parse_heads``: the ``--heads QUERYxKVxHEAD_DIM`` argument of the decode scripts."""
     import gpu_check
 
     assert gpu_check.parse_heads("16x4x256") == (16, 4, 256)
@@ -83,7 +102,8 @@ def test_heads_argument_of_the_decode_benchmarks_is_checked(bench):
             gpu_check.parse_heads(bad)
 
 
-def test_gpu_lane_splits_contiguously_and_reports_a_failing_shard(bench):
+def test_gpu_lane_splits_contiguously_and_reports_a_failing_shard(bench, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     import gpu_lane
 
     ids = [f"t{i}" for i in range(10)]
@@ -107,18 +127,3 @@ def test_gpu_lane_splits_contiguously_and_reports_a_failing_shard(bench):
     assert gpu_lane.main(["--target", str(target), "--shards", "2", "--out", str(bench / "bad")]) == 1
     text = (bench / "bad" / "gpu_lane.md").read_text()
     assert "NOT every shard exited 0" in text and "1 failed" in text and "2 passed" in text
-
-
-def test_decode_breakdown_hot_variant_folds_the_slot_list_and_checks_its_argument(bench):
-    """``--hot N`` points the quantized slot list at slots 0 … N-1; N must be an integer >= 1."""
-    import argparse
-
-    import decode_breakdown
-    import torch
-
-    idx = torch.arange(10, dtype=torch.int32)
-    assert decode_breakdown.hot_slots(idx, 4).tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
-    assert decode_breakdown._slots("256") == 256
-    for bad in ("0", "-3", "x"):
-        with pytest.raises(argparse.ArgumentTypeError, match="number of slots >= 1"):
-            decode_breakdown._slots(bad)

@@ -2,7 +2,7 @@
 rotation, without syncing inside the timed loop. Run on the GPU machine; point ``PYTHONPATH`` at
 another tree's ``src`` to compare versions in one call:
 
-    python benchmarks/host_overhead.py
+    python lab/scripts/host_overhead.py
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # benchmarks/: _harness and co.
 from gpu_check import SINK_RECENT, bench_graph, make_pools
 
 import oscarkv.kernels.triton.decode_attention as tda

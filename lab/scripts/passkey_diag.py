@@ -2,7 +2,7 @@
 variants, side by side on the same prompts: ppl ratio, passkey at 3K (n prompts, paired Δ vs
 BF16) and mean attention-output error.
 
-    python benchmarks/passkey_diag.py --model ../shared/models/oscar-ref-qwen3-30m --n 400
+    python lab/scripts/passkey_diag.py --model ../shared/models/oscar-ref-qwen3-30m --n 400
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # benchmarks/: _harness and co.
 from _harness import save
 
 import oscarkv

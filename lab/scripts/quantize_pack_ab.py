@@ -12,25 +12,25 @@ clip 0.92 too).
 The previous kernel is a copy of the module at another commit, loaded from a file, e.g.
 
     git show <rev>:src/oscarkv/kernels/triton/quantize_pack.py > out/qp_old.py
-    python benchmarks/quantize_pack_ab.py --old out/qp_old.py [--sweep layer,none] [--out DIR]
+    python lab/scripts/quantize_pack_ab.py --old out/qp_old.py [--sweep layer,none] [--out DIR]
 
 or, with ``--packed``, the current module with the fp32 clip network (``PACKED = False``)
 against itself with the packed one (bf16 rows without rotation; other cases run the same kernel):
 
-    python benchmarks/quantize_pack_ab.py --packed [--sweep packed] [--out DIR]
+    python lab/scripts/quantize_pack_ab.py --packed [--sweep packed] [--out DIR]
 
 or, with ``--round-k``, the current module with clip rounds of six values (``ROUND_K = 6``: clip
 0.92 takes two rounds, the fp32 network without rotation) against itself with rounds of twelve
 (one round, the packed network without rotation; at d=128 clip 0.96 and 0.0 run one kernel):
 
-    python benchmarks/quantize_pack_ab.py --round-k [--out DIR]
+    python lab/scripts/quantize_pack_ab.py --round-k [--out DIR]
 
 or, with ``--pdl``, the current module launched ordinarily (``PDL = False``) against itself as a
 programmatic dependent launch (each call of the CUDA graph waits on the one before it through
 ``griddepcontrol``, as it would on the kernel that produced its rows; only without rotation: with
 it both columns are ordinary launches):
 
-    python benchmarks/quantize_pack_ab.py --pdl [--out DIR]
+    python lab/scripts/quantize_pack_ab.py --pdl [--out DIR]
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # benchmarks/: _harness and co.
 from _harness import env_info, import_kernel_copy
 
 from oscarkv.kernels.triton import quantize_pack as new

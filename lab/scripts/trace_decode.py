@@ -11,7 +11,7 @@ the program's memory traffic, so the times within one replay are good to a fract
 microsecond; ``outside`` compares that one replay with the graph-timed median, and replays vary
 by several percent (down to -46 µs at batch 32 / 32K), so read it only as a rough check.
 
-    python benchmarks/trace_decode.py --shapes 8x32768,8x65536,32x32768
+    python lab/scripts/trace_decode.py --shapes 8x32768,8x65536,32x32768
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # benchmarks/: _harness and co.
 from _harness import config_value, save
 from gpu_check import SINK_RECENT, bench_graph, decode_inputs, parse_heads
 

@@ -5,7 +5,7 @@ Prints per step: wall time, GPU busy time (sum of kernel durations; one stream),
 oscarkv's own stages (labelled here by wrapping them; the library has no profiler hooks), then the
 top ops by host time and by GPU time. Run on the GPU machine:
 
-    python benchmarks/profile_e2e.py [--batch 16] [--context 32768] [--new 8] [--caches oscar,bf16]
+    python lab/scripts/profile_e2e.py [--batch 16] [--context 32768] [--new 8] [--caches oscar,bf16]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # benchmarks/: _harness and co.
 from _harness import save
 from calibration_speed import QWEN3_8B
 from e2e_decode import decode, prefill, warm_kernels

@@ -6,7 +6,7 @@ tokens (``eval_sequences``: one module each; the last 512 tokens in chunks of 32
 method's cache. Next to each ratio: the mean per-layer relative INT2 attention-output error on 4
 held-out eval-split sequences of 2048 tokens (`calibration_quality.py`'s measure).
 
-    python benchmarks/ppl_recipes.py --model ../shared/models/oscar-ref-qwen3-30m
+    python lab/scripts/ppl_recipes.py --model ../shared/models/oscar-ref-qwen3-30m
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # benchmarks/: _harness and co.
 from _harness import save
 
 import oscarkv

@@ -1,7 +1,7 @@
 """Run the Triton decode attention a few times on one shape, for a profiler (Nsight Compute).
 
     ncu --clock-control none --kernel-name regex:_stage1 --launch-skip 2 --launch-count 1 \\
-        --set full -o prof python benchmarks/profile_decode.py --batch 8 --len 32768
+        --set full -o prof python lab/scripts/profile_decode.py --batch 8 --len 32768
 
 ``--set KEY=VALUE`` overrides ``CONFIG`` entries of the kernel (ints, 0/1 for flags, or strings).
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # benchmarks/: _harness and co.
 from _harness import config_value
 from gpu_check import SINK_RECENT, make_pools
 

@@ -7,7 +7,7 @@ call allows), four processes in parallel 178 s in session 12. The test ids are s
 contiguous shards, so that parametrizations of one test (which share compiled kernels) stay in
 one process. Each shard stops at ``--timeout`` seconds, so its partial result still comes back.
 
-    python benchmarks/gpu_lane.py [--shards 4] [-k EXPR] [--timeout 500] [--out DIR]
+    python scripts/gpu_lane.py [--shards 4] [-k EXPR] [--timeout 500] [--out DIR]
 
 Exit status: 0 if every shard passed (skips allowed), 1 otherwise.
 """
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # _harness
 from _harness import env_info
 
 LANE = Path(__file__).resolve().parents[1] / "tests" / "test_kernels_gpu.py"

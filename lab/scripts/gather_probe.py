@@ -7,7 +7,7 @@ what the decode kernel loads per tile: the slot list, the K and V code rows and 
 kernel must read (codes, metadata and the 4-byte slot list). Variants: heads per program 1, 2, 8
 (32-, 64-, 256-byte code rows), without metadata, without the slot-list indirection.
 
-    python benchmarks/gather_probe.py --shapes 8x32768,16x32768,8x131072
+    python lab/scripts/gather_probe.py --shapes 8x32768,16x32768,8x131072
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # benchmarks/: _harness and co.
 from _harness import save
 
 from oscarkv.kernels.triton.decode_plan import CONFIG, split_size

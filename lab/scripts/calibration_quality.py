@@ -5,7 +5,7 @@ search, the softmax value target, per-KV-head rotations, and the Hadamard / iden
 ablations), then measures each on held-out sequences with OSCAR's windows (64 sink + 256
 recent tokens in 16 bits, the middle INT2). Usage:
 
-    python benchmarks/calibration_quality.py --model ../shared/models/oscar-ref-qwen3-30m
+    python lab/scripts/calibration_quality.py --model ../shared/models/oscar-ref-qwen3-30m
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # benchmarks/: _harness and co.
 from _harness import save
 
 from oscarkv.calibration import calibrate, token_sequences

@@ -1,7 +1,7 @@
 """Run the Triton quantize_pack a few times on one shape, for a profiler (Nsight Compute).
 
     ncu --clock-control none --kernel-name regex:_quantize_pack --launch-skip 2 --launch-count 1 \\
-        --set full -o prof python benchmarks/profile_quantize.py --rows 65536 --rotate layer
+        --set full -o prof python lab/scripts/profile_quantize.py --rows 65536 --rotate layer
 
 Rows are bf16 ``[rows / 8, 8, 128]`` (Qwen3-8B's KV heads), clip 0.96 unless ``--clip``.
 """

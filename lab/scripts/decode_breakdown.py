@@ -5,7 +5,7 @@ one run (TB/s on the bytes each variant must read, as if from DRAM). Session 13'
 one of the pool's first N slots, so the kernel executes the same instructions but its code and
 metadata loads hit in L2: what the kernel would take if its memory latency were hidden.
 
-    python benchmarks/decode_breakdown.py [--shapes 8x32768,32x8192] [--hot 256] [--set swap_block_n=64,swap_per_sm=10 ...]
+    python lab/scripts/decode_breakdown.py [--shapes 8x32768,32x8192] [--hot 256] [--set swap_block_n=64,swap_per_sm=10 ...]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # benchmarks/: _harness and co.
 from _harness import config_value, save
 from gpu_check import SINK_RECENT, bench_graph, decode_bytes, make_pools
 

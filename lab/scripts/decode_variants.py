@@ -9,7 +9,7 @@ launch columns) and only the ``--set KEY=V1,V2`` axes, next to the best BF16 SDP
 shapes (Qwen3-8B's 32/8 heads and head dim 128, or ``--heads``), all graph-timed in one run (``--eager``: eager calls too).
 Every (version, config) is first checked against the fp32 torch reference.
 
-    python benchmarks/decode_variants.py --baseline v0=benchmarks/baseline_kernels/v0
+    python lab/scripts/decode_variants.py --baseline v0=benchmarks/baseline_kernels/v0
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # benchmarks/: _harness and co.
 from _harness import config_value, import_kernel_copy, save
 from gpu_check import (
     SINK_RECENT,
