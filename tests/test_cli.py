@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from oscarkv import QuantSpec
-from oscarkv.cli import add_dataclass_args, dataclass_from_args, load_model, main
+from oscarkv.cli import DTYPE_CHOICES, add_dataclass_args, dataclass_from_args, main
+from oscarkv.hf.loading import DTYPES, load_model
 
 
 @pytest.fixture(autouse=True)
@@ -70,6 +71,29 @@ def test_console_script_installed() -> None:
     res = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert "info" in res.stdout
+
+
+def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from oscarkv.version import __version__
+
+    with pytest.raises(SystemExit) as ei:
+        main(["--version"])
+    assert ei.value.code == 0
+    assert capsys.readouterr().out.strip() == f"oscarkv {__version__}"
+
+
+def test_dtype_choices_match_the_loader() -> None:
+    assert set(DTYPE_CHOICES) == set(DTYPES)
+
+
+def test_parsing_flags_does_not_import_transformers() -> None:
+    code = (
+        "import sys; from oscarkv.cli import build_parser; build_parser().parse_args(['eval', '--model', 'm', "
+        "'--out', 'o', '--dtype', 'bf16']); print('transformers' in sys.modules, 'oscarkv.hf' in sys.modules)"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["False", "False"]
 
 
 def test_demo(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

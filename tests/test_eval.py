@@ -424,8 +424,9 @@ def test_paired_difference():
 @pytest.mark.slow
 def test_cli_eval_quick_on_the_reference_model(shared_dir: Path, tmp_path: Path):
     from oscarkv.calibration import calibrate
-    from oscarkv.cli import load_model, main
+    from oscarkv.cli import main
     from oscarkv.config import CalibrationConfig
+    from oscarkv.hf.loading import load_model
     from oscarkv.rotation import save_rotations
 
     ref = shared_dir / "models" / "oscar-ref-qwen3-30m"

@@ -10,8 +10,7 @@ from typing import Any
 
 from .config import CalibrationConfig, QuantSpec, SpecError
 from .rotation import RotationFileError, RotationSet, load_rotations, save_rotations
-
-__version__ = "0.1.0"
+from .version import __version__
 
 
 def calibrate(model: Any, tokenizer: Any, *args: Any, **kwargs: Any) -> RotationSet:

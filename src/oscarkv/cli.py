@@ -12,6 +12,10 @@ from typing import Any
 
 __all__ = ["add_dataclass_args", "dataclass_from_args", "main"]
 
+#: ``--dtype`` choices: the keys of :data:`oscarkv.hf.loading.DTYPES`, repeated here so that parsing
+#: flags (``--help``, ``info``) does not import transformers (tests/test_cli.py keeps the two equal)
+DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")
+
 
 # ---- dataclass <-> argparse ---------------------------------------------------------------
 def _scalar_type(tp: Any) -> Any:
@@ -93,32 +97,6 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "auto": "auto"}
-
-
-def load_model(path: str, device: str, dtype: str) -> tuple[Any, Any]:
-    """Load a causal LM and its tokenizer (a local path or a hub id) onto ``device``."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .config import SpecError
-
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if dtype == "auto":
-        dtype = "bf16" if device.startswith("cuda") else "fp32"
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, DTYPES[dtype]))
-    except OSError as e:
-        where = "a local directory" if Path(path).exists() else "not a local directory"
-        raise SpecError(
-            f"cannot load model {path!r} ({where}): {str(e).splitlines()[0]} — pass a directory with "
-            "config.json, weights and tokenizer files"
-        ) from e
-    return model.to(device).eval(), tok
-
-
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -126,6 +104,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from .calibration import calibrate
     from .calibration.report import summary_rows
     from .config import CalibrationConfig, QuantSpec, SpecError
+    from .hf.loading import load_model
     from .rotation import save_oscar_files, save_rotations
 
     cfg = dataclass_from_args(CalibrationConfig, args)
@@ -175,6 +154,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     from .config import EvalConfig, SpecError
     from .eval import run_eval, summary_markdown, write_report
+    from .hf.loading import load_model
     from .rotation import load_rotations
 
     cfg = dataclass_from_args(EvalConfig, args)
@@ -208,6 +188,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
     from .hf import OscarCache
+    from .hf.loading import load_model
     from .rotation import load_rotations
 
     model, tok = load_model(args.model, args.device, args.dtype)
@@ -246,8 +227,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
     from .config import CalibrationConfig, EvalConfig, QuantSpec
+    from .version import __version__
 
     ap = argparse.ArgumentParser(
         prog="oscarkv",
@@ -267,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory for rotations.safetensors")
     p.add_argument("--data", nargs="*", help="text files, folders or JSONL (default: Python stdlib)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if present)")
-    p.add_argument("--dtype", default="auto", choices=sorted(DTYPES), help="model dtype")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="model dtype")
     p.add_argument("--export-oscar", action="store_true", help="also write OSCAR-format .pt files")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_dataclass_args(p, CalibrationConfig, "calibration")
@@ -279,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rotations", help="rotation artifact for the 'oscar' method")
     p.add_argument("--out", required=True, help="output directory (results.json, results.md, PNGs)")
     p.add_argument("--device", default="auto", help="cpu, cuda, ... (default: cuda if present)")
-    p.add_argument("--dtype", default="auto", choices=sorted(DTYPES), help="model dtype")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="model dtype")
     add_dataclass_args(p, EvalConfig, "evaluation")
     p.set_defaults(func=_cmd_eval)
 
@@ -293,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="kernel backend")
     p.add_argument("--device", default="auto", help="cpu, cuda, ... (default: cuda if present)")
-    p.add_argument("--dtype", default="auto", choices=sorted(DTYPES), help="model dtype")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="model dtype")
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser(

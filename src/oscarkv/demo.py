@@ -40,8 +40,8 @@ def run_demo(out: str | Path = "oscarkv-demo", device: str = "cpu", quick: bool 
     from rich.console import Console
 
     from .calibration import calibrate
-    from .cli import load_model
     from .eval import run_eval, summary_markdown, write_report
+    from .hf.loading import load_model
     from .rotation import save_rotations
 
     con = Console()

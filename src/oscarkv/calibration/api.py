@@ -11,6 +11,7 @@ import torch
 
 from ..config import CLIP_GRID_K, CLIP_GRID_V, CalibrationConfig, QuantSpec
 from ..rotation import LayerRotation, Provenance, RotationSet, config_fingerprint
+from ..version import __version__
 from .capture import UnsupportedModelError, attention_geometry, capture_attention, check_supported
 from .data import token_sequences
 from .error import ClipSearch
@@ -155,8 +156,6 @@ def calibrate(
         search = cs.result()
         for i, r in search.items():
             rots[i].k_clip, rots[i].v_clip = r["k_clip"], r["v_clip"]
-
-    from .. import __version__
 
     name = getattr(model.config, "_name_or_path", "") or type(model).__name__
     recipe = {
