@@ -546,7 +546,7 @@ def test_oscarcache_is_a_lazy_attribute():
 
 
 def test_ranges_to_csr_expands_ranges_in_order() -> None:
-    from oscarkv.hf.slots import ranges_to_csr
+    from oscarkv.kernels.pool_ops import ranges_to_csr
 
     ranges = [[(100, 3), (7, 0), (40, 2)], [], [(0, 1)], [(5, 0)], [(300, 4), (200, 1)]]
     indptr, idx = ranges_to_csr(ranges, torch.device("cpu"))

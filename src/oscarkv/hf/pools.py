@@ -1,14 +1,16 @@
 """One layer's storage: packed quantized rows + 16-bit rows, laid out as :mod:`.slots` says.
 
 Only packed codes and their (scale, zero) metadata are kept for the quantized tier: no float
-copy of the history exists anywhere.
+copy of the history exists anywhere. The writes and reads themselves are
+:mod:`oscarkv.kernels.pool_ops`; this class owns the tensors and regrows them when the
+per-sequence regions of :mod:`.slots` grow.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..kernels import KernelOps
+from ..kernels import KernelOps, pool_ops
 from ..quant import RowFormat
 from .slots import StepPlan
 
@@ -67,26 +69,15 @@ class LayerPools:
         Demotions run first: a slot they free may receive a new token in the same step.
         """
         self.ensure(plan.cap_q, plan.cap_h)
-        self.demote(plan, ops)
-        b, t, s = plan.new_q
-        if s.numel():
-            self._write_q(s, k_rot[b, t], v_rot[b, t], ops)
-        b, t, s = plan.new_hp
-        if s.numel():
-            self.hp_k[s] = k_rot[b, t].to(self.hp_k.dtype)
-            self.hp_v[s] = v_rot[b, t].to(self.hp_v.dtype)
+        qb, qt, qs = plan.new_q
+        hb, ht, hs = plan.new_hp
+        q_rows = (k_rot[qb, qt], v_rot[qb, qt])
+        hp_rows = (k_rot[hb, ht], v_rot[hb, ht])
+        pool_ops.write_step(self, *plan.demote, qs, q_rows, hs, hp_rows, ops)
 
     def demote(self, plan: StepPlan, ops: KernelOps) -> None:
         """Move the step's demoted 16-bit rows to their quantized slots (before any new writes)."""
-        src, dst = plan.demote
-        if src.numel():
-            self._write_q(dst, self.hp_k[src], self.hp_v[src], ops)
-
-    def _write_q(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ops: KernelOps) -> None:
-        kc, km = ops.quantize_pack(k, None, self.k_fmt)
-        vc, vm = ops.quantize_pack(v, None, self.v_fmt)
-        self.k_codes[slots], self.k_meta[slots] = kc, km.to(self.k_meta.dtype)
-        self.v_codes[slots], self.v_meta[slots] = vc, vm.to(self.v_meta.dtype)
+        pool_ops.demote(self, *plan.demote, ops)
 
     def gather_prefix(
         self,
@@ -98,12 +89,9 @@ class LayerPools:
         ops: KernelOps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence ``b``'s cached rows (16-bit + dequantized) as ``[P, H, d]`` in the model dtype."""
-        qi = idx[int(indptr[b]) : int(indptr[b + 1])].long()
-        hi = hp_idx[int(hp_indptr[b]) : int(hp_indptr[b + 1])].long()
-        dt = self.hp_k.dtype
-        k = torch.cat([self.hp_k[hi], ops.dequantize(self.k_codes[qi], self.k_meta[qi], self.k_fmt, dt)])
-        v = torch.cat([self.hp_v[hi], ops.dequantize(self.v_codes[qi], self.v_meta[qi], self.v_fmt, dt)])
-        return k, v
+        qi = idx[int(indptr[b]) : int(indptr[b + 1])]
+        hi = hp_idx[int(hp_indptr[b]) : int(hp_indptr[b + 1])]
+        return pool_ops.gather_prefix(self, qi, hi, ops)
 
     def bytes(self, n_q: int, n_h: int) -> dict[str, int]:
         """Bytes of ``n_q`` quantized and ``n_h`` 16-bit tokens (all heads, K and V)."""

@@ -1,17 +1,14 @@
-"""Which token lives in which tier and slot: the bookkeeping every layer of the cache shares.
+"""Where each token of the HF cache is stored: per-sequence slot regions over flat pools.
 
-Each sequence ``b`` owns contiguous regions of the per-layer pools (slot ids are flat):
+The tier rules (which token is in the sink, INT2 or the recent window) are
+:mod:`oscarkv.quant.tiers`; this module only lays the tiers out. Each sequence ``b`` owns
+contiguous regions of the per-layer pools (slot ids are flat):
 
-* quantized tier: slots ``[b·cap_q, b·cap_q + n_q)`` in token order (``cap_q`` grows by doubling);
+* INT2 tier: slots ``[b·cap_q, b·cap_q + n_q)`` in token order (``cap_q`` grows by doubling);
 * 16-bit tier: ``cap_h = sink + ring`` slots from ``b·cap_h``: the sink in the first
-  ``n_sink`` slots, the recent window in a ring of ``ring = max(recent + demote_block − 1, 1)``
-  slots after ``sink`` slots. Without quantization (passthrough) the ring never wraps and grows.
+  ``n_sink`` slots, then the recent window in a ring of ``ring = max(recent + demote_block − 1, 1)``
+  slots. Without quantization (passthrough) the ring never wraps and grows by doubling.
 
-Semantics (spec §5.2–5.5): the sink is the first ``min(prompt, sink_tokens)`` valid tokens of a
-sequence's first write; a prefill keeps the last ``recent_tokens`` tokens in 16 bits (older
-window tokens are demoted, middle tokens are quantized at once); a decode step demotes the
-oldest ``demote_block`` window tokens when adding the new one would exceed
-``recent + demote_block − 1``, so the window holds ``recent … recent + demote_block − 1`` tokens.
 Pads (invalid positions of a left-padded batch) are stored nowhere.
 """
 
@@ -22,17 +19,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import QuantSpec
+from ..kernels.pool_ops import ranges_to_csr
+from ..quant.tiers import Moves, TierState, apply_moves, plan_moves, ring_spans, window_limit
 
-__all__ = ["SeqState", "SlotTable", "StepPlan", "ranges_to_csr"]
+__all__ = ["SlotTable", "StepPlan", "ranges_to_csr"]
 
-
-@dataclass
-class SeqState:
-    n_sink: int = 0
-    n_q: int = 0
-    head: int = 0  # ring index of the oldest recent token
-    n_recent: int = 0
-    started: bool = False
+CSR = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -46,8 +38,8 @@ class StepPlan:
     cap_h: int
     # CSR over the state *before* this step's writes (prefill prefix; None in decode steps, which
     # do not read it) and *after* them (decode)
-    pre: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
-    post: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    pre: CSR | None
+    post: CSR
     valid: torch.Tensor  # bool [B, T]
     is_decode: bool
     post_lens: tuple[int, int] = (0, 0)  # longest quantized / 16-bit list after the step (host ints)
@@ -55,42 +47,20 @@ class StepPlan:
     decode_dst: torch.Tensor | None = None
 
 
-def ranges_to_csr(ranges: list[list[tuple[int, int]]], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Per-sequence lists of ``(start, length)`` -> ``(indptr int32 [B+1], indices int32)``.
-
-    Only the ranges travel to ``device``; the indices are expanded there (a decode step's lists
-    hold batch × context ids: building those on the host cost ~14 ms per list at batch 16 / 32K).
-    """
-    lens = [sum(n for _, n in r) for r in ranges]
-    indptr = torch.zeros(len(ranges) + 1, dtype=torch.int32)
-    if lens:
-        indptr[1:] = torch.tensor(lens, dtype=torch.int32).cumsum(0)
-    flat = [(s, n) for r in ranges for s, n in r if n > 0]
-    total = sum(lens)
-    if not flat:
-        return indptr.to(device), torch.zeros(0, dtype=torch.int32, device=device)
-    # per range: its first slot minus the position of its first entry in the flat list
-    spec = torch.tensor([(s, n) for s, n in flat], dtype=torch.int64)
-    first = spec[:, 1].cumsum(0) - spec[:, 1]
-    spec = torch.stack([spec[:, 0] - first, spec[:, 1]]).to(device, non_blocking=True)
-    which = torch.repeat_interleave(torch.arange(len(flat), device=device), spec[1], output_size=total)
-    idx = spec[0][which] + torch.arange(total, device=device)
-    return indptr.to(device, non_blocking=True), idx.to(torch.int32)
-
-
 @dataclass
 class SlotTable:
+    """Per-sequence :class:`~oscarkv.quant.tiers.TierState` plus the contiguous slot layout."""
+
     batch: int
     spec: QuantSpec
     quantize: bool = True
     cap_q: int = 0
-    seqs: list[SeqState] = field(default_factory=list)
+    seqs: list[TierState] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.seqs = [SeqState() for _ in range(self.batch)]
-        s = self.spec
-        self.sink_cap = s.sink_tokens if self.quantize else 0
-        self.ring = max(s.recent_tokens + s.demote_block - 1, 1) if self.quantize else 0
+        self.seqs = [TierState() for _ in range(self.batch)]
+        self.sink_cap = self.spec.sink_tokens if self.quantize else 0
+        self.ring = window_limit(self.spec) if self.quantize else 0
 
     @property
     def cap_h(self) -> int:
@@ -99,21 +69,23 @@ class SlotTable:
     # ---- CSR of the current state ------------------------------------------------------------
     def _hp_ranges(self, b: int) -> list[tuple[int, int]]:
         st, base = self.seqs[b], b * self.cap_h
-        first = min(st.n_recent, self.ring - st.head) if self.ring else 0
+        (head, first), (_, second) = ring_spans(st, self.ring)
         ring0 = base + self.sink_cap
-        return [(base, st.n_sink), (ring0 + st.head, first), (ring0, st.n_recent - first)]
+        return [(base, st.n_sink), (ring0 + head, first), (ring0, second)]
 
-    def csr(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+    def csr(self, device: torch.device) -> CSR:
         """``(int2_indptr, int2_indices, hp_indptr, hp_indices)`` of the current state."""
         q = ranges_to_csr([[(b * self.cap_q, st.n_q)] for b, st in enumerate(self.seqs)], device)
         h = ranges_to_csr([self._hp_ranges(b) for b in range(self.batch)], device)
         return (*q, *h)
 
     # ---- planning ----------------------------------------------------------------------------
-    def _ring_slot(self, b: int, i: int) -> int:
-        """Flat slot of the i-th recent token of sequence b."""
-        st = self.seqs[b]
-        return b * self.cap_h + self.sink_cap + (st.head + i) % self.ring
+    def _ring_slots(self, b: int, first: int, n: int) -> range | list[int]:
+        """Flat slots of ring indices ``head + first … head + first + n − 1`` (mod ring) of ``b``."""
+        r0, start = b * self.cap_h + self.sink_cap, self.seqs[b].head + first
+        if start + n <= self.ring:
+            return range(r0 + start, r0 + start + n)
+        return [r0 + (start + i) % self.ring for i in range(n)]
 
     def _grow(self, need_q: int, need_ring: int) -> None:
         while self.cap_q < need_q:
@@ -131,58 +103,38 @@ class SlotTable:
         pre = None if is_decode else self.csr(device)
         host = valid.cpu()  # one device sync per step, not one per sequence
         toks = [torch.nonzero(host[b]).flatten().tolist() for b in range(bsz)]
-        # work out per-sequence counts first so capacities can grow before slot ids are fixed
-        moves = []
-        s = self.spec
-        for b, tk in enumerate(toks):
-            st = self.seqs[b]
-            n_sink = min(len(tk), self.sink_cap) if (not st.started and tk) else 0
-            rest = tk[n_sink:]
-            if not self.quantize:
-                n_dem, new_q, new_r = 0, [], rest
-            elif is_decode:
-                n_dem = min(s.demote_block, st.n_recent) if rest and st.n_recent >= self.ring else 0
-                new_q, new_r = [], rest
-            else:
-                combined = st.n_recent + len(rest)
-                keep = min(combined, s.recent_tokens)
-                n_old_out = min(st.n_recent, combined - keep)
-                n_new_out = combined - keep - n_old_out
-                n_dem, new_q, new_r = n_old_out, rest[:n_new_out], rest[n_new_out:]
-            moves.append((tk[:n_sink], n_dem, new_q, new_r))
-        need_q = max((st.n_q + m[1] + len(m[2]) for st, m in zip(self.seqs, moves, strict=True)), default=0)
-        need_r = max((st.n_recent + len(m[3]) for st, m in zip(self.seqs, moves, strict=True)), default=0)
+        moves = [
+            plan_moves(st, len(tk), is_decode, self.spec, quantize=self.quantize)
+            for st, tk in zip(self.seqs, toks, strict=True)
+        ]
+        # capacities grow before any slot id is fixed
+        need_q = max(
+            (st.n_q + m.demote + m.to_int2 for st, m in zip(self.seqs, moves, strict=True)), default=0
+        )
+        need_r = max((st.n_recent + m.to_ring for st, m in zip(self.seqs, moves, strict=True)), default=0)
         old_cap_q, old_cap_h = self.cap_q, self.cap_h
         self._grow(need_q, need_r)
         if pre is not None and (self.cap_q, self.cap_h) != (old_cap_q, old_cap_h):
             pre = self._remap_pre(pre, old_cap_q, old_cap_h, device)
 
         hp_b, hp_t, hp_s, q_b, q_t, q_s, d_src, d_dst = ([] for _ in range(8))
-        for b, (sink_t, n_dem, new_q, new_r) in enumerate(moves):
-            st = self.seqs[b]
-            if sink_t or new_q or new_r:
-                st.started = True
-            for i, tt in enumerate(sink_t):
-                hp_b.append(b), hp_t.append(tt), hp_s.append(b * self.cap_h + st.n_sink + i)
-            st.n_sink += len(sink_t)
-            for _ in range(n_dem):  # oldest window tokens -> quantized tier
-                d_src.append(self._ring_slot(b, 0))
-                d_dst.append(b * self.cap_q + st.n_q)
-                st.n_q += 1
-                st.head = (st.head + 1) % self.ring
-                st.n_recent -= 1
-            for tt in new_q:
-                q_b.append(b), q_t.append(tt), q_s.append(b * self.cap_q + st.n_q)
-                st.n_q += 1
-            for tt in new_r:
-                hp_b.append(b), hp_t.append(tt), hp_s.append(self._ring_slot(b, st.n_recent))
-                st.n_recent += 1
+        for b, (tk, m) in enumerate(zip(toks, moves, strict=True)):
+            ht, hs, qt, qs, ds, dd = self._slots_of(b, tk, m)
+            hp_b += [b] * len(ht)
+            hp_t += ht
+            hp_s += hs
+            q_b += [b] * len(qt)
+            q_t += qt
+            q_s += qs
+            d_src += ds
+            d_dst += dd
+            apply_moves(self.seqs[b], m, self.ring)
 
         def lt(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=device)
 
         decode_dst = None
-        if is_decode:  # a decode token never goes to the quantized tier directly (new_q is empty)
+        if is_decode:  # a decode token never goes to the quantized tier directly (to_int2 is 0)
             dst = [-1] * bsz
             for b, slot in zip(hp_b, hp_s, strict=True):
                 dst[b] = slot
@@ -205,7 +157,23 @@ class SlotTable:
             decode_dst=decode_dst,
         )
 
-    def _remap_pre(self, pre, old_q: int, old_h: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    def _slots_of(self, b: int, tk: list[int], m: Moves) -> tuple[list[int], ...]:
+        """Sequence ``b``'s writes for moves ``m`` against its pre-step state: 16-bit
+        ``(t_idx, slot)``, INT2 ``(t_idx, slot)`` and demotions ``(hp slot, INT2 slot)``, as lists."""
+        st, hbase, qbase = self.seqs[b], b * self.cap_h, b * self.cap_q
+        n_sq = m.to_sink + m.to_int2
+        hp_t = tk[: m.to_sink] + tk[n_sq:]
+        hp_s = [*range(hbase + st.n_sink, hbase + st.n_sink + m.to_sink)]
+        # new window tokens follow the window (ring index head + n_recent + j): they may reuse
+        # slots that this step's demotion frees
+        hp_s += self._ring_slots(b, st.n_recent, m.to_ring)
+        # the oldest window tokens go to INT2 first, then the new INT2 tokens: token order
+        q0 = qbase + st.n_q + m.demote
+        d_src = [*self._ring_slots(b, 0, m.demote)]
+        d_dst = [*range(qbase + st.n_q, q0)]
+        return hp_t, hp_s, tk[m.to_sink : n_sq], [*range(q0, q0 + m.to_int2)], d_src, d_dst
+
+    def _remap_pre(self, pre: CSR, old_q: int, old_h: int, device: torch.device) -> CSR:
         # Capacities changed: express the pre-step state in the new flat slot numbering.
         qi, qx, hi, hx = pre
 

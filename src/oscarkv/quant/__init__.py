@@ -1,4 +1,7 @@
-"""Quantization math: clipping, quantizers, bit packing, the stored row format (pure torch)."""
+"""Quantization math: clipping, quantizers, bit packing, the stored row format (pure torch).
+
+:mod:`oscarkv.quant.tiers` holds the tier rules (sink, INT2, recent window) over plain ints.
+"""
 
 from .format import QUANTIZERS, RowFormat, dequantize_rows, fake_quantize_rows, quantize_rows
 from .packing import pack, packed_dim, unpack
