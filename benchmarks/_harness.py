@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
+import importlib
 import json
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -23,28 +26,16 @@ HISTORY_FIELDS = ("date", "commit", "gpu", "python", "torch", "triton", "transfo
 Figure = tuple[str, str, float]  # (shape, metric, value)
 
 
-def config_value(text: str) -> int | float | str:
-    """A CONFIG override from the command line: an int where it parses (0/1 for flags), else a
-    float where it parses (``6.0``), else the string."""
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
-def import_kernel_copy(package: str, files: list[Path]) -> str:
-    """Make copies of kernel modules (e.g. from an earlier commit) importable as the throw-away
-    package ``package``, for side-by-side timing; their relative imports of the package's
-    ``quant`` module point at the installed oscarkv. Returns the package name."""
+def import_package_copy(src: str | Path, name: str) -> ModuleType:
+    """The ``oscarkv`` package of another source tree (``src/`` of an earlier checkout) imported as
+    ``name``, beside the installed one, for side-by-side timing (its imports are all relative)."""
+    pkg = Path(src) / "oscarkv"
+    if not (pkg / "__init__.py").is_file():
+        raise SystemExit(f"--baseline: {src} holds no oscarkv package (pass the src/ folder of a checkout)")
     root = Path(tempfile.mkdtemp())
-    (root / package).mkdir()
-    (root / package / "__init__.py").write_text("")
-    for f in files:
-        (root / package / f.name).write_text(f.read_text().replace("from ...quant", "from oscarkv.quant"))
+    shutil.copytree(pkg, root / name, ignore=shutil.ignore_patterns("__pycache__"))
     sys.path.insert(0, str(root))
-    return package
+    return importlib.import_module(name)
 
 
 def git_commit() -> str:

@@ -82,7 +82,7 @@ def warm_kernels(batch: int, context: int, cfg) -> None:
     start-up; the first ``generate`` step would otherwise include it)."""
     from gpu_check import SINK_RECENT, make_pools
 
-    from oscarkv.kernels.triton import decode_attention as tda
+    from oscarkv.kernels.triton.decode import decode_attention
     from oscarkv.quant import RowFormat
 
     d, hkv = cfg.head_dim, cfg.num_key_value_heads
@@ -90,7 +90,7 @@ def warm_kernels(batch: int, context: int, cfg) -> None:
     lq = context - SINK_RECENT
     pools = make_pools(batch, lq, SINK_RECENT, hkv, d, fmt)
     q = torch.randn(batch, cfg.num_attention_heads, d, device="cuda", dtype=torch.bfloat16)
-    tda.decode_attention(q, *pools, d**-0.5, fmt, fmt)
+    decode_attention(q, *pools, d**-0.5, fmt, fmt)
     torch.cuda.synchronize()
 
 
@@ -187,15 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--tiny", action="store_true", help="a 2-layer model instead of Qwen3-8B's config (smoke run)"
     )
-    ap.add_argument("--decode-config", default=None, help="gpu_check.json whose tuned decode config to use")
     args = ap.parse_args(argv)
-    if args.decode_config:
-        import json
-
-        from oscarkv.kernels.triton import decode_attention as tda
-
-        tda.CONFIG.update(json.loads(Path(args.decode_config).read_text())["config"]["decode"])
-        print("decode config:", tda.CONFIG, flush=True)
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)

@@ -88,20 +88,6 @@ def test_gpu_check_headline_reads_its_saved_results(bench):
     assert (f"{q['rows']}x128 clip {q['clip']}", "quantize_pack_TBps", q["input_TBps"]) in figs
 
 
-def test_heads_argument_of_the_decode_benchmarks_is_checked(bench):
-    """``gpu_check.parse_heads``: the ``--heads QUERYxKVxHEAD_DIM`` argument of the decode scripts."""
-    import gpu_check
-
-    assert gpu_check.parse_heads("16x4x256") == (16, 4, 256)
-    for bad, match in (
-        ("32x8", "QUERYxKVxHEAD_DIM"),
-        ("32x6x128", "multiple of KV heads"),
-        ("32x8x96", "head dim"),
-    ):
-        with pytest.raises(ValueError, match=match):
-            gpu_check.parse_heads(bad)
-
-
 def test_gpu_lane_splits_contiguously_and_reports_a_failing_shard(bench, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     import gpu_lane

@@ -2,7 +2,7 @@
 
 The grid of issue #5: batch 1-64, lengths 1-131072, GQA 32/8, 64/8, 8/8, head dims 64/128,
 empty tiers, single tokens, lengths that are not multiples of the block, shuffled slot lists.
-Tolerances: codes and metadata bit-exact without rotation; attention within a relative 1e-2 of
+Tolerances: codes and metadata bit-exact; attention within a relative 1e-2 of
 the fp32 oracle (bf16 queries, fp16 probabilities for the value dot; measured ≤ 2.1e-3).
 """
 
@@ -35,17 +35,31 @@ def _lists(lens: list[int], device: str, shuffle: bool) -> tuple[torch.Tensor, t
     return indptr, idx.to(torch.int32)
 
 
-def _forced_taper(units, n_q, n_h, split, split_h, max_len, tile, slots):
-    """A taper on any launch with two splits or more (decode_plan.taper's contract: whole tiles,
-    the late splits no longer, the list covered): splits ``< n_q // 2`` a tile longer."""
-    from oscarkv.kernels.triton.decode_plan import Taper
+def _forced_taper(p):
+    """``p`` with a taper on any launch of two INT2 splits or more (``planner.taper``'s contract:
+    whole tiles, the late splits no longer, the list covered): splits ``< n_q // 2`` a tile longer."""
+    from oscarkv.kernels.triton.decode.planner import Taper
 
+    n_q, split, tile = p.n_q_splits, p.splits.split, p.lp.block_n
     if n_q < 2:
-        return Taper(n_q, split, split)
-    early = split + tile
-    n_early = n_q // 2
-    late = max(tile, math.ceil(max(max_len - n_early * early, 0) / (n_q - n_early) / tile) * tile)
-    return Taper(n_early, early, late)
+        return p
+    early, n_early = split + tile, n_q // 2
+    late = max(tile, math.ceil(max(max(p.max_q, 1) - n_early * early, 0) / (n_q - n_early) / tile) * tile)
+    return dataclasses.replace(p, splits=Taper(n_early, early, late))
+
+
+# tunings that force each loop and split rule at any size; the loop the plan must then take
+PLANES = {
+    "auto": ({}, None),
+    "bytes": ({"small_tokens": 1 << 40}, "bytes"),
+    "bytes-grouped": ({"small_tokens": 1 << 40, "group_tokens": 0}, "bytes"),
+    "words": ({"small_tokens": 0, "swap_max_tokens": 0, "swap_heads": 1, "group_tokens": 0}, "words"),
+    "swap": ({"small_tokens": 0, "swap_pair_tokens": 0}, "swap"),
+    "swap-one-head": ({"small_tokens": 0, "swap_heads": 1, "swap_max_tokens": 1 << 40}, "swap"),
+    "swap-fp16-keys": ({"small_tokens": 0, "swap_pair_tokens": 0, "int8_key_bytes": 1 << 20}, "swap"),
+    "hp-short": ({"small_tokens": 0, "sms": 1, "hp_programs": 100000}, None),  # 16-bit splits of one tile
+    "taper": ({}, None),  # whatever loop the size picks: half its splits longer, the rest shorter
+}
 
 
 @pytest.mark.parametrize(
@@ -65,60 +79,31 @@ def _forced_taper(units, n_q, n_h, split, split_h, max_len, tile, slots):
     ],
 )
 @pytest.mark.parametrize("meta", ["fp16", "bf16"])
-@pytest.mark.parametrize("grouped", [False, True], ids=["auto-heads", "grouped-heads"])
-@pytest.mark.parametrize(
-    "planes", ["auto", "words", "groups", "swap", "swap-one-head", "swap-fp16-keys", "hp-short", "taper"]
-)
-def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta, grouped, planes, monkeypatch):
-    from oscarkv.kernels.triton import decode_attention as tda
+@pytest.mark.parametrize("planes", list(PLANES))
+def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta, planes):
+    from oscarkv.kernels.triton import decode as dec
 
-    if grouped:  # several KV heads per program at any size (the padded loops only)
-        monkeypatch.setitem(tda.CONFIG, "group_tokens", 0)
-        monkeypatch.setitem(tda.CONFIG, "swap", False)
-    if planes == "words":  # the padded int16-word loop at every size (head dim >= 128; 64 keeps bytes)
-        if d < 128:
-            pytest.skip("head dim 64 always uses the byte planes")
-        monkeypatch.setitem(tda.CONFIG, "small_tokens", 0)
-        monkeypatch.setitem(tda.CONFIG, "swap", False)
-    if planes == "groups":  # the opt-in token-group loop (one KV head per program, word planes)
-        if d < 128 or grouped:
-            pytest.skip("token groups need the word planes and one KV head per program")
-        monkeypatch.setitem(tda.CONFIG, "small_tokens", 0)
-        monkeypatch.setitem(tda.CONFIG, "token_groups", True)
-        monkeypatch.setitem(tda.CONFIG, "swap", False)
-    if planes.startswith("swap"):  # tokens as the MMA rows (word planes)
-        if d < 128 or grouped:
-            pytest.skip("the swap loop needs the word planes and is not the grouped padded loop")
-        monkeypatch.setitem(tda.CONFIG, "small_tokens", 0)
-        monkeypatch.setitem(tda.CONFIG, "swap", True)
-        # KV heads per program: as many as fill the MMA's 8 columns at any size, or one
-        monkeypatch.setitem(tda.CONFIG, "swap_heads", 1 if planes == "swap-one-head" else 8)
-        monkeypatch.setitem(tda.CONFIG, "swap_pair_tokens", 0)
-        # the key product on fp16 planes where the launch would take int8 MMAs (decode_kint8.py)
-        monkeypatch.setitem(tda.CONFIG, "swap_k_int8", planes != "swap-fp16-keys")
-
-    if planes == "hp-short":  # 16-bit splits of one tile at every size (word planes)
-        if d < 128:
-            pytest.skip("head dim 64 always uses the byte planes")
-        monkeypatch.setitem(tda.CONFIG, "small_tokens", 0)
-        monkeypatch.setitem(tda.CONFIG, "sms", 1)
-        monkeypatch.setitem(tda.CONFIG, "hp_programs", 100000)
-
-    if planes == "taper":  # whatever loop the size picks: half its splits longer, the rest shorter
-        monkeypatch.setattr(tda, "taper", _forced_taper)
-
+    changes, loop = PLANES[planes]
+    p = dec.plan(len(lens_q), hq, hkv, d, (max(lens_q), max(lens_h)), "cuda",
+                 dataclasses.replace(dec.DEFAULT_TUNING, **changes))  # fmt: skip
+    if loop is not None and p.lp.loop != loop:
+        pytest.skip(
+            f"{planes}: this shape takes the {p.lp.loop} loop (head dim 64: bytes; words: groupable heads)"
+        )
+    if planes == "taper":
+        p = _forced_taper(p)
     dev = "cuda"
     fmt = RowFormat(d, 2, d, meta_dtype=meta)
     nq, nh = max(sum(lens_q), 1), max(sum(lens_h), 1)
-    kc, km = ref.quantize_pack(torch.randn(nq, hkv, d, device=dev), None, fmt)
-    vc, vm = ref.quantize_pack(torch.randn(nq, hkv, d, device=dev), None, fmt)
+    kc, km = ref.quantize_pack(torch.randn(nq, hkv, d, device=dev), fmt)
+    vc, vm = ref.quantize_pack(torch.randn(nq, hkv, d, device=dev), fmt)
     hk = torch.randn(nh, hkv, d, device=dev, dtype=torch.bfloat16)
     hv = torch.randn(nh, hkv, d, device=dev, dtype=torch.bfloat16)
     qi, qx = _lists(lens_q, dev, shuffle=True)
     hi, hx = _lists(lens_h, dev, shuffle=True)
     q = torch.randn(len(lens_q), hq, d, device=dev, dtype=torch.bfloat16)
     scale = 1 / math.sqrt(d)
-    got = tda.decode_attention(q, kc, km, vc, vm, hk, hv, qi, qx, hi, hx, scale, fmt, fmt)
+    got = dec.decode_attention(q, kc, km, vc, vm, hk, hv, qi, qx, hi, hx, scale, fmt, fmt, plan=p)
     want = ref.decode_attention(
         q.float(), kc, km, vc, vm, hk.float(), hv.float(), qi, qx, hi, hx, scale, fmt, fmt
     )
@@ -131,43 +116,45 @@ def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta, g
 
 @pytest.mark.parametrize(("batch", "n"), [(1, 3000), (8, 40000)])
 @pytest.mark.parametrize("loop", ["swap", "swap-one-head", "words", "bytes"])
-def test_decode_attention_rescales_past_the_first_tile(batch, n, loop, monkeypatch):
+def test_decode_attention_rescales_past_the_first_tile(batch, n, loop):
     """Scores that grow along the list (queries x30, the later half of the keys x4): the lazy
     rescale must fire after a split's first tile too, or fp16 probabilities overflow."""
-    from oscarkv.kernels.triton import decode_attention as tda
+    from oscarkv.kernels.triton import decode as dec
 
-    settings = {"small_tokens": 1 << 30 if loop == "bytes" else 0, "swap": loop.startswith("swap"),
-                "swap_heads": 1 if loop == "swap-one-head" else 8, "swap_pair_tokens": 0}  # fmt: skip
-    for key, val in settings.items():
-        monkeypatch.setitem(tda.CONFIG, key, val)
+    p = dec.plan(
+        batch, 32, 8, 128, (n, 16), "cuda", dataclasses.replace(dec.DEFAULT_TUNING, **PLANES[loop][0])
+    )
+    if p.lp.loop != PLANES[loop][1]:
+        pytest.skip(f"{loop}: this shape takes the {p.lp.loop} loop")
     fmt = RowFormat(128, 2, 128)
     k = torch.randn(batch, n, 8, 128, device="cuda")
     k[:, n // 2 :] *= 4.0
-    kc, km = ref.quantize_pack(k.flatten(0, 1), None, fmt)
-    vc, vm = ref.quantize_pack(torch.randn(batch * n, 8, 128, device="cuda"), None, fmt)
+    kc, km = ref.quantize_pack(k.flatten(0, 1), fmt)
+    vc, vm = ref.quantize_pack(torch.randn(batch * n, 8, 128, device="cuda"), fmt)
     hk = torch.randn(batch * 16, 8, 128, device="cuda", dtype=torch.bfloat16)
     hv = torch.randn_like(hk)
     qi, qx = _lists([n] * batch, "cuda", shuffle=False)  # list order = token order: the scores grow
     hi, hx = _lists([16] * batch, "cuda", shuffle=True)
     q = (torch.randn(batch, 32, 128, device="cuda") * 30.0).bfloat16()
     args = (q, kc, km, vc, vm, hk, hv, qi, qx, hi, hx, 1 / math.sqrt(128), fmt, fmt)
-    got = tda.decode_attention(*args)
+    got = dec.decode_attention(*args, plan=p)
     want = ref.decode_attention(q.float(), kc, km, vc, vm, hk.float(), hv.float(), *args[7:])
     assert torch.isfinite(got).all() and _rel(got, want) < 1e-2
 
 
 @pytest.mark.parametrize(("batch", "lq", "lh"), [(1, 5000, 320), (8, 40000, 320), (4, 0, 100), (32, 2000, 0)])
-def test_decode_with_the_merge_as_a_dependent_launch_is_exact(batch, lq, lh, monkeypatch):
-    """CONFIG['pdl']: the merge waits on stage 1 through griddepcontrol, eagerly and replayed from
+def test_decode_with_the_merge_as_a_dependent_launch_is_exact(batch, lq, lh):
+    """``DecodeTuning.pdl``: the merge waits on stage 1 through griddepcontrol, eagerly and replayed from
     a CUDA graph (where the dependency becomes a programmatic edge); the result must be the
     ordinary launch's, bit for bit, every replay."""
-    from oscarkv.kernels.triton import decode_attention as tda
+    from oscarkv.kernels.triton import decode as dec
+    from oscarkv.kernels.triton.decode import attention as da
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
     fmt = RowFormat(128, 2, 128)
-    kc, km = ref.quantize_pack(torch.randn(max(batch * lq, 1), 8, 128, device="cuda"), None, fmt)
-    vc, vm = ref.quantize_pack(torch.randn(max(batch * lq, 1), 8, 128, device="cuda"), None, fmt)
+    kc, km = ref.quantize_pack(torch.randn(max(batch * lq, 1), 8, 128, device="cuda"), fmt)
+    vc, vm = ref.quantize_pack(torch.randn(max(batch * lq, 1), 8, 128, device="cuda"), fmt)
     hk = torch.randn(max(batch * lh, 1), 8, 128, device="cuda", dtype=torch.bfloat16)
     hv = torch.randn_like(hk)
     qi, qx = _lists([lq] * batch, "cuda", shuffle=True)
@@ -175,25 +162,24 @@ def test_decode_with_the_merge_as_a_dependent_launch_is_exact(batch, lq, lh, mon
     q = torch.randn(batch, 32, 128, device="cuda", dtype=torch.bfloat16)
     args = (q, kc, km, vc, vm, hk, hv, qi, qx, hi, hx, 1 / math.sqrt(128), fmt, fmt)
     hint = (lq, lh)  # no device sync inside the graph capture
-    monkeypatch.setitem(tda.CONFIG, "pdl", False)
-    want = tda.decode_attention(*args, lens_hint=hint)
-    monkeypatch.setitem(tda.CONFIG, "pdl", True)
-    assert torch.equal(tda.decode_attention(*args, lens_hint=hint), want)
+    ordinary = dec.plan(batch, 32, 8, 128, hint, "cuda", dataclasses.replace(dec.DEFAULT_TUNING, pdl=False))
+    assert not ordinary.pdl and dec.plan(batch, 32, 8, 128, hint, "cuda").pdl
+    want = dec.decode_attention(*args, plan=ordinary)
+    assert torch.equal(dec.decode_attention(*args, lens_hint=hint), want)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = tda.decode_attention(*args, lens_hint=hint)
+        out = dec.decode_attention(*args, lens_hint=hint)
     for _ in range(3):
         out.zero_()
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)
     # the merge really was compiled for (and so launched as) a programmatic dependent launch
-    assert any(c.metadata.launch_pdl for c, _ in tda._MERGE._cache.values())
+    assert any(c.metadata.launch_pdl for c, _ in da._MERGE._cache.values())
 
 
-@pytest.mark.parametrize("rotate", [False, True])
-def test_quantize_pack_as_a_dependent_launch_waits_for_its_producer(rotate, monkeypatch):
-    """quantize_pack (without rotation) is launched as a programmatic dependent of the kernel
+def test_quantize_pack_as_a_dependent_launch_waits_for_its_producer():
+    """quantize_pack is launched as a programmatic dependent of the kernel
     before it and lets its successor launch once all its programs have started, so a
     quantize_pack that consumes the previous one's output must wait on griddepcontrol. Here it
     reads the codes of K's last rows, read as bf16 rows: the producer's last programs write them
@@ -201,7 +187,7 @@ def test_quantize_pack_as_a_dependent_launch_waits_for_its_producer(rotate, monk
     CUDA graph (programmatic edges) the chain quantize K -> quantize K's codes -> quantize V ->
     decode must give the ordinary launches' codes, metadata and output, bit for bit, on every
     replay with new rows, and eagerly."""
-    from oscarkv.kernels.triton import decode_attention as tda
+    from oscarkv.kernels.triton import decode as dec
     from oscarkv.kernels.triton import quantize_pack as tqp
 
     if torch.cuda.get_device_capability()[0] < 9:
@@ -211,29 +197,23 @@ def test_quantize_pack_as_a_dependent_launch_waits_for_its_producer(rotate, monk
     fmt = RowFormat(d, 2, d, clip=0.96)
     rk = torch.empty(batch * lq, 8, d, device="cuda", dtype=torch.bfloat16)
     rv = torch.empty_like(rk)
-    rot = (
-        torch.linalg.qr(torch.randn(d, d, device="cuda", dtype=torch.float64))[0].float() if rotate else None
-    )
     hk = torch.randn(batch * lh, 8, d, device="cuda", dtype=torch.bfloat16)
     hv = torch.randn_like(hk)
     qi, qx = _lists([lq] * batch, "cuda", shuffle=True)
     hi, hx = _lists([lh] * batch, "cuda", shuffle=True)
     q = torch.randn(batch, 32, d, device="cuda", dtype=torch.bfloat16)
 
-    def step():
-        kc, km = tqp.quantize_pack(rk, rot, fmt)
-        cc, cm = tqp.quantize_pack(kc[-tail:].view(torch.bfloat16).view(-1, 8, d), None, fmt)
-        vc, vm = tqp.quantize_pack(rv, rot, fmt)
-        out = tda.decode_attention(
-            q, kc, km, vc, vm, hk, hv, qi, qx, hi, hx, 0.088, fmt, fmt, lens_hint=(lq, lh)
-        )
+    def step(pdl=True):
+        qt = dataclasses.replace(tqp.DEFAULT_TUNING, pdl=pdl)
+        plan = dec.plan(batch, 32, 8, d, (lq, lh), "cuda", dataclasses.replace(dec.DEFAULT_TUNING, pdl=pdl))
+        kc, km = tqp.quantize_pack(rk, fmt, qt)
+        cc, cm = tqp.quantize_pack(kc[-tail:].view(torch.bfloat16).view(-1, 8, d), fmt, qt)
+        vc, vm = tqp.quantize_pack(rv, fmt, qt)
+        out = dec.decode_attention(q, kc, km, vc, vm, hk, hv, qi, qx, hi, hx, 0.088, fmt, fmt, plan=plan)
         return kc, km, cc, cm, vc, vm, out
 
     def ordinary():
-        with monkeypatch.context() as m:
-            m.setattr(tqp, "PDL", False)
-            m.setitem(tda.CONFIG, "pdl", False)
-            return step()
+        return step(pdl=False)
 
     def same(got, want):  # bit patterns: the codes read as rows hold NaN, and so may the metadata
         return all(
@@ -287,8 +267,8 @@ def test_quantize_pack_non_finite_rows_match_the_oracle(d, clip, dtype, meta):
 
     fmt = RowFormat(d, 2, d, clip=clip, meta_dtype=meta)
     x = _non_finite_rows(d, dtype, "cuda")
-    c1, m1 = tqp.quantize_pack(x, None, fmt)
-    c2, m2 = ref.quantize_pack(x, None, fmt)
+    c1, m1 = tqp.quantize_pack(x, fmt)
+    c2, m2 = ref.quantize_pack(x, fmt)
     assert torch.equal(c1, c2) and torch.equal(m1.isnan(), m2.isnan())
     assert torch.equal(m1.nan_to_num(0.0), m2.nan_to_num(0.0)) and m1[1:3].isnan().all()
 
@@ -310,8 +290,8 @@ def test_quantize_pack_is_bit_exact(d, clip, meta):
     x[3, 0] = 0.0  # an all-zero row
     x[3, 1] = 1.25  # a constant row
     x[4, :, 3] = 300.0  # one huge outlier per row
-    c1, m1 = tqp.quantize_pack(x, None, fmt)
-    c2, m2 = ref.quantize_pack(x, None, fmt)
+    c1, m1 = tqp.quantize_pack(x, fmt)
+    c2, m2 = ref.quantize_pack(x, fmt)
     assert torch.equal(c1, c2) and torch.equal(m1, m2)
     assert torch.equal(dequantize(c1, m1, fmt), ref.dequantize(c1, m1, fmt))
 
@@ -326,14 +306,13 @@ def test_quantize_pack_is_bit_exact(d, clip, meta):
     ids=["default-rounds", "all-rounds", "all-rounds-of-6"],
 )
 def test_quantize_pack_packed_network_is_bit_exact(d, clip, dtype, rounds, round_k, monkeypatch):
-    """The clip network on packed pairs (``PACKED``; ``PACKED_ROUNDS`` 99 forces it at every round
+    """The clip network on packed pairs (``packed``; ``packed_rounds`` 99 forces it at every round
     count, of 12 or of 6 values): the reference's and the fp32 network's codes and metadata, bit
     for bit, on ties at the threshold, zero, constant, integer, all-positive, huge-outlier and
     subnormal rows."""
     from oscarkv.kernels.triton import quantize_pack as tqp
 
-    monkeypatch.setattr(tqp, "PACKED_ROUNDS", rounds)
-    monkeypatch.setattr(tqp, "ROUND_K", round_k)
+    tuning = dataclasses.replace(tqp.DEFAULT_TUNING, packed_rounds=rounds, round_k=round_k)
     fmt = RowFormat(d, 2, d, clip=clip, meta_dtype="bf16")
     gen = torch.Generator(device="cuda").manual_seed(d + rounds)
     x = torch.randn(3000, 8, d, device="cuda", generator=gen) * 2 + 0.2
@@ -352,60 +331,24 @@ def test_quantize_pack_packed_network_is_bit_exact(d, clip, dtype, rounds, round
         return launch(grid, *args, **kwargs)
 
     monkeypatch.setattr(tqp, "_QUANTIZE_PACK", spy)
-    c1, m1 = tqp.quantize_pack(x, None, fmt)
+    c1, m1 = tqp.quantize_pack(x, fmt, tuning)
     n_drop = d - 1 - clip_index(clip, d)
     n_rounds = -(-(n_drop + 1) // (6 if n_drop < 6 else round_k))
     packed = clip > 0 and n_rounds <= rounds
     assert seen == [(packed, {torch.bfloat16: 1, torch.float16: 2}[dtype] if packed else 0)]  # the PTX pairs
-    c2, m2 = ref.quantize_pack(x, None, fmt)
+    c2, m2 = ref.quantize_pack(x, fmt)
     bad = ((c1 != c2).any(-1) | (m1 != m2).flatten(2).any(-1)).nonzero()[:8].tolist()
     assert not bad, f"rows (token, head) differing from the reference: {bad}"
-    monkeypatch.setattr(tqp, "PACKED", False)
-    c3, m3 = tqp.quantize_pack(x, None, fmt)
+    c3, m3 = tqp.quantize_pack(x, fmt, dataclasses.replace(tuning, packed=False))
     assert torch.equal(c1, c3) and torch.equal(m1, m3)
-
-
-@pytest.mark.parametrize(("d", "clip"), [(128, 0.92), (128, 0.8), (256, 0.96)])
-def test_quantize_pack_with_rotation_takes_rounds_of_six_or_twelve_alike(d, clip, monkeypatch):
-    """With rotation (the fp32 network on the MMA accumulator, ``tl.reduce`` alone: twelve-lists
-    from eight-lists padded) rounds of 6 and of 12 values give the same codes and metadata, and
-    the reference's where the rotation is exact (a signed permutation)."""
-    from oscarkv.kernels.triton import quantize_pack as tqp
-
-    fmt = RowFormat(d, 2, d, clip=clip)
-    gen = torch.Generator(device="cuda").manual_seed(d)
-    x = (torch.randn(3000, 8, d, device="cuda", generator=gen) * 2 + 0.2).bfloat16()
-    x[1] = torch.randint(-3, 4, (8, d), device="cuda", generator=gen).bfloat16() * 0.5  # ties everywhere
-    sign = torch.randint(0, 2, (d, 1), device="cuda", generator=gen).float() * 2 - 1
-    perm = torch.eye(d, device="cuda")[torch.randperm(d, device="cuda", generator=gen)] * sign
-    qr = torch.linalg.qr(torch.randn(d, d, device="cuda", dtype=torch.float64, generator=gen))[0].float()
-    for r in (qr, perm):
-        got = {}
-        for k in (6, 12):
-            monkeypatch.setattr(tqp, "ROUND_K", k)
-            got[k] = tqp.quantize_pack(x, r, fmt)
-        assert torch.equal(got[6][0], got[12][0]) and torch.equal(got[6][1], got[12][1])
-    c2, m2 = ref.quantize_pack(x.float() @ perm, None, fmt)
-    assert torch.equal(got[12][0], c2) and torch.equal(got[12][1], m2)
-
-
-def test_quantize_pack_with_rotation_matches_rotated_reference():
-    from oscarkv.kernels.triton import quantize_pack as tqp
-
-    fmt = RowFormat(128, 2, 128, clip=0.96)
-    x = torch.randn(2048, 8, 128, device="cuda", dtype=torch.bfloat16)
-    r = torch.linalg.qr(torch.randn(128, 128, device="cuda", dtype=torch.float64))[0].float()
-    c1, m1 = tqp.quantize_pack(x, r, fmt)
-    c2, m2 = ref.quantize_pack(x.float() @ r.bfloat16().float(), None, fmt)
-    assert _rel(ref.dequantize(c1, m1, fmt), ref.dequantize(c2, m2, fmt)) < 2e-2
 
 
 @pytest.mark.parametrize("meta", ["fp16", "fp32"])
 def test_reference_quantizer_is_the_same_on_cpu_and_gpu(meta):
     fmt = RowFormat(128, 2, 128, clip=0.96, meta_dtype=meta)
     x = torch.randn(20000, 1, 128, generator=torch.Generator().manual_seed(6)).bfloat16()
-    c_gpu, m_gpu = ref.quantize_pack(x.cuda(), None, fmt)
-    c_cpu, m_cpu = ref.quantize_pack(x, None, fmt)
+    c_gpu, m_gpu = ref.quantize_pack(x.cuda(), fmt)
+    c_cpu, m_cpu = ref.quantize_pack(x, fmt)
     assert torch.equal(c_gpu.cpu(), c_cpu) and torch.equal(m_gpu.cpu(), m_cpu)
 
 
@@ -414,8 +357,8 @@ def test_cached_launches_repeat_the_first_launch():
     kernel: they must give what the ordinary (first) launch gave, also after the arguments change
     between calls of one key (other pools, list lengths, scale) and for a new key (a misaligned
     row view)."""
-    from oscarkv.kernels.triton import decode_attention as tda
     from oscarkv.kernels.triton import quantize_pack as tqp
+    from oscarkv.kernels.triton.decode import attention as tda
 
     dev, d, hkv = "cuda", 128, 8
     fmt = RowFormat(d, 2, d, clip=0.96)
@@ -425,9 +368,9 @@ def test_cached_launches_repeat_the_first_launch():
     for seed, lens in ((1, [3000, 40000]), (2, [3000, 40000]), (3, [123, 50000])):
         torch.manual_seed(seed)
         x = torch.randn(sum(lens), 2 * hkv, d, device=dev, dtype=torch.bfloat16)
-        kc, km = tqp.quantize_pack(x[:, :hkv], None, fmt)
-        vc, vm = tqp.quantize_pack(x[:, hkv:], None, fmt)
-        assert torch.equal(kc, ref.quantize_pack(x[:, :hkv], None, fmt)[0])
+        kc, km = tqp.quantize_pack(x[:, :hkv], fmt)
+        vc, vm = tqp.quantize_pack(x[:, hkv:], fmt)
+        assert torch.equal(kc, ref.quantize_pack(x[:, :hkv], fmt)[0])
         hk, hv = x[:64, :hkv].contiguous(), x[:64, hkv:].contiguous()
         qi, qx = _lists(lens, dev, shuffle=True)
         hi, hx = _lists([32, 32], dev, shuffle=False)
@@ -447,8 +390,8 @@ def test_cached_launches_repeat_the_first_launch():
     rows = buf[1:].view(4097, 1, d)
     assert rows.data_ptr() % 16
     for _ in range(2):
-        c, m = tqp.quantize_pack(rows, None, fmt)
-        c_ref, m_ref = ref.quantize_pack(rows, None, fmt)
+        c, m = tqp.quantize_pack(rows, fmt)
+        c_ref, m_ref = ref.quantize_pack(rows, fmt)
         assert torch.equal(c, c_ref) and torch.equal(m, m_ref)
 
 

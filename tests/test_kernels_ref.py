@@ -28,18 +28,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---- helpers ----------------------------------------------------------------------------------
-def _orthogonal(d: int, gen: torch.Generator) -> torch.Tensor:
-    q, r = torch.linalg.qr(torch.randn(d, d, dtype=torch.float64, generator=gen))
-    return (q * torch.sign(torch.diagonal(r))).float()
-
-
-def _signed_permutation(d: int, gen: torch.Generator) -> torch.Tensor:
-    """An orthogonal matrix whose products are exact in floating point."""
-    perm = torch.randperm(d, generator=gen)
-    signs = torch.where(torch.rand(d, generator=gen) < 0.5, -1.0, 1.0)
-    return torch.eye(d)[:, perm] * signs
-
-
 def _attend64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask=None) -> torch.Tensor:
     """Plain softmax attention in float64. ``q [T, Hq, d]``, ``k, v [N, Hkv, d]``, contiguous GQA
     groups (query head h reads KV head h // (Hq / Hkv)); ``mask [T, N]`` bool (True = visible)."""
@@ -66,8 +54,8 @@ def _pick(n_pool: int, n: int, gen: torch.Generator) -> list[int]:
 def _pools(n_q, n_h, hkv, d, k_fmt, v_fmt, gen, hp_dtype=torch.float32):
     rows_k = torch.randn(n_q, hkv, d, generator=gen) * 1.5 + 0.3
     rows_v = torch.randn(n_q, hkv, d, generator=gen)
-    k_codes, k_meta = quantize_pack(rows_k, None, k_fmt)
-    v_codes, v_meta = quantize_pack(rows_v, None, v_fmt)
+    k_codes, k_meta = quantize_pack(rows_k, k_fmt)
+    v_codes, v_meta = quantize_pack(rows_v, v_fmt)
     hp_k = torch.randn(n_h, hkv, d, generator=gen).to(hp_dtype)
     hp_v = torch.randn(n_h, hkv, d, generator=gen).to(hp_dtype)
     return k_codes, k_meta, v_codes, v_meta, hp_k, hp_v
@@ -261,58 +249,15 @@ def test_prefill_attention_last_token_equals_decode_over_everything():
 # ---- 4. quantize_pack / dequantize -----------------------------------------------------------------
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("clip", [0.0, 0.9])
-def test_quantize_pack_without_rotation_is_quantize_rows(bits, clip):
+def test_quantize_pack_is_quantize_rows(bits, clip):
     gen = torch.Generator().manual_seed(31)
     fmt = RowFormat(head_dim=64, bits=bits, group=16, clip=clip)
     rows = torch.randn(10, 3, 64, generator=gen)
-    codes, meta = quantize_pack(rows, None, fmt)
+    codes, meta = quantize_pack(rows, fmt)
     c2, m2 = quantize_rows(rows, fmt)
     assert codes.dtype == torch.uint8 and codes.shape == (10, 3, fmt.packed_dim)
     assert meta.dtype == torch.float16 and meta.shape == (10, 3, fmt.groups, 2)
     assert torch.equal(codes, c2) and torch.equal(meta, m2)
-
-
-@pytest.mark.parametrize("per_head", [False, True])
-def test_quantize_pack_with_exact_rotation_equals_quantize_of_rotated_rows(per_head):
-    gen = torch.Generator().manual_seed(32)
-    h, d = 3, 64
-    fmt = RowFormat(head_dim=d, bits=2, group=32, clip=0.9)
-    rows = torch.randn(12, h, d, generator=gen)
-    if per_head:
-        r = torch.stack([_signed_permutation(d, gen) for _ in range(h)])
-        rotated = torch.einsum("nhd,hde->nhe", rows, r)
-    else:
-        r = _signed_permutation(d, gen)
-        rotated = rows @ r
-    codes, meta = quantize_pack(rows, r, fmt)
-    c2, m2 = quantize_rows(rotated, fmt)
-    assert torch.equal(codes, c2) and torch.equal(meta, m2)
-
-
-@pytest.mark.parametrize("per_head", [False, True])
-def test_quantize_pack_with_random_rotation_matches_rotated_rows(per_head):
-    gen = torch.Generator().manual_seed(33)
-    h, d = 2, 64
-    fmt = RowFormat(head_dim=d, bits=2, group=16)
-    rows = torch.randn(40, h, d, generator=gen)
-    if per_head:
-        r = torch.stack([_orthogonal(d, gen) for _ in range(h)])
-        rotated = torch.einsum("nhd,hde->nhe", rows.double(), r.double()).float()
-    else:
-        r = _orthogonal(d, gen)
-        rotated = (rows.double() @ r.double()).float()
-    codes, meta = quantize_pack(rows, r, fmt)
-    c2, m2 = quantize_rows(rotated, fmt)
-    # matmul rounding may move a value across a rounding boundary: allow a handful of codes
-    torch.testing.assert_close(meta.float(), m2.float(), atol=1e-3, rtol=1e-3)
-    deq, deq2 = dequantize_rows(codes, meta, fmt), dequantize_rows(c2, m2, fmt)
-    assert (deq - deq2).abs().gt(1e-2).float().mean() < 1e-3
-    # the rotated-basis reconstruction stays within half a step of the rotated rows
-    step = meta[..., 0].float().repeat_interleave(fmt.group, dim=-1)
-    assert ((deq - rotated).abs() <= step * 0.51 + 1e-5).all()
-    # wrong-side rotations are caught: R.T gives different codes
-    c3, _ = quantize_pack(rows, r.transpose(-1, -2), fmt)
-    assert not torch.equal(codes, c3)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
@@ -323,7 +268,7 @@ def test_dequantize_round_trip_within_half_a_step(bits, group, clip):
     d = 64
     fmt = RowFormat(head_dim=d, bits=bits, group=group, clip=clip)
     rows = torch.randn(50, 2, d, generator=gen) * 3 + torch.randn(50, 2, 1, generator=gen)
-    codes, meta = quantize_pack(rows, None, fmt)
+    codes, meta = quantize_pack(rows, fmt)
     back = dequantize(codes, meta, fmt)
     assert back.dtype == torch.float32 and back.shape == rows.shape
     target = clip_rows(rows, clip)  # quantization is of the clipped rows
@@ -345,7 +290,7 @@ def test_dequantize_equals_dequantize_rows_and_is_lossless_on_grid_values():
     levels = torch.arange(4.0) * 0.25
     row = (lo[:, None] + levels.repeat(1, 2)).flatten()  # 4 groups of 8
     rows = row.expand(3, 2, 32).clone()
-    codes, meta = quantize_pack(rows, None, fmt)
+    codes, meta = quantize_pack(rows, fmt)
     back = dequantize(codes, meta, fmt)
     torch.testing.assert_close(back, rows, atol=2e-3, rtol=0)
     assert torch.equal(back, dequantize_rows(codes, meta, fmt))

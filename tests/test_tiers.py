@@ -203,8 +203,7 @@ D = 8
 def _fake_ops() -> KernelOps:
     """'Quantizes' a row to its first element (kept in fp32 metadata), so ids survive exactly."""
 
-    def quantize_pack(rows: torch.Tensor, rotation, fmt: RowFormat) -> tuple[torch.Tensor, torch.Tensor]:
-        assert rotation is None
+    def quantize_pack(rows: torch.Tensor, fmt: RowFormat) -> tuple[torch.Tensor, torch.Tensor]:
         codes = torch.zeros(*rows.shape[:2], fmt.packed_dim, dtype=torch.uint8)
         return codes, rows[..., :1, None].expand(*rows.shape[:2], 1, 2).float()
 

@@ -56,7 +56,7 @@ def ranges_to_csr(ranges: list[list[tuple[int, int]]], device: torch.device) -> 
 
 
 def _pack(ops: KernelOps, rows: torch.Tensor, fmt: RowFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    return ops.quantize_pack(rows, None, fmt)  # rows are already rotated
+    return ops.quantize_pack(rows, fmt)  # rows are already rotated
 
 
 def write_int2(

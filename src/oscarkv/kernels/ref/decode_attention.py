@@ -64,6 +64,7 @@ def decode_attention(
     k_fmt: RowFormat,
     v_fmt: RowFormat,
     lens_hint: tuple[int, int] | None = None,
+    plan: object | None = None,
 ) -> torch.Tensor:
     """Exact decode attention over the quantized and 16-bit tiers, in the rotated basis.
 
@@ -76,6 +77,7 @@ def decode_attention(
         k_fmt, v_fmt: formats of the quantized tier.
         lens_hint: optional host-side (longest quantized list, longest 16-bit list); the Triton
             twin uses it to size its split grid without a device sync.
+        plan: the Triton twin's launch plan (``kernels.triton.decode.plan``); nothing to plan here.
     Returns:
         ``[B, Hq, d]`` rotated outputs in ``q_rot.dtype`` (multiply by ``R_Vᵀ`` to un-rotate).
     """

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from triton.runtime import driver
 
-__all__ = ["Launcher", "pdl_ok"]
+__all__ = ["Launcher", "device_facts"]
 
 _I32 = 1 << 31
 
@@ -44,15 +44,16 @@ def _spec(a: Any) -> Any:
 
 
 @functools.cache
-def pdl_ok(device: torch.device) -> bool:
-    """Whether kernels on ``device`` can be programmatic dependent launches (``launch_pdl``, with
-    ``griddepcontrol`` in the kernel): CUDA devices of compute capability 9.0 (Hopper) or newer;
-    not the CPU interpreter, not ROCm."""
-    return (
-        device.type == "cuda"
-        and torch.version.hip is None
-        and torch.cuda.get_device_capability(device)[0] >= 9
-    )
+def device_facts(device: torch.device) -> tuple[int, bool]:
+    """``(SM count, programmatic dependent launches possible)`` of ``device``; ``(0, False)`` off
+    CUDA (the interpreter). Dependent launches (``launch_pdl``, with ``griddepcontrol`` in the
+    kernel) need compute capability 9.0 (Hopper) or newer, and not ROCm."""
+    if device.type != "cuda":
+        return 0, False
+    cc = torch.cuda.get_device_capability(device)
+    return torch.cuda.get_device_properties(device).multi_processor_count, torch.version.hip is None and cc[
+        0
+    ] >= 9
 
 
 class Launcher:

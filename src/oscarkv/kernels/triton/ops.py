@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import Backend, KernelOps
-from .decode_attention import decode_attention
+from .decode import decode_attention
 from .dequantize import dequantize
 from .quantize_pack import quantize_pack
 from .rotate import rotate_heads, rotate_new_rows

@@ -1,11 +1,13 @@
 """Triton helpers of ``quantize_pack`` (its module docstring explains them): the clip threshold
 by comparator networks on multisets (fp32, or packed pairs of 16-bit values), a row's exact
-code thresholds, its codes, the metadata rounding and the split of a block into column pieces."""
+code thresholds, its codes and the metadata rounding."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+__all__ = ["abs_bits", "clip_threshold", "pack", "threshold", "to_meta"]
 
 # the packed comparators' PTX type by ``P``: 1 bf16 rows, 2 fp16 rows (0: Triton's max/min)
 _PAIR_TYPES = tl.constexpr(("", "bf16x2", "f16x2"))
@@ -137,21 +139,18 @@ def _level(v, W: tl.constexpr, K: tl.constexpr, P: tl.constexpr):
 @triton.jit
 def _row_top(a, K: tl.constexpr, TREE: tl.constexpr, P: tl.constexpr = 0):
     """The ``K`` (6 or 12) largest values of the row of pieces ``a``, sorted (``[BLOCK_R]`` each):
-    each column sorted (its six largest for ``K = 6``), ``TREE`` levels of merges, ``tl.reduce``.
+    each column sorted (its six largest for ``K = 6``), ``TREE >= 1`` levels of merges, ``tl.reduce``.
     int16 (``P``: see ``_ce``): packed pairs down to the last in-thread level (``2^TREE``: the
     columns a thread holds), whose single values and the ``tl.reduce`` take int16 ops (ptxas pairs
     most of them up itself)."""
     tl.static_assert(K == 6 or K == 12, "rounds of 6 or 12 values (the tl.reduce combines)")
     v = _network(a, _SORT8, P)[:K]
+    tl.static_assert(TREE >= 1, "at least one in-thread merge level (a column's eight are fewer than 12)")
     for lvl in tl.static_range(TREE):
         if a[0].dtype == tl.int16 and lvl + 1 < TREE:
             v = _level(v, 2 << (TREE - 1 - lvl), K, P)
         else:
             v = _level(v, 2, K, 0)
-    if len(v) < K:  # TREE = 0: a column's eight, padded below every value (and the drop value)
-        pad = tl.full(a[0].shape, -16512 if a[0].dtype == tl.int16 else float("-inf"), a[0].dtype)
-        for _ in tl.static_range(K - len(v)):
-            v = v + (pad,)
     if K == 6:
         return tl.reduce(v, 1, _merge6)
     else:
@@ -187,7 +186,7 @@ def _drop_count(a, b, P: tl.constexpr = 0):
 
 
 @triton.jit
-def _clip_threshold(a, N_DROP: tl.constexpr, ROUNDS: tl.constexpr, TREE: tl.constexpr, K: tl.constexpr,
+def clip_threshold(a, N_DROP: tl.constexpr, ROUNDS: tl.constexpr, TREE: tl.constexpr, K: tl.constexpr,
                     P: tl.constexpr = 0):  # fmt: skip
     """The ``(N_DROP+1)``-th largest of the row of pieces ``a`` (a tuple of eight, all >= 0),
     counting ties, in rounds of its ``K`` largest; fp32, or int16 bit patterns of 16-bit floats
@@ -239,7 +238,7 @@ def _ceil32(m, strict):
 
 
 @triton.jit
-def _threshold(BETA: tl.constexpr, STRICT: tl.constexpr, sd, zd, lo, hi):
+def threshold(BETA: tl.constexpr, STRICT: tl.constexpr, sd, zd, lo, hi):
     """Smallest fp32 ``v`` with ``⌊fl(fl(v ⊘ s) + z) + 0.5⌋ >= k`` (``BETA`` = β_k), as a
     ``[BLOCK_R, 1]`` column; ``-inf`` when all of ``[lo, hi]`` reaches it, NaN when none does."""
     u = _ceil32(tl.full(zd.shape, BETA, tl.float64) - zd, STRICT)
@@ -249,12 +248,12 @@ def _threshold(BETA: tl.constexpr, STRICT: tl.constexpr, sd, zd, lo, hi):
 
 
 @triton.jit
-def _abs_bits(x):
+def abs_bits(x):
     return x.to(tl.int16, bitcast=True) & 0x7FFF
 
 
 @triton.jit
-def _to_meta(v, ty: tl.constexpr):
+def to_meta(v, ty: tl.constexpr):
     """Round fp32 ``v`` to the metadata dtype, to nearest even (bf16 by integer rounding of the
     bits, as the GPU's conversion does, since Triton's interpreter truncates; NaN as 0x7FC0: the
     GPU's NaN, 0x7FFFFFFF, would round into the sign bit, -0.0)."""
@@ -276,23 +275,9 @@ def _code(x, t1, t2, t3, shift):
 
 
 @triton.jit
-def _pack(xa, xb, xc, xd, t1, t2, t3, BLOCK_R: tl.constexpr, D8: tl.constexpr):
+def pack(xa, xb, xc, xd, t1, t2, t3, BLOCK_R: tl.constexpr, D8: tl.constexpr):
     """Bytes ``code(xa) | code(xb) << 2 | code(xc) << 4 | code(xd) << 6`` as int32 words."""
     sh = (tl.arange(0, D8) % 4 * 8)[None, :]
     c = _code(xa, t1, t2, t3, sh) | _code(xb, t1, t2, t3, sh + 2)
     c = c | _code(xc, t1, t2, t3, sh + 4) | _code(xd, t1, t2, t3, sh + 6)
     return tl.sum(tl.reshape(c, [BLOCK_R, D8 // 4, 4]), 2)
-
-
-@triton.jit
-def _split8(acc, BLOCK_R: tl.constexpr, D8: tl.constexpr):
-    """``[BLOCK_R, 8·D8]`` -> its eight column pieces (a register relabelling)."""
-    t = tl.permute(tl.reshape(acc, [BLOCK_R, 2, 2, 2, D8]), (0, 4, 1, 2, 3))
-    e, o = tl.split(t)
-    e0, e1 = tl.split(e)
-    o0, o1 = tl.split(o)
-    p0, p4 = tl.split(e0)
-    p2, p6 = tl.split(e1)
-    p1, p5 = tl.split(o0)
-    p3, p7 = tl.split(o1)
-    return p0, p1, p2, p3, p4, p5, p6, p7
