@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import itertools
 import math
 import statistics
@@ -332,9 +333,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     sides = {"current": resolve("triton", DEV)}
     if args.baseline:
-        sides["baseline"] = import_package_copy(args.baseline, "oscarkv_baseline").kernels.resolve(
-            "triton", DEV
-        )
+        import_package_copy(args.baseline, "oscarkv_baseline")
+        sides["baseline"] = importlib.import_module("oscarkv_baseline.kernels").resolve("triton", DEV)
     copy_tbps = copy_bandwidth()
     payload = {
         "copy_TBps": copy_tbps,
