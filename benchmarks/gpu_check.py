@@ -134,7 +134,7 @@ def _quantize_call(ops):
     import inspect
 
     if "rotation" in inspect.signature(ops.quantize_pack).parameters:
-        return lambda x, fmt: ops.quantize_pack(x, fmt)
+        return lambda x, fmt: ops.quantize_pack(x, None, fmt)
     return ops.quantize_pack
 
 
