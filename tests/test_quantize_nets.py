@@ -53,3 +53,24 @@ def test_merge_keeps_the_k_largest_of_two_sorted_lists_sorted(m, k):
         ]
         got = _run(net, c)
         assert [got[i] for i in out] == sorted(a + b, reverse=True)[:k], (a, b)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("block_r", 48, "block_r must be a power of two"),
+        ("num_warps", 0, "num_warps must be a power of two"),
+        ("packed_rounds", 0, "packed_rounds must be an integer >= 1"),
+        ("packed_maxnreg", -1, "packed_maxnreg must be an integer >= 0"),
+        ("round_k", 8, "round_k must be 6 or 12"),
+        ("round_k", True, "round_k must be 6 or 12"),
+        ("pdl", 1, "pdl must be True or False"),
+    ],
+)
+def test_quantize_tuning_refuses_values_the_launch_cannot_honour(field, value, match):
+    import dataclasses
+
+    from oscarkv.kernels.triton.quantize_pack import DEFAULT_TUNING
+
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(DEFAULT_TUNING, **{field: value})

@@ -238,7 +238,7 @@ def test_decode_attention_tapered_splits_match_reference(tk, lens_q, loop, plan)
     ``n_early`` on are shorter (``planner.taper``), the first ones longer."""
     _, da = tk
     t = tuned(**LOOPS[loop][0], hp_programs=0, hp_split=32, min_split=64, programs=64, programs_few=64, sms=8,
-              per_sm=4, few_units=1 << 20, swap_block_n=16, block_n_grouped=16, taper=6.0)  # fmt: skip
+              per_sm=4, few_units=1 << 20, swap_block_n=16, words_block_n=16, taper=6.0)  # fmt: skip
     hq, hkv = (32, 8) if loop == "swap" else (8, 2)
     p = _check_decode(da, lens_q, [100, 40, 0][: len(lens_q)], hq, hkv, 128, "fp16", t)
     assert p.lp.loop == LOOPS[loop][1] and tuple(p.splits) == plan

@@ -2,8 +2,8 @@
 specialization and then launched directly.
 
 ``fn[grid](*args, **kwargs)`` runs Triton's binder, builds a string cache key and looks the
-kernel up on every call: about 40-60 µs of Python per launch on the H200 machine
-(benchmarks/results/profile_e2e.md), more than many decode kernels take on the GPU. A
+kernel up on every call: about 40-60 µs of Python per launch on the H200 machine, more than
+many decode kernels take on the GPU. A
 :class:`Launcher` keys its own dict on what Triton specializes a kernel on (device; per tensor
 its dtype and 16-byte alignment; per int whether it is 1, a multiple of 16, and its i32/i64/u64 range;
 the keyword arguments, i.e. constexprs and launch options), gets the ``CompiledKernel`` from one

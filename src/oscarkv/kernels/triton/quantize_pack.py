@@ -72,26 +72,12 @@ class QuantizeTuning:
     pdl: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("block_r", "num_warps"):
+        for name, least, power in (("block_r", 1, True), ("num_warps", 1, True), ("packed_rounds", 1, False),
+                                   ("packed_maxnreg", 0, False)):  # fmt: skip
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
-                raise ValueError(f"QuantizeTuning.{name} must be a power of two; got {v!r}")
-        if (
-            isinstance(self.packed_rounds, bool)
-            or not isinstance(self.packed_rounds, int)
-            or self.packed_rounds < 1
-        ):
-            raise ValueError(
-                f"QuantizeTuning.packed_rounds must be a positive integer; got {self.packed_rounds!r}"
-            )
-        if (
-            isinstance(self.packed_maxnreg, bool)
-            or not isinstance(self.packed_maxnreg, int)
-            or self.packed_maxnreg < 0
-        ):
-            raise ValueError(
-                f"QuantizeTuning.packed_maxnreg must be an integer >= 0; got {self.packed_maxnreg!r}"
-            )
+            if isinstance(v, bool) or not isinstance(v, int) or v < least or (power and v & (v - 1)):
+                kind = "a power of two" if power else f"an integer >= {least}"
+                raise ValueError(f"QuantizeTuning.{name} must be {kind}; got {v!r}")
         if self.round_k not in (6, 12) or isinstance(self.round_k, bool):
             raise ValueError(f"QuantizeTuning.round_k must be 6 or 12; got {self.round_k!r}")
         for name in ("packed", "pdl"):

@@ -6,8 +6,8 @@ blocks of ``BLOCK_C`` (R of d=256 is 256 KB), rounds once to the output dtype an
 densely or to their slots ``dst[b]`` (skipping negative ones). ``rotate_new_rows`` does a decode
 step's query, key and value rows in one launch (program axis 0 runs over the query heads, then the
 key heads, then the value heads). They replace the 3-4 PyTorch ops per rotation (upcast, matmul,
-downcast, scatter) whose launches dominated an eager decode step's host time
-(benchmarks/results/host_overhead_h200.md).
+downcast, scatter) whose launches dominated an eager decode step's host time (34 -> 22 µs of
+host time per rotation on the H200 machine).
 """
 
 from __future__ import annotations

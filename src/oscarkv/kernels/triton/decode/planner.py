@@ -105,9 +105,8 @@ def int2_loop(d: int, g: int, kv_heads: int, tokens: int, t: DecodeTuning = DEFA
         block_n = max(16, t.swap_block_n * 128 // (d * hpb))
         return Int2Loop("swap", hpb, block_n, t.num_warps, _pow2(g), t.swap_hp_block, t.swap_hp_stages,
                         max(1, t.min_split // hpb), hpb * d // 4 >= t.int8_key_bytes)  # fmt: skip
-    hpb = heads_per_program(g, kv_heads, tokens, t)
-    block_n = t.block_n if hpb == 1 else t.block_n_grouped
-    return Int2Loop("words", hpb, block_n, t.num_warps, max(MMA_ROWS, _pow2(hpb * g)), t.hp_block, t.hp_stages,
+    hpb = heads_per_program(g, kv_heads, tokens, t)  # > 1: else the swap loop runs
+    return Int2Loop("words", hpb, t.words_block_n, t.num_warps, max(MMA_ROWS, _pow2(hpb * g)), t.hp_block, t.hp_stages,
                     t.min_split)  # fmt: skip
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 __all__ = ["DEFAULT_TUNING", "DecodeTuning"]
 
 # fields by the check they get
-_TILES = ("block_n", "block_n_grouped", "swap_block_n", "bytes_block_n", "hp_block", "swap_hp_block")
+_TILES = ("words_block_n", "swap_block_n", "bytes_block_n", "hp_block", "swap_hp_block")
 _POWERS = ("merge_d",)
 _COUNTS = ("num_warps", "bytes_warps", "num_stages", "hp_stages", "swap_hp_stages", "merge_warps", "swap_heads",
            "per_sm", "hp_split", "min_split", "split_gran", "programs", "programs_few", "min_waves", "max_waves")  # fmt: skip
@@ -52,9 +52,8 @@ class DecodeTuning:
     num_warps: int = 1
     # pipeline depth of the INT2 loads (cp.async stages)
     num_stages: int = 3
-    # padded word loop: tokens per tile with one KV head per program / with several
-    block_n: int = 64
-    block_n_grouped: int = 32
+    # padded word loop (it always groups KV heads): tokens per tile
+    words_block_n: int = 32
     # swap loop: the code bytes of 128 tokens of one head-dim-128 head per tile (at head dim 256,
     # 128-token tiles spill: 93 local-memory instructions per tile against 30 at 64)
     swap_block_n: int = 128
