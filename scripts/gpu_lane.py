@@ -9,12 +9,18 @@ one process. Each shard stops at ``--timeout`` seconds, so its partial result st
 
     python scripts/gpu_lane.py [--shards 4] [-k EXPR] [--timeout 500] [--out DIR]
 
-Exit status: 0 if every shard passed (skips allowed), 1 otherwise.
+The lane passes only if every shard exits 0, at least one test passed, and every skip is an
+expected one (``--allow-skip``, a regular expression over pytest's skip reasons; by default the
+forced-loop cases a shape does not take): a machine without CUDA, or a capability check that
+skips, fails it. ``gpu_lane.md`` records the commit, the totals, every skip reason and the verdict.
+
+Exit status: 0 if the lane passed, 1 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 import time
@@ -24,7 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # _
 from _harness import env_info
 
 LANE = Path(__file__).resolve().parents[1] / "tests" / "test_kernels_gpu.py"
-PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
+#: skips the lane expects: a forced loop (``PLANES``) that a shape does not take
+EXPECTED_SKIPS = r"this shape takes the \w+ loop"
 
 
 def collect(target: Path, select: str | None) -> list[str]:
@@ -75,6 +83,20 @@ def run(shards: list[list[str]], timeout: float, logs: Path) -> list[dict]:
     return rows
 
 
+def tally(logs: Path, n_shards: int) -> tuple[dict[str, int], list[str]]:
+    """Totals of pytest's outcomes over the shards' logs and every skip reason (one per skipped test)."""
+    totals = {"passed": 0, "failed": 0, "skipped": 0, "error": 0}
+    reasons = []
+    for i in range(n_shards):
+        text = (logs / f"lane_shard_{i}.log").read_text()
+        last = [ln for ln in text.splitlines() if ln.strip()][-1:] or [""]
+        for n, kind in re.findall(r"(\d+) (passed|failed|skipped|error)", last[0]):
+            totals[kind] += int(n)
+        for m in re.finditer(r"^SKIPPED \[(\d+)\] [^:]+:\d+: (.*)$", text, re.M):
+            reasons += [m.group(2)] * int(m.group(1))
+    return totals, reasons
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shards", type=int, default=4, help="parallel pytest processes")
@@ -84,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--target", default=str(LANE), help="test file (default: the GPU lane)")
     ap.add_argument("--out", default=".", help="directory for gpu_lane.md and the shards' logs")
+    ap.add_argument("--allow-skip", default=EXPECTED_SKIPS, help="regex of the skip reasons the lane expects")
     args = ap.parse_args(argv)
     if args.shards < 1 or args.timeout <= 0:
         raise SystemExit(f"--shards must be >= 1 and --timeout > 0; got {args.shards}, {args.timeout}")
@@ -92,19 +115,33 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"no tests collected from {args.target} (-k {args.select!r})")
     out = Path(args.out)
     rows = run(split(ids, args.shards), args.timeout, out)
-    ok = all(r["rc"] == 0 for r in rows)
+    totals, reasons = tally(out, len(rows))
+    unexpected = sorted({r for r in reasons if not re.search(args.allow_skip, r)})
+    problems = [f"shard {r['shard']} exited {r['rc']}" for r in rows if r["rc"] != 0]
+    problems += ["no test passed"] if totals["passed"] == 0 else []
+    problems += [f"unexpected skip: {r}" for r in unexpected]
     env = env_info()
+    verdict = "PASSED" if not problems else "FAILED: " + "; ".join(problems)
+    expected = sum(r not in unexpected for r in reasons)
+    where = f"{len(ids)} tests of {Path(args.target).name}" + (
+        f" (-k {args.select!r})" if args.select else ""
+    )
     lines = [f"<!-- date: {env['date']}, commit: {env['commit']}, torch: {env['torch']}, "
              f"triton: {env.get('triton')}, gpu: {env.get('gpu')} -->",
-             f"# GPU lane: {len(ids)} tests of {Path(args.target).name}"
-             + (f" (-k {args.select!r})" if args.select else "")
-             + f" in {len(rows)} parallel processes: {'every shard exited 0' if ok else 'NOT every shard exited 0'}", "",
+             f"# GPU lane at {env['commit']}: {verdict}", "",
+             f"{where} in {len(rows)} parallel processes: {totals['passed']} passed, {totals['failed']} failed, "
+             f"{totals['error']} errors, {totals['skipped']} skipped ({expected} expected).", "",
              "| shard | tests | exit | seconds | pytest summary |", "|---|---|---|---|---|"]  # fmt: skip
     lines += [f"| {r['shard']} | {r['tests']} | {r['rc']} | {r['seconds']} | {r['summary']} |" for r in rows]
+    if reasons:
+        counts: dict[str, int] = {}
+        for r in reasons:
+            counts[r] = counts.get(r, 0) + 1
+        lines += ["", "Skips:", ""] + [f"- {n} × {r}" for r, n in sorted(counts.items())]
     text = "\n".join(lines) + "\n"
     (out / "gpu_lane.md").write_text(text)
     print(text, flush=True)
-    return 0 if ok else 1
+    return 0 if not problems else 1
 
 
 if __name__ == "__main__":

@@ -88,7 +88,9 @@ def test_gpu_check_headline_reads_its_saved_results(bench):
     assert (f"{q['rows']}x128 clip {q['clip']}", "quantize_pack_TBps", q["input_TBps"]) in figs
 
 
-def test_gpu_lane_splits_contiguously_and_reports_a_failing_shard(bench, monkeypatch):
+def test_gpu_lane_splits_contiguously_and_fails_on_failures_unexpected_skips_and_nothing_run(
+    bench, monkeypatch
+):
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     import gpu_lane
 
@@ -98,18 +100,26 @@ def test_gpu_lane_splits_contiguously_and_reports_a_failing_shard(bench, monkeyp
     assert gpu_lane.split(ids[:2], 4) == [["t0"], ["t1"]]
     target = bench / "test_tiny.py"
     target.write_text(
-        "def test_a():\n    pass\n\ndef test_b():\n    pass\n\ndef test_c():\n    assert False\n"
-    )
+        "import pytest\n\ndef test_a():\n    pass\n\ndef test_b():\n    pass\n\ndef test_c():\n    assert False\n\n"
+        "def test_d():\n    pytest.skip('words: this shape takes the bytes loop')\n\n"
+        "def test_e():\n    pytest.skip('needs a CUDA device')\n"
+    )  # fmt: skip
+
+    def lane(name: str, select: str, shards: int = 1) -> tuple[int, str]:
+        out = str(bench / name)
+        rc = gpu_lane.main(["--target", str(target), "--shards", str(shards), "--out", out, "-k", select])
+        return rc, (bench / name / "gpu_lane.md").read_text()
+
+    rc, text = lane("ok", "test_a or test_b or test_d")
     assert (
-        gpu_lane.main(
-            ["--target", str(target), "--shards", "2", "--out", str(bench / "ok"), "-k", "not test_c"]
-        )
-        == 0
+        rc == 0
+        and "# GPU lane at test: PASSED" in text
+        and "2 passed, 0 failed, 0 errors, 1 skipped (1 expected)" in text
     )
-    text = (bench / "ok" / "gpu_lane.md").read_text()
-    assert (
-        "2 tests of test_tiny.py" in text and text.count("1 passed") == 2 and "every shard exited 0" in text
-    )
-    assert gpu_lane.main(["--target", str(target), "--shards", "2", "--out", str(bench / "bad")]) == 1
-    text = (bench / "bad" / "gpu_lane.md").read_text()
-    assert "NOT every shard exited 0" in text and "1 failed" in text and "2 passed" in text
+    assert "1 × words: this shape takes the bytes loop" in text
+    rc, text = lane("bad", "test_a or test_b or test_c", shards=2)
+    assert rc == 1 and "FAILED: shard 1 exited 1" in text and "1 failed" in text
+    rc, text = lane("skip", "test_a or test_e")
+    assert rc == 1 and "FAILED: unexpected skip: needs a CUDA device" in text
+    rc, text = lane("none", "test_d or test_e")
+    assert rc == 1 and "no test passed" in text and "unexpected skip: needs a CUDA device" in text

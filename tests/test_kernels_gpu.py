@@ -13,10 +13,14 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from oscarkv.kernels import ref
+from oscarkv.kernels.triton.decode import planes
 from oscarkv.quant import RowFormat
 from oscarkv.quant.quantizer import clip_index
+from token_cases import coverage_case, drop_effects, prefill_case, rel, rows_rel, split_edges
 
 pytestmark = [
     pytest.mark.gpu,
@@ -112,6 +116,84 @@ def test_decode_attention_matches_the_oracle(lens_q, lens_h, hq, hkv, d, meta, p
             assert torch.equal(got[b], torch.zeros_like(got[b]))
         else:
             assert _rel(got[b], want[b]) < 1e-2
+
+
+@pytest.mark.parametrize(
+    ("lens_q", "lens_h", "hq", "hkv", "d"),
+    [
+        ([131072 - 320], [320], 32, 8, 128),
+        ([32768 - 320 - 37 * i for i in range(8)], [320] * 7 + [0], 32, 8, 128),
+        ([8192 - 320 - 11 * i for i in range(32)], [320 - i for i in range(32)], 32, 8, 128),
+        ([4096 - 320 - 5 * i for i in range(8)], [320] * 8, 32, 8, 128),
+        ([32768 - 320] * 4, [320] * 4, 16, 4, 256),
+        ([8192 - 320] * 8, [320] * 8, 9, 3, 64),
+    ],
+)
+@pytest.mark.parametrize("planes", ["auto", "words", "swap-one-head", "swap-fp16-keys", "taper"])
+def test_decode_attention_sees_every_token(lens_q, lens_h, hq, hkv, d, planes):
+    """Real lengths, zero queries: the output is the exact mean of both lists' values
+    (``token_cases``), and the kernel must be closer to it than a third of what losing or repeating
+    the first or last token of any INT2 split would change (the plan's own splits)."""
+    from oscarkv.kernels.triton import decode as dec
+
+    changes, loop = PLANES[planes]
+    p = dec.plan(len(lens_q), hq, hkv, d, (max(lens_q), max(lens_h)), "cuda",
+                 dataclasses.replace(dec.DEFAULT_TUNING, **changes))  # fmt: skip
+    if loop is not None and p.lp.loop != loop:
+        pytest.skip(f"{planes}: this shape takes the {p.lp.loop} loop")
+    if planes == "taper":
+        p = _forced_taper(p)
+    args, want, _ = coverage_case(lens_q, lens_h, hq, hkv, d, "cuda")
+    got = dec.decode_attention(*args, plan=p)
+    edges = split_edges(p, lens_q)
+    for (s, pos), effect in zip(edges, drop_effects(args, want, edges), strict=True):
+        assert rel(got[s], want[s]) < effect / 3, (s, pos, rel(got[s], want[s]), effect)
+
+
+@pytest.mark.parametrize(("p", "t", "hq", "hkv", "d"), [(0, 500, 32, 8, 128), (1500, 500, 32, 8, 128),
+                                                         (3000, 1, 16, 4, 256), (700, 300, 9, 3, 64)])  # fmt: skip
+def test_prefill_attention_sees_every_key(p, t, hq, hkv, d):
+    """The Triton backend's prefill (SDPA, bottom-right causal mask) in bf16 on the GPU: each new row
+    within a third of what one key too many or too few would change (zero queries: exact means)."""
+    from oscarkv.kernels.triton.ops import prefill_attention
+
+    args, want, effect = prefill_case(p, t, hq, hkv, d, "cuda", torch.bfloat16)
+    err = rows_rel(prefill_attention(*args), want)
+    assert (err < effect / 3).all(), (err.max(), effect.min())
+
+
+@triton.jit
+def _plane_probe(C, OUT, N: tl.constexpr, KIND: tl.constexpr, ASM: tl.constexpr):
+    """The plane builders of 256 codes per program, each plane's bits as int32 ``OUT[plane, i]``."""
+    offs = tl.program_id(0) * 256 + tl.arange(0, 256)
+    c = tl.load(C + offs)
+    if KIND == 0:
+        a, b, e, f = planes.byte_planes(c, ASM)
+        outs = (a, b, e, f)
+    elif KIND == 1:
+        a, b, e, f = planes.key_planes_i8(c, ASM)
+        outs = (a, b, e, f)
+    else:
+        a, b, e, f, g, h, i, j = planes.word_planes(c, ASM)
+        outs = (a, b, e, f, g, h, i, j)
+    for k in tl.static_range(len(outs)):
+        bits = outs[k].to(tl.int32) if KIND == 1 else outs[k].to(tl.int16, bitcast=True).to(tl.int32)
+        tl.store(OUT + k * N + offs, bits)
+
+
+def test_plane_builders_ptx_equals_their_integer_twins():
+    """The inline-PTX plane builders (what the GPU runs) against the integer-op versions (what the
+    interpreter runs), bit for bit, over every code byte and every code word."""
+    byte = torch.arange(256, device="cuda", dtype=torch.int32).to(torch.uint8)
+    word = torch.arange(-32768, 32768, device="cuda", dtype=torch.int32).to(torch.int16)
+    for kind, codes, n_out in ((0, byte, 4), (1, byte, 4), (2, word, 8)):
+        got = {}
+        for asm in (True, False):
+            out = torch.full((n_out, codes.numel()), -7, device="cuda", dtype=torch.int32)
+            _plane_probe[(codes.numel() // 256,)](codes, out, N=codes.numel(), KIND=kind, ASM=asm)
+            got[asm] = out
+        assert torch.equal(got[True], got[False]), kind
+        assert (got[True] != -7).any(0).all(), kind  # every element written
 
 
 @pytest.mark.parametrize(("batch", "n"), [(1, 3000), (8, 40000)])

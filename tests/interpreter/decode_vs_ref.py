@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +29,9 @@ import triton.language as tl
 from oscarkv.kernels import ref
 from oscarkv.kernels.triton.decode.common import taper_range
 from oscarkv.quant import RowFormat
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from token_cases import coverage_case, drop_effects, rel, split_edges
 
 torch.set_num_threads(1)
 
@@ -383,3 +388,40 @@ def test_decode_attention_refuses_a_plan_for_another_shape_or_shorter_lists(tk):
         da.decode_attention(*args, lens_hint=(8, 2), plan=da.plan(1, 4, 2, 64, (7, 2)))
     got = da.decode_attention(*args, lens_hint=(8, 2), plan=da.plan(1, 4, 2, 64, (8, 2)))
     assert torch.equal(got, da.decode_attention(*args))
+
+
+@pytest.mark.parametrize(
+    ("lens_q", "lens_h", "hq", "hkv", "d", "sms", "loop"),
+    [
+        # about `programs` splits, partial tiles and tails, an empty sequence tier
+        ([700, 0, 301], [40, 7, 0], 8, 2, 128, 0, "bytes"),
+        ([700, 0, 301], [40, 7, 0], 8, 2, 128, 0, "words"),
+        ([700, 0, 301], [40, 7, 0], 8, 2, 128, 0, "swap-one-head"),
+        # waves on 8 SMs: the 16-bit splits first, the INT2 splits tapered
+        ([600, 599], [300, 33], 8, 2, 128, 8, "swap"),
+        ([600, 599], [300, 33], 8, 2, 128, 8, "swap-fp16-keys"),
+        ([600, 599], [300, 33], 8, 2, 128, 8, "words"),
+        ([333, 64], [5, 320], 12, 4, 256, 0, "swap-one-head"),  # g = 3 (a padding head), head dim 256
+        ([777], [129], 4, 4, 64, 0, "bytes"),  # head dim 64
+    ],
+)
+def test_decode_attention_sees_every_token(tk, loop, lens_q, lens_h, hq, hkv, d, sms):
+    """Zero queries: the output is the exact mean of every value of both lists (``token_cases``),
+    against which the kernel must be closer than a third of what losing or repeating the first or
+    last token of any INT2 split would change, across forced splits (48-token floor, tiles of 16
+    where the loop allows), the 16-bit splits first, the taper, and the merge."""
+    _, da = tk
+    t = tuned(**LOOPS[loop][0], min_split=48, programs=96, programs_few=24, hp_split=64, sms=sms, per_sm=2,
+              few_units=0 if sms else 1 << 20, swap_block_n=16, words_block_n=16, bytes_block_n=16, taper=2.0,
+              hp_programs=0)  # fmt: skip
+    args, want, _ = coverage_case(lens_q, lens_h, hq, hkv, d, "cpu")
+    p = da.plan(len(lens_q), hq, hkv, d, (max(lens_q), max(lens_h)), "cpu", t)
+    assert p.lp.loop == (LOOPS[loop][1] if d >= 128 else "bytes") and p.n_q_splits > 1
+    got = da.decode_attention(*args, plan=p)
+    edges = split_edges(p, lens_q)
+    effects = drop_effects(args, want, edges)
+    for (s, pos), effect in zip(edges, effects, strict=True):
+        assert rel(got[s], want[s]) < effect / 3, (s, pos, rel(got[s], want[s]), effect)
+    for s in range(len(lens_q)):
+        if lens_q[s] + lens_h[s] == 0:
+            assert torch.equal(got[s], torch.zeros_like(got[s]))
