@@ -1,7 +1,7 @@
 """The stored row format: clip -> quantize -> pack, and its inverse (spec §3-§4).
 
 A :class:`RowFormat` is what one K or V tier needs to know to write and read rows; build it
-from a :class:`~oscarkv.config.QuantSpec` with :meth:`RowFormat.keys` / :meth:`RowFormat.values`.
+from a :class:`~oscarkv.config.QuantSpec` with :meth:`RowFormat.from_spec` (its K or V side).
 """
 
 from __future__ import annotations
