@@ -210,8 +210,8 @@ def _rewrite(path: Path, mutate: Callable[[dict], None]) -> None:
     torch.save(obj, path)
 
 
-def _load_error(path: Path, **kw) -> str:
-    with pytest.raises(RotationFileError) as ei:
+def _load_error(path: Path, match: str, **kw) -> str:
+    with pytest.raises(RotationFileError, match=match) as ei:
         load_rotations(path, **kw)
     return str(ei.value)
 
@@ -219,7 +219,7 @@ def _load_error(path: Path, **kw) -> str:
 def test_not_orthogonal(tmp_path: Path, write_oscar_pair) -> None:
     write_oscar_pair(tmp_path, d=32, layer_ids=(3, 7))
     _rewrite(tmp_path / K_NAME, lambda o: o["layers"][7].update(rotation=o["layers"][7]["rotation"] * 1.1))
-    msg = _load_error(tmp_path / K_NAME)
+    msg = _load_error(tmp_path / K_NAME, "orthogonal")
     assert K_NAME in msg and "orthogonal" in msg and "layer 7" in msg
 
 
@@ -234,7 +234,7 @@ def test_validation_errors_name_the_file_when_loading_a_directory(tmp_path: Path
     # Loading an OSCAR pair by directory must still name the offending file (not just the folder).
     write_oscar_pair(tmp_path, d=32, layer_ids=(3, 7))
     _rewrite(tmp_path / K_NAME, lambda o: o["layers"][7].update(rotation=o["layers"][7]["rotation"] * 1.1))
-    msg = _load_error(tmp_path)
+    msg = _load_error(tmp_path, "orthogonal")
     assert "orthogonal" in msg
     assert K_NAME in msg
 
@@ -250,20 +250,20 @@ def test_wrong_shape(tmp_path: Path, write_oscar_pair, make_orthogonal, kind: st
             o["layers"][3]["rotation"] = make_orthogonal(32)[:, :16].contiguous()
 
     _rewrite(tmp_path / K_NAME, mutate)
-    msg = _load_error(tmp_path / K_NAME)
+    msg = _load_error(tmp_path / K_NAME, "shape")
     assert K_NAME in msg and "shape" in msg
 
 
 def test_k_and_v_cover_different_layers(tmp_path: Path, write_oscar_pair) -> None:
     write_oscar_pair(tmp_path, d=32, layer_ids=(3, 7, 11))
     _rewrite(tmp_path / V_NAME, lambda o: o["layers"].pop(11))
-    msg = _load_error(tmp_path)
+    msg = _load_error(tmp_path, "different layers")
     assert K_NAME in msg and V_NAME in msg and "different layers" in msg and "11" in msg
 
 
 def test_model_config_with_more_layers(tmp_path: Path, write_oscar_pair) -> None:
     write_oscar_pair(tmp_path, d=256, layer_ids=(3, 7))
-    msg = _load_error(tmp_path / K_NAME, model_config=QWEN35_CONFIG)
+    msg = _load_error(tmp_path / K_NAME, "missing", model_config=QWEN35_CONFIG)
     assert K_NAME in msg and "missing" in msg and "11" in msg
 
 
@@ -271,7 +271,7 @@ def test_truncated_pt(tmp_path: Path, write_oscar_pair) -> None:
     write_oscar_pair(tmp_path, d=32, layer_ids=(3,))
     raw = (tmp_path / K_NAME).read_bytes()
     (tmp_path / K_NAME).write_bytes(raw[: len(raw) // 2])
-    msg = _load_error(tmp_path)
+    msg = _load_error(tmp_path, "truncated")
     assert K_NAME in msg and "truncated" in msg
 
 
@@ -279,7 +279,7 @@ def test_truncated_safetensors(tmp_path: Path, make_orthogonal) -> None:
     file = save_rotations(_layer_set(make_orthogonal), tmp_path)
     raw = file.read_bytes()
     file.write_bytes(raw[: len(raw) // 2])
-    msg = _load_error(tmp_path)
+    msg = _load_error(tmp_path, "truncated")
     assert ARTIFACT_NAME in msg and "truncated" in msg
 
 
@@ -287,7 +287,7 @@ def test_safetensors_without_metadata(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
     save_file({"x": torch.eye(4)}, str(tmp_path / ARTIFACT_NAME))
-    msg = _load_error(tmp_path)
+    msg = _load_error(tmp_path, "metadata")
     assert ARTIFACT_NAME in msg and "metadata" in msg
 
 
@@ -312,7 +312,7 @@ def test_malicious_pickle_refused(tmp_path: Path, write_oscar_pair, payload: str
     obj["extra"] = _Custom() if payload == "custom" else _Evil(marker)
     torch.save(obj, tmp_path / K_NAME, pickle_protocol=2)
     assert not marker.exists()
-    msg = _load_error(tmp_path)
+    msg = _load_error(tmp_path, "refusing")
     assert K_NAME in msg and "refusing" in msg
     assert not marker.exists()
 
@@ -324,43 +324,43 @@ def test_nan_rotation(tmp_path: Path, write_oscar_pair) -> None:
         o["layers"][3]["rotation"][5, 9] = float("nan")
 
     _rewrite(tmp_path / V_NAME, mutate)
-    msg = _load_error(tmp_path / K_NAME)
+    msg = _load_error(tmp_path / K_NAME, "NaN")
     assert V_NAME in msg and "NaN" in msg
 
 
 def test_directory_without_rotation_files(tmp_path: Path) -> None:
     (tmp_path / "readme.txt").write_text("nothing here")
-    msg = _load_error(tmp_path)
+    msg = _load_error(tmp_path, "no rotation files")
     assert str(tmp_path) in msg and "no rotation files" in msg and "readme.txt" in msg
 
 
 def test_only_k_file_in_directory(tmp_path: Path, write_oscar_pair) -> None:
     write_oscar_pair(tmp_path, d=32, layer_ids=(3,))
     (tmp_path / V_NAME).unlink()
-    assert "no rotation files" in _load_error(tmp_path)
-    msg = _load_error(tmp_path / K_NAME)
+    _load_error(tmp_path, "no rotation files")
+    msg = _load_error(tmp_path / K_NAME, "no V rotation file")
     assert K_NAME in msg and "no V rotation file" in msg
 
 
 def test_several_k_files(tmp_path: Path, write_oscar_pair) -> None:
     write_oscar_pair(tmp_path, d=32, layer_ids=(3,))
     (tmp_path / "k_rotation_hadamard.pt").write_bytes((tmp_path / K_NAME).read_bytes())
-    msg = _load_error(tmp_path)
+    msg = _load_error(tmp_path, "several")
     assert str(tmp_path) in msg and "several" in msg
     assert K_NAME in msg and "k_rotation_hadamard.pt" in msg
 
 
 def test_missing_path_and_unknown_suffix(tmp_path: Path) -> None:
-    assert "no such file" in _load_error(tmp_path / "nope.bin")
+    assert "nope.bin" in _load_error(tmp_path / "nope.bin", "no such file")
     (tmp_path / "rot.npz").write_bytes(b"xx")
-    msg = _load_error(tmp_path / "rot.npz")
+    msg = _load_error(tmp_path / "rot.npz", "unknown rotation file type")
     assert "rot.npz" in msg and "unknown rotation file type" in msg
 
 
 def test_not_an_oscar_dict(tmp_path: Path, write_oscar_pair) -> None:
     write_oscar_pair(tmp_path, d=32, layer_ids=(3,))
     torch.save({"rotations": torch.eye(32)}, tmp_path / V_NAME)
-    msg = _load_error(tmp_path / K_NAME)
+    msg = _load_error(tmp_path / K_NAME, "not an OSCAR rotation file")
     assert V_NAME in msg and "not an OSCAR rotation file" in msg
 
 

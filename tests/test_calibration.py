@@ -978,7 +978,7 @@ def test_corpus_too_small_names_both_counts(models, tok, tmp_path):
     small = tmp_path / "small.txt"
     small.write_text("x" * 50)  # 50 characters + one EOS = 51 tokens
     cfg = CalibrationConfig(tokens=256, seq_len=128, clip_search=False)
-    with pytest.raises(CorpusError) as e:
+    with pytest.raises(CorpusError, match="has 51 tokens, fewer than the 256 asked") as e:
         calibrate(models["llama"], tok, cfg, SPEC, data=[small])
     msg = str(e.value)
     assert "51" in msg and "256" in msg and "small.txt" in msg
@@ -1248,5 +1248,7 @@ def test_calibrate_with_loss_clip_objective_records_the_choice(models, tok, corp
     assert rep["objective"] == "nll" and rep["global"] <= rep["spec"]
     assert {rs.clips(i) for i in rs.layer_ids} == {tuple(rep["global_choice"])}
     assert all(r["k_clip"] == rep["global_choice"][0] for r in summary_rows(rs))
-    with pytest.raises(SpecError):
+    with pytest.raises(
+        SpecError, match=r"CalibrationConfig\.clip_objective must be attn \| nll \| kl; got 'ppl'"
+    ):
         CalibrationConfig(clip_objective="ppl")

@@ -20,7 +20,7 @@ def _wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as ei:
+    with pytest.raises(SystemExit, match=r"^0$") as ei:  # str(SystemExit(0)) is its code
         main(["--help"])
     assert ei.value.code == 0
     out = capsys.readouterr().out
@@ -76,7 +76,7 @@ def test_console_script_installed() -> None:
 def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
     from oscarkv.version import __version__
 
-    with pytest.raises(SystemExit) as ei:
+    with pytest.raises(SystemExit, match=r"^0$") as ei:
         main(["--version"])
     assert ei.value.code == 0
     assert capsys.readouterr().out.strip() == f"oscarkv {__version__}"
@@ -106,7 +106,15 @@ def test_demo(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     data = json.loads((tmp_path / "results.json").read_text())
     summ = {s["method"]: s for s in data["summary"]}
     assert set(summ) == {"bf16", "oscar", "hadamard-int2", "naive-int2"}
-    assert summ["naive-int2"]["ppl_ratio"] > summ["oscar"]["ppl_ratio"]  # the cache is really read
+    # README's claim, OSCAR's INT2 near BF16 quality, with a margin for platform noise (measured on
+    # x86 with the CPU torch 2.13 wheel: OSCAR ppl 1.020x BF16, Hadamard INT2 1.040x, naive INT2 3.44x)
+    oscar = summ["oscar"]
+    assert oscar["ppl_ratio"] <= 1.05, oscar
+    # OSCAR at least as good as the INT2 baselines: per-token log-ppl difference (measured -0.019
+    # vs Hadamard, -1.22 vs naive INT2, which also shows the quantized history is really read)
+    assert summ["hadamard-int2"]["oscar_ppl_dlog_vs_this"] <= 0.0, summ["hadamard-int2"]
+    assert summ["naive-int2"]["oscar_ppl_dlog_vs_this"] <= -0.5, summ["naive-int2"]
+    assert oscar["attn_out_err"] <= 0.02, oscar  # measured 0.0131 (naive INT2: 1.15)
     assert (tmp_path / "layer_errors.png").exists() and (
         tmp_path / "rotations" / "rotations.safetensors"
     ).exists()
@@ -121,7 +129,12 @@ def test_dataclass_args_round_trip() -> None:
     assert s == QuantSpec(key_bits=4, group_size=32, v_clip=0.5, meta_dtype="fp32")
 
 
-def test_generate_streams_and_reports_memory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_generate_streams_the_continuation_and_reports_memory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+    from transformers import DynamicCache
+
     from oscarkv import calibrate, save_rotations
     from oscarkv.config import CalibrationConfig
     from oscarkv.demo import demo_model_path
@@ -149,10 +162,26 @@ def test_generate_streams_and_reports_memory(tmp_path: Path, capsys: pytest.Capt
         ]
     )
     assert rc == 0
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
     assert "KV cache:" in err and "quantized" in err
     quantized = int(err.split("KV cache:")[1].split(" for ")[1].split(" quantized")[0])
     assert quantized > 0
+    # the streamed text (stdout) is the continuation alone, ended by a newline: the decode of the
+    # greedy tokens, which on this repetitive prompt are the full-precision cache's greedy tokens
+    ids = tok(prompt.read_text(), return_tensors="pt").input_ids
+    with torch.inference_mode():
+        full = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            past_key_values=DynamicCache(),
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id or 0,
+        )
+    assert full.shape[1] == ids.shape[1] + 8
+    assert captured.out == tok.decode(full[0, ids.shape[1] :]) + "\n"
+    assert captured.out == "\ndef add(a, b):\n"  # measured: the model repeats the function
 
 
 def test_missing_model_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 
@@ -22,7 +23,7 @@ def test_defaults() -> None:
 
 
 def test_spec_is_frozen() -> None:
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(dataclasses.FrozenInstanceError, match="cannot assign to field 'key_bits'"):
         QuantSpec().key_bits = 4  # type: ignore[misc]
 
 
@@ -48,7 +49,7 @@ def test_spec_error_is_value_error() -> None:
     ],
 )
 def test_invalid_field_raises(kwargs: dict, field: str, shown: str) -> None:
-    with pytest.raises(SpecError) as ei:
+    with pytest.raises(SpecError, match=rf"^QuantSpec\.{field} must be .*; got {re.escape(shown)}$") as ei:
         QuantSpec(**kwargs)
     msg = str(ei.value)
     assert isinstance(ei.value, ValueError)

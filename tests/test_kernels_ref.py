@@ -22,7 +22,7 @@ from oscarkv.kernels.ref import (
     prefill_attention,
     quantize_pack,
 )
-from oscarkv.quant import RowFormat, clip_rows, dequantize_rows, quantize_rows
+from oscarkv.quant import RowFormat
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -51,6 +51,85 @@ def _pick(n_pool: int, n: int, gen: torch.Generator) -> list[int]:
     return torch.randperm(n_pool, generator=gen)[:n].tolist()
 
 
+# ---- the stored format written out from docs/kv_format.md (never the package's own helpers) ------
+_META = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _spec_clip(x: torch.Tensor, ratio: float) -> torch.Tensor:
+    """Clamp each row to ±tau, tau = the element at 0-based index min(floor(ratio·d), d−1) of the
+    row's |x| sorted ascending (``ratio = 0``: no clip)."""
+    if ratio <= 0:
+        return x
+    d = x.shape[-1]
+    c = min(math.floor(ratio * d), d - 1)
+    tau = x.abs().sort(-1).values[..., c : c + 1]
+    return torch.where(x > tau, tau, torch.where(x < -tau, -tau, x))
+
+
+def _spec_pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """2 bit: byte j = q[j] | q[j+d/4]<<2 | q[j+d/2]<<4 | q[j+3d/4]<<6; 4 bit: byte j = q[j] |
+    q[j+d/2]<<4; 3 bit: the low two bits in the 2-bit layout (d/4 bytes), then byte j of the high
+    plane (d/8 bytes) holds bit 2 of q[j + i·d/8] at bit i."""
+    q = q.long()
+    d = q.shape[-1]
+
+    def plane(vals: torch.Tensor, parts: int, width: int) -> torch.Tensor:
+        n = d // parts  # byte j (all j at once) collects element j + i·n at bits [i·width, (i+1)·width)
+        return sum(vals[..., i * n : (i + 1) * n] << (i * width) for i in range(parts))
+
+    if bits == 2:
+        out = plane(q, 4, 2)
+    elif bits == 4:
+        out = plane(q, 2, 4)
+    else:
+        out = torch.cat([plane(q & 3, 4, 2), plane((q >> 2) & 1, 8, 1)], -1)
+    return out.to(torch.uint8)
+
+
+def _spec_unpack(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
+    """Inverse of :func:`_spec_pack`: int64 codes ``[..., d]``."""
+    p = packed.long()
+    q = torch.zeros(*p.shape[:-1], d, dtype=torch.long)
+
+    def read(plane: torch.Tensor, parts: int, width: int, at: int = 0) -> None:
+        n = d // parts  # element j + i·n sits in byte j, bits [i·width, (i+1)·width), as code bits at..
+        for i in range(parts):
+            q[..., i * n : (i + 1) * n] |= ((plane >> (i * width)) & ((1 << width) - 1)) << at
+
+    if bits in (2, 4):
+        read(p, 8 // bits, bits)
+    else:
+        read(p[..., : d // 4], 4, 2)
+        read(p[..., d // 4 :], 8, 1, at=2)  # the high plane holds bit 2 of each code
+    return q
+
+
+def _spec_quantize_pack(rows: torch.Tensor, fmt: RowFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """The uniform (min-max) quantizer: per group s = max(M − m, 1e−8)/(2^b − 1) (raised to
+    max(|m|, |M|)/16384 and the metadata dtype's smallest normal), z = −m/s; both rounded to the
+    metadata dtype, then q = floor(x/s + z + 0.5) clamped to [0, 2^b − 1] with the rounded s, z."""
+    assert fmt.quantizer == "asymmetric"
+    x = _spec_clip(rows.float(), fmt.clip)
+    top = (1 << fmt.bits) - 1
+    xg = x.reshape(*x.shape[:-1], fmt.groups, fmt.group)
+    lo, hi = xg.min(-1).values, xg.max(-1).values
+    s = torch.clamp(hi - lo, min=1e-8) / torch.full_like(lo, top)  # correctly rounded
+    s = torch.maximum(s, torch.maximum(lo.abs(), hi.abs()) / 16384).clamp_min(
+        torch.finfo(_META[fmt.meta_dtype]).tiny
+    )
+    meta = torch.stack([s, -lo / s], -1).to(_META[fmt.meta_dtype])
+    q = torch.floor(xg / meta[..., :1].float() + meta[..., 1:].float() + 0.5).clamp(0, top)
+    return _spec_pack(q.flatten(-2), fmt.bits), meta
+
+
+def _spec_dequantize(packed: torch.Tensor, meta: torch.Tensor, fmt: RowFormat) -> torch.Tensor:
+    """x̂ = (q − z)·s per group (float32), from the spec's byte layout."""
+    q = _spec_unpack(packed, fmt.bits, fmt.head_dim).float()
+    qg = q.reshape(*q.shape[:-1], fmt.groups, fmt.group)
+    m = meta.float()
+    return ((qg - m[..., 1:]) * m[..., :1]).flatten(-2)
+
+
 def _pools(n_q, n_h, hkv, d, k_fmt, v_fmt, gen, hp_dtype=torch.float32):
     rows_k = torch.randn(n_q, hkv, d, generator=gen) * 1.5 + 0.3
     rows_v = torch.randn(n_q, hkv, d, generator=gen)
@@ -66,8 +145,8 @@ def _decode_oracle(q, pools, q_lists, h_lists, scale, k_fmt, v_fmt) -> torch.Ten
     outs = []
     for b in range(q.shape[0]):
         qi, hi = torch.tensor(q_lists[b], dtype=torch.long), torch.tensor(h_lists[b], dtype=torch.long)
-        k = torch.cat([dequantize_rows(k_codes[qi], k_meta[qi], k_fmt).double(), hp_k[hi].double()])
-        v = torch.cat([dequantize_rows(v_codes[qi], v_meta[qi], v_fmt).double(), hp_v[hi].double()])
+        k = torch.cat([_spec_dequantize(k_codes[qi], k_meta[qi], k_fmt).double(), hp_k[hi].double()])
+        v = torch.cat([_spec_dequantize(v_codes[qi], v_meta[qi], v_fmt).double(), hp_v[hi].double()])
         if k.shape[0] == 0:
             outs.append(torch.zeros(q.shape[1:], dtype=torch.float64))
         else:
@@ -249,15 +328,41 @@ def test_prefill_attention_last_token_equals_decode_over_everything():
 # ---- 4. quantize_pack / dequantize -----------------------------------------------------------------
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("clip", [0.0, 0.9])
-def test_quantize_pack_is_quantize_rows(bits, clip):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_pack_matches_the_format_written_out(bits, clip, dtype):
     gen = torch.Generator().manual_seed(31)
     fmt = RowFormat(head_dim=64, bits=bits, group=16, clip=clip)
-    rows = torch.randn(10, 3, 64, generator=gen)
+    rows = (torch.randn(10, 3, 64, generator=gen) * 2 + torch.randn(10, 3, 1, generator=gen)).to(dtype)
     codes, meta = quantize_pack(rows, fmt)
-    c2, m2 = quantize_rows(rows, fmt)
     assert codes.dtype == torch.uint8 and codes.shape == (10, 3, fmt.packed_dim)
     assert meta.dtype == torch.float16 and meta.shape == (10, 3, fmt.groups, 2)
-    assert torch.equal(codes, c2) and torch.equal(meta, m2)
+    want_codes, want_meta = _spec_quantize_pack(rows, fmt)
+    assert torch.equal(meta, want_meta)
+    assert torch.equal(codes, want_codes), int((codes != want_codes).sum())
+    assert codes.unique().numel() > 16  # the bytes mix codes: a layout error shows
+
+
+def test_quantize_pack_hand_computed_rows():
+    fmt = RowFormat(head_dim=8, bits=2, group=8, clip=0.75)  # clip index min(floor(0.75·8), 7) = 6
+    rows = torch.tensor(
+        [
+            # |x| ascending 0,1,1,2,2,3,4,10: tau = 4, so 10 -> 4; m = -2, M = 4: s = 2, z = 1;
+            # q = floor(x/2 + 1 + 0.5) = 1, 3, 2, 1, 3, 0, 2, 3 (x = -1, 3, 1 are ties: rounded up)
+            [-1.0, 4.0, 2.0, 0.0, 3.0, -2.0, 1.0, 10.0],
+            # |x| ascending 0,.5,1,1.5,2,2.5,3,3: tau = 3 clamps nothing; m = 0, M = 3: s = 1,
+            # z = 0; q = 0, 3, 1, 2, 3, 1, 2, 3 (0.5, 1.5, 2.5 are ties: rounded up)
+            [0.0, 3.0, 0.5, 1.5, 2.5, 1.0, 2.0, 3.0],
+        ]
+    )[:, None]
+    codes, meta = quantize_pack(rows, fmt)
+    assert meta.float().flatten().tolist() == [2.0, 1.0, 1.0, 0.0]
+    # byte 0 = q0 | q2<<2 | q4<<4 | q6<<6, byte 1 = q1 | q3<<2 | q5<<4 | q7<<6
+    #   row 0: 1 + 8 + 48 + 128 = 185 and 3 + 4 + 0 + 192 = 199
+    #   row 1: 0 + 4 + 48 + 128 = 180 and 3 + 8 + 16 + 192 = 219
+    assert codes.flatten().tolist() == [185, 199, 180, 219]
+    back = dequantize(codes, meta, fmt)  # (q - z)·s
+    assert back[0, 0].tolist() == [0.0, 4.0, 2.0, 0.0, 4.0, -2.0, 2.0, 4.0]
+    assert back[1, 0].tolist() == [0.0, 3.0, 1.0, 2.0, 3.0, 1.0, 2.0, 3.0]
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
@@ -271,7 +376,8 @@ def test_dequantize_round_trip_within_half_a_step(bits, group, clip):
     codes, meta = quantize_pack(rows, fmt)
     back = dequantize(codes, meta, fmt)
     assert back.dtype == torch.float32 and back.shape == rows.shape
-    target = clip_rows(rows, clip)  # quantization is of the clipped rows
+    assert torch.equal(back, _spec_dequantize(codes, meta, fmt))
+    target = _spec_clip(rows, clip)  # quantization is of the clipped rows
     step = meta[..., 0].float().repeat_interleave(group, dim=-1)
     err = (back - target).abs()
     assert (err <= 0.5 * step * 1.01 + 1e-6).all(), float((err / step).max())
@@ -283,7 +389,7 @@ def test_dequantize_round_trip_within_half_a_step(bits, group, clip):
     assert torch.equal(half, back.to(torch.bfloat16))
 
 
-def test_dequantize_equals_dequantize_rows_and_is_lossless_on_grid_values():
+def test_dequantize_is_lossless_on_grid_values():
     fmt = RowFormat(head_dim=32, bits=2, group=8)
     # every group holds exactly the 4 grid levels lo + i·s: quantization is exact
     lo = torch.tensor([-1.0, 0.5, -2.0, 0.0])
@@ -293,7 +399,7 @@ def test_dequantize_equals_dequantize_rows_and_is_lossless_on_grid_values():
     codes, meta = quantize_pack(rows, fmt)
     back = dequantize(codes, meta, fmt)
     torch.testing.assert_close(back, rows, atol=2e-3, rtol=0)
-    assert torch.equal(back, dequantize_rows(codes, meta, fmt))
+    assert torch.equal(back, _spec_dequantize(codes, meta, fmt))
 
 
 # ---- 5. backend resolution ------------------------------------------------------------------------

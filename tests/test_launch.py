@@ -62,6 +62,10 @@ def test_second_call_goes_to_the_compiled_kernel_with_all_parameters_in_order():
     _launch(launcher, a, b, 7)
     _launch(launcher, a, b, 7, x=2.0)  # floats are not specialized: same kernel
     assert [c[0] for c in fn.calls] == ["jit", "compiled"]
+    # the first call is the ordinary launch, with the arguments as given
+    _, grid, args, kwargs = fn.calls[0]
+    assert grid == (2, 1) and kwargs == {"C": 3, "num_warps": 1}
+    assert args[0] is a and args[1] is b and args[2:] == (7, 0.5)
     _, grid, args, stream = fn.calls[1]
     assert grid == (2, 1, 1) and stream == 1234  # padded to the three dims the runner indexes
     assert args[:4] == (a, b, 7, 2.0) and args[4:] == (3, 5)  # C from the call, D its default
@@ -72,7 +76,8 @@ def test_second_call_goes_to_the_compiled_kernel_with_all_parameters_in_order():
     [
         ({"n": 7}, {"n": 1}),  # an int equal to 1
         ({"n": 7}, {"n": 32}),  # a multiple of 16
-        ({"n": 7}, {"n": 1 << 33}),  # beyond 32 bits
+        ({"n": 7}, {"n": (1 << 33) + 7}),  # beyond 32 bits (and, like 7, neither 1 nor a multiple of 16)
+        ({"n": (1 << 40) + 7}, {"n": (1 << 63) + 7}),  # beyond int64: unsigned
         ({"off": 0}, {"off": 1}),  # a tensor off a 16-byte boundary
         ({"dtype": torch.float32}, {"dtype": torch.float16}),
         ({"C": 3}, {"C": 4}),  # a constexpr

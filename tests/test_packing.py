@@ -83,12 +83,12 @@ def test_3bit_layout_python_ints(d: int) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bool])
 def test_non_integer_codes_raise_type_error(dtype: torch.dtype) -> None:
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=f"codes must be an integer tensor; got {dtype}"):
         pack(torch.zeros(8, dtype=dtype), 2)
 
 
 def test_unpack_needs_uint8() -> None:
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=r"packed codes must be uint8; got torch\.int32"):
         unpack(torch.zeros(2, dtype=torch.int32), 2, 8)
 
 
@@ -102,11 +102,11 @@ def test_bad_last_dim_raises(bits: int, d: int) -> None:
 def test_unsupported_bits_raise(bits: int) -> None:
     with pytest.raises(ValueError, match="bits"):
         pack(torch.zeros(8, dtype=torch.uint8), bits)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"bits must be 2, 3 or 4; got {bits}"):
         packed_dim(8, bits)
 
 
 def test_unpack_wrong_d_raises() -> None:
     packed = pack(torch.zeros(16, dtype=torch.uint8), 2)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="4 packed bytes do not hold 32 codes of 2 bits"):
         unpack(packed, 2, 32)

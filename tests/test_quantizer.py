@@ -160,7 +160,7 @@ def test_asymmetric_group_meta_shape() -> None:
 
 
 def test_group_must_divide_dim() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="group size 48 must divide the last dim 128"):
         quantize_asymmetric(torch.randn(2, 128), 2, 48)
 
 
@@ -240,7 +240,7 @@ def test_lloyd_max_centroid_3_bits() -> None:
 
 
 def test_lloyd_max_hybrid_rejects_3_bits() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="hybrid is defined for 2 bits; use mode='centroid'"):
         quantize_lloyd_max(torch.randn(2, 128), 3, 128, mode="hybrid")
 
 
@@ -283,7 +283,7 @@ def test_row_format_from_spec() -> None:
     assert RowFormat.from_spec(s, 128, "v").groups == 4
     assert RowFormat.from_spec(QuantSpec(codebook="lloyd_max"), 128, "k").quantizer == "lloyd_max"
     assert RowFormat.from_spec(QuantSpec(), 128, "k", clip=0.5).clip == 0.5
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="kind must be 'k' or 'v'; got 'q'"):
         RowFormat.from_spec(QuantSpec(), 128, "q")
 
 
@@ -302,11 +302,11 @@ def test_quantize_rows_wrong_last_dim() -> None:
 
 
 def test_row_format_validation() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"quantizer must be one of \[.*\]; got 'nf4'"):
         RowFormat(128, quantizer="nf4")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="group 48 must divide head_dim 128"):
         RowFormat(128, group=48)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="3-bit packing needs the last dim to be a multiple of 8; got 12"):
         RowFormat(12, bits=3)
 
 

@@ -92,7 +92,7 @@ def test_hadamard_block_diagonal(d: int, b: int) -> None:
 
 @pytest.mark.parametrize("d", [3, 7, 127])
 def test_hadamard_odd_raises(d: int) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"head dim {d} is odd: no Hadamard block exists"):
         hadamard(d)
 
 
@@ -110,7 +110,7 @@ def test_bit_reversal_involution(n: int) -> None:
 
 @pytest.mark.parametrize("n", [0, 3, 96, 100])
 def test_bit_reversal_non_power_of_two_raises(n: int) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"bit reversal needs a power of two; got {n}$"):
         bit_reversal(n)
 
 
@@ -222,5 +222,7 @@ def test_unknown_composition_raises() -> None:
 
 
 def test_compose_shape_mismatch_raises() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(
+        ValueError, match=r"eigenvectors must be \[8, 8\] to match eigenvalues; got \(16, 16\)"
+    ):
         compose(torch.ones(8, dtype=torch.float64), torch.eye(16, dtype=torch.float64))
