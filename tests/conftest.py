@@ -42,6 +42,17 @@ def random_orthogonal(d: int, gen: torch.Generator | None = None) -> torch.Tenso
     return (q * torch.sign(torch.diagonal(r))).float()
 
 
+def tiny_lm_config(kind: str = "qwen3", *, vocab: int, layers: int, heads: int, kv_heads: int, head_dim: int,
+                   positions: int = 1024, bias: bool = False):  # fmt: skip
+    """A small Qwen3 (q/k norms) or Llama config, hidden 64 and MLP 128, for random-weight models."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+              num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+              max_position_embeddings=positions, attention_bias=bias)  # fmt: skip
+    return Qwen3Config(**kw) if kind == "qwen3" else LlamaConfig(**kw)
+
+
 def oscar_dict(rotations: dict, eigenvalues: dict, objective: str) -> dict:
     """A plain dict exactly as OSCAR's compute_kv_rotation.py writes it (spec §2.9)."""
     return {

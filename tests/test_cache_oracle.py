@@ -36,8 +36,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
+from conftest import random_orthogonal, tiny_lm_config
 from oscarkv import QuantSpec
 from oscarkv.hf import OscarCache
 from oscarkv.hf.cache import OscarCacheLayer
@@ -58,22 +59,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def make_model(seed: int = 0) -> Qwen3ForCausalLM:
     """A 2-layer fp32 Qwen3 (q/k norms, GQA 2:1, head dim 64) with random weights."""
     torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HQ,
-        num_key_value_heads=HKV,
-        head_dim=D,
-        max_position_embeddings=512,
-    )
+    cfg = tiny_lm_config(vocab=VOCAB, layers=LAYERS, heads=HQ, kv_heads=HKV, head_dim=D, positions=512)
     return Qwen3ForCausalLM(cfg).eval()
-
-
-def _orthogonal(gen: torch.Generator) -> torch.Tensor:
-    q, r = torch.linalg.qr(torch.randn(D, D, dtype=torch.float64, generator=gen))
-    return (q * torch.sign(torch.diagonal(r))).float()
 
 
 def make_rotations(granularity: str, seed: int = 1) -> RotationSet:
@@ -82,8 +69,8 @@ def make_rotations(granularity: str, seed: int = 1) -> RotationSet:
 
     def rot() -> torch.Tensor:
         if granularity == "layer":
-            return _orthogonal(gen)
-        return torch.stack([_orthogonal(gen) for _ in range(HKV)])
+            return random_orthogonal(D, gen)
+        return torch.stack([random_orthogonal(D, gen) for _ in range(HKV)])
 
     layers = {}
     for i in range(LAYERS):

@@ -12,13 +12,12 @@ import pytest
 import torch
 from transformers import (
     DynamicCache,
-    LlamaConfig,
     LlamaForCausalLM,
-    Qwen3Config,
     Qwen3ForCausalLM,
 )
 
 import oscarkv
+from conftest import random_orthogonal, tiny_lm_config
 from oscarkv import QuantSpec, RotationFileError
 from oscarkv.hf import OscarCache, absorb_value_rotation
 from oscarkv.quant import RowFormat, clip_rows, dequantize_rows
@@ -33,18 +32,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # ---- builders -----------------------------------------------------------------------------------
 def _config(kind: str, bias: bool = False):
-    kw = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HQ,
-        num_key_value_heads=HKV,
-        head_dim=D,
-        max_position_embeddings=1024,
-        attention_bias=bias,
-    )
-    return Qwen3Config(**kw) if kind == "qwen3" else LlamaConfig(**kw)
+    return tiny_lm_config(kind, vocab=VOCAB, layers=LAYERS, heads=HQ, kv_heads=HKV, head_dim=D, bias=bias)
 
 
 def make_model(kind: str = "qwen3", seed: int = 0, dtype: torch.dtype = torch.float32, bias: bool = False):
@@ -59,11 +47,6 @@ def make_model(kind: str = "qwen3", seed: int = 0, dtype: torch.dtype = torch.fl
     return model
 
 
-def _orthogonal(d: int, gen: torch.Generator) -> torch.Tensor:
-    q, r = torch.linalg.qr(torch.randn(d, d, dtype=torch.float64, generator=gen))
-    return (q * torch.sign(torch.diagonal(r))).float()
-
-
 def make_rotations(
     spec: QuantSpec = SPEC,
     seed: int = 1,
@@ -76,8 +59,8 @@ def make_rotations(
 
     def rot():
         if granularity == "layer":
-            return _orthogonal(d, gen)
-        return torch.stack([_orthogonal(d, gen) for _ in range(heads)])
+            return random_orthogonal(d, gen)
+        return torch.stack([random_orthogonal(d, gen) for _ in range(heads)])
 
     out = {}
     for i in range(layers):
