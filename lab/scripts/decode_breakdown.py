@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # benchmarks/: _harness and co.
+import oscarkv.kernels.triton.decode_attention as tda
 from _harness import config_value, save
 from gpu_check import SINK_RECENT, bench_graph, decode_bytes, make_pools
-
-import oscarkv.kernels.triton.decode_attention as tda
 from oscarkv.kernels.triton.decode_config import CONFIG
+
 from oscarkv.quant import RowFormat
 
 HQ, HKV, D = 32, 8, 128

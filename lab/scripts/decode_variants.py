@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # benchmarks/: _harness and co.
+import oscarkv.kernels.triton.decode_attention as tda
 from _harness import config_value, import_kernel_copy, save
 from gpu_check import (
     SINK_RECENT,
@@ -36,7 +37,6 @@ from gpu_check import (
     sdpa_best,
 )
 
-import oscarkv.kernels.triton.decode_attention as tda
 from oscarkv.kernels import ref
 from oscarkv.quant import RowFormat
 

@@ -23,7 +23,6 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # benchmarks/: _harness and co.
 from _harness import save
-
 from oscarkv.kernels.triton.decode_plan import CONFIG, split_size
 
 SWAP_TILE = 128  # tokens per tile at one head per program (the swap loop's default)

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # benchmarks/: _harness and co.
+import oscarkv.kernels.triton.decode_attention as tda
 from gpu_check import SINK_RECENT, bench_graph, make_pools
 
-import oscarkv.kernels.triton.decode_attention as tda
 from oscarkv.quant import RowFormat
 
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # benchmarks/: _harness and co.
+import oscarkv.kernels.triton.decode_attention as tda
 from _harness import config_value
 from gpu_check import SINK_RECENT, make_pools
 
-import oscarkv.kernels.triton.decode_attention as tda
 from oscarkv.quant import RowFormat
 
 

@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # benchmarks/: _harness and co.
+import oscarkv.kernels.triton.decode_attention as tda
 from _harness import config_value, save
 from gpu_check import SINK_RECENT, bench_graph, decode_inputs, parse_heads
 
-import oscarkv.kernels.triton.decode_attention as tda
 from oscarkv.quant import RowFormat
 
 KDIR = Path(tda.__file__).parent
