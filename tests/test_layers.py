@@ -16,6 +16,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "oscarkv"
 #: top-level module or package -> layer; ``__init__`` is the package root, the top layer
 LAYER = {
     "config": 0,
+    "errors": 0,
     "utils": 0,
     "version": 0,
     "quant": 1,

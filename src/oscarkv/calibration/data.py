@@ -4,6 +4,10 @@ Sources are text files, folders of text or code (searched recursively), or JSONL
 lines hold a ``text`` field or chat ``messages`` (rendered with the tokenizer's chat template
 when it has one). With no sources, the Python standard library's own sources are used: they
 are on every machine, so ``oscarkv calibrate --model PATH`` needs no data arguments.
+
+User files are decoded strictly as UTF-8 (binary, UTF-16 and latin-1 files are refused with a
+one-line :class:`CorpusError` naming the file and the fix); :func:`check_sources` checks them
+before any model loads. The bundled corpora (the standard library) decode with replacement.
 """
 
 from __future__ import annotations
@@ -18,11 +22,16 @@ from typing import Any
 
 import torch
 
+from ..errors import InputError
+from ..utils.files import check_input_file, decode_text
+
 __all__ = [
     "CorpusError",
+    "check_sources",
     "default_corpus",
     "eval_sequences",
     "iter_documents",
+    "quiet_length_warning",
     "ranked_eval_files",
     "token_sequences",
 ]
@@ -33,8 +42,57 @@ TEXT_SUFFIXES = {
 }  # fmt: skip
 
 
-class CorpusError(ValueError):
-    """The calibration corpus is missing, unreadable or too small."""
+class CorpusError(InputError):
+    """The calibration corpus is missing, unreadable, not UTF-8 text or too small (one line,
+    plus an optional ``hint``; an :class:`~oscarkv.errors.OscarkvError` and a ``ValueError``)."""
+
+
+#: how much of each file :func:`check_sources` decodes up front
+CHECK_BYTES = 64 * 1024
+#: the key of transformers' warn-once flag for "Token indices sequence length is longer than ..."
+_LENGTH_WARNING = "sequence-length-is-longer-than-the-specified-maximum"
+
+
+def quiet_length_warning(tokenizer: Any) -> Any:
+    """Silence transformers' "Token indices sequence length is longer than the specified maximum
+    sequence length" warning on ``tokenizer`` (we tokenize whole documents and cut windows
+    ourselves, so it is noise). Tokenizers without the warn-once dict are left alone."""
+    flags = getattr(tokenizer, "deprecation_warnings", None)
+    if isinstance(flags, dict):
+        flags[_LENGTH_WARNING] = True
+    return tokenizer
+
+
+def _decode(data: bytes, path: Path, line: int | None = None) -> str:
+    """``data`` (from ``path``, or its line ``line``) as UTF-8, or a one-line :class:`CorpusError`."""
+    try:
+        return decode_text(data, str(path))
+    except InputError as e:
+        msg = str(e)
+        if line is not None:  # "PATH: ..." -> "PATH:LINE: ..."
+            msg = f"{path}:{line}{msg[len(str(path)) :]}"
+        raise CorpusError(msg, e.hint) from None
+
+
+def _read_text(path: Path) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CorpusError(f"{path}: cannot be read ({e.strerror or e})") from None
+    return _decode(data, path)
+
+
+def _utf8_head(data: bytes) -> bytes:
+    """``data`` without a multi-byte UTF-8 character cut off at its end."""
+    for i in range(1, min(4, len(data)) + 1):
+        c = data[-i]
+        if c & 0xC0 == 0x80:  # a continuation byte: look further back for the lead byte
+            continue
+        if c >= 0xC0:  # lead byte of a 2-, 3- or 4-byte character
+            size = 2 if c < 0xE0 else 3 if c < 0xF0 else 4
+            return data[:-i] if size > i else data
+        return data
+    return data
 
 
 SPLITS = ("calib", "eval")
@@ -96,6 +154,7 @@ def eval_sequences(
     ``root`` overrides the standard library's location (tests). Returns LongTensor ``[n, seq_len]``.
     """
     base, ranked = ranked_eval_files(seed, root)
+    quiet_length_warning(tokenizer)
     out: list[list[int]] = []
     for path in ranked:
         ids = tokenizer(path.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)[
@@ -125,49 +184,113 @@ def _expand(sources: Sequence[str | Path]) -> list[Path]:
         elif p.is_file():
             files.append(p)
         else:
-            raise CorpusError(f"{p}: no such file or directory")
+            raise CorpusError(f"{p}: no such file or directory", "pass existing files or folders to --data")
     return files
 
 
-def _render_chat(messages: Any, tokenizer: Any, where: str) -> str:
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        raise CorpusError(f"{where}: 'messages' must be a list of {{role, content}} objects")
+def check_sources(sources: Sequence[str | Path] | None) -> list[Path]:
+    """Check ``sources`` before any model loads; returns the files (folders expanded, sorted).
+
+    Every file must exist and be readable, its first 64 KiB must decode as UTF-8 text, and the
+    first record of a ``.jsonl`` file must be an object with a ``text`` string or ``messages``
+    list. Raises :class:`CorpusError` (one line) otherwise. ``None`` or empty: the default corpus,
+    nothing to check (returns ``[]``).
+    """
+    if not sources:
+        return []
+    files = _expand(sources)
+    for path in files:
+        try:
+            check_input_file(path, "--data")
+        except InputError as e:
+            raise CorpusError(str(e), e.hint) from None
+        try:
+            with path.open("rb") as f:
+                head = f.read(CHECK_BYTES + 1)
+        except OSError as e:
+            raise CorpusError(f"{path}: cannot be read ({e.strerror or e})") from None
+        whole = len(head) <= CHECK_BYTES
+        head = head if whole else head[:CHECK_BYTES]
+        if path.suffix.lower() == ".jsonl":
+            _check_jsonl_head(head, whole, path)
+        else:
+            _decode(head if whole else _utf8_head(head), path)
+    return files
+
+
+def _check_jsonl_head(head: bytes, whole: bool, path: Path) -> None:
+    """Decode each line of ``head`` (the start of a JSONL file, all of it if ``whole``) and parse
+    its first record."""
+    parsed = False
+    raw_lines = head.split(b"\n")  # JSON strings may hold other line separators (U+2028, ...)
+    for n, raw in enumerate(raw_lines, 1):
+        complete = whole or n < len(raw_lines)
+        line = _decode(raw if complete else _utf8_head(raw), path, n)
+        if not parsed and complete and line.strip():
+            _check_record(_parse_line(line, f"{path}:{n}"), f"{path}:{n}")
+            parsed = True
+
+
+def _parse_line(line: str, where: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise CorpusError(f"{where}: invalid JSON ({e.msg})") from None
+
+
+def _check_record(obj: Any, where: str) -> None:
+    if isinstance(obj, dict) and isinstance(obj.get("text"), str):
+        return
+    if isinstance(obj, dict) and "messages" in obj:
+        messages = obj["messages"]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise CorpusError(f"{where}: 'messages' must be a list of {{role, content}} objects")
+        return
+    raise CorpusError(f"{where}: expected an object with a 'text' string or 'messages'")
+
+
+def _render_chat(messages: Any, tokenizer: Any) -> str:
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(messages, tokenize=False)
     return "\n".join(f"{m.get('role', 'user')}: {m.get('content', '')}" for m in messages)
 
 
 def _jsonl_documents(path: Path, tokenizer: Any) -> Iterator[str]:
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, 1):
+    """The records of a JSONL file, read line by line (strict UTF-8 per line)."""
+    try:
+        f = path.open("rb")
+    except OSError as e:
+        raise CorpusError(f"{path}: cannot be read ({e.strerror or e})") from None
+    with f:
+        for n, raw in enumerate(f, 1):
+            line = _decode(raw, path, n)
             if not line.strip():
                 continue
             where = f"{path}:{n}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise CorpusError(f"{where}: invalid JSON ({e.msg})") from e
-            if isinstance(obj, dict) and isinstance(obj.get("text"), str):
-                yield obj["text"]
-            elif isinstance(obj, dict) and "messages" in obj:
-                yield _render_chat(obj["messages"], tokenizer, where)
-            else:
-                raise CorpusError(f"{where}: expected an object with a 'text' string or 'messages'")
+            obj = _parse_line(line, where)
+            _check_record(obj, where)
+            yield (
+                obj["text"] if isinstance(obj.get("text"), str) else _render_chat(obj["messages"], tokenizer)
+            )
 
 
 def iter_documents(
     sources: Sequence[str | Path] | None, tokenizer: Any, seed: int = 0, split: str = "calib"
 ) -> Iterator[str]:
-    """Documents from ``sources`` (or the default corpus's ``split``), files in a seeded order."""
+    """Documents from ``sources`` (or the default corpus's ``split``), files in a seeded order.
+
+    Files from ``sources`` are decoded strictly (:class:`CorpusError` for binary or non-UTF-8
+    files); the default corpus with replacement characters (deterministic)."""
+    quiet_length_warning(tokenizer)
     files = default_corpus(split) if not sources else _expand(sources)
     random.Random(seed).shuffle(files)
     for path in files:
-        if path.suffix.lower() == ".jsonl":
+        if sources and path.suffix.lower() == ".jsonl":
             yield from _jsonl_documents(path, tokenizer)
-        else:
-            text = path.read_text(encoding="utf-8", errors="replace")
-            if text.strip():
-                yield text
+            continue
+        text = _read_text(path) if sources else path.read_text(encoding="utf-8", errors="replace")
+        if text.strip():
+            yield text
 
 
 def token_sequences(
@@ -184,6 +307,7 @@ def token_sequences(
     :class:`CorpusError` when the corpus holds fewer tokens than asked.
     """
     need = num_sequences * seq_len
+    quiet_length_warning(tokenizer)
     eos = getattr(tokenizer, "eos_token_id", None)
     stream: list[int] = []
     for doc in iter_documents(sources, tokenizer, seed, split):

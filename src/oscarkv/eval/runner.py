@@ -126,6 +126,7 @@ def run_eval(
 def passkey_at_context_cases(tokenizer: Any, cfg: EvalConfig) -> list[Any]:
     """``passkey_at_context`` single-needle prompts at the full context, depths uniform in
     [0.05, 0.95] (past the sink; with the default windows at 3K, ~96% of them in the INT2 tier)."""
+    cfg = cfg.effective()  # context as an int (None = the default)
     rng = random.Random(cfg.seed + 7)
     cases = []
     for _ in range(cfg.passkey_at_context):
