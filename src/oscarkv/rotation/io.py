@@ -2,25 +2,44 @@
 
 Our artifact is one file, ``rotations.safetensors``: tensors ``layers.{id}.{k|v}.rotation`` and
 ``layers.{id}.{k|v}.eigenvalues`` (fp32) plus JSON metadata in the safetensors header under
-the key ``oscarkv`` (format version, granularity, per-layer clips, QuantSpec, provenance).
-OSCAR files (spec §2.9) are plain dicts read with ``torch.load(weights_only=True)``.
+the key ``oscarkv`` (format version, granularity, per-layer clips, QuantSpec, provenance; checked
+whole on load by :mod:`.metadata`). OSCAR files (spec §2.9) are plain dicts read with
+``torch.load(weights_only=True)``.
+
+Writes are atomic (a temporary file renamed into place, mode 0644) and never replace a file
+that is not a rotation artifact; an existing artifact is replaced only with ``overwrite=True``.
 """
 
 from __future__ import annotations
 
 import json
 import pickle
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..config import QuantSpec, SpecError
-from .rotation_set import LayerRotation, Provenance, RotationFileError, RotationSet
+from ..config import QuantSpec
+from ..errors import OscarkvWarning
+from .metadata import (
+    FORMAT,
+    FORMAT_VERSION,
+    artifact_tensors,
+    build_metadata,
+    check_readable,
+    guard_target,
+    not_an_artifact,
+    parse_metadata,
+    write_atomic,
+)
+from .rotation_set import LayerRotation, Provenance, RotationFileError, RotationSet, first_line
 
 __all__ = [
     "ARTIFACT_NAME",
+    "FORMAT",
+    "FORMAT_VERSION",
     "load_oscar_files",
     "load_rotations",
     "save_oscar_files",
@@ -28,103 +47,58 @@ __all__ = [
 ]
 
 ARTIFACT_NAME = "rotations.safetensors"
-FORMAT = "oscarkv.rotations"
-FORMAT_VERSION = 1
+V_FILE_HINT = "pass the V file (--v-path on the command line, v_path= in Python)"
 
 
 # ---- our format ---------------------------------------------------------------------------
-def save_rotations(rs: RotationSet, path: str | Path) -> Path:
-    """Write ``rs`` to ``path`` (a directory, or a ``.safetensors`` file); returns the file."""
-    from safetensors.torch import save_file
+def save_rotations(rs: RotationSet, path: str | Path, *, overwrite: bool = False) -> Path:
+    """Write ``rs`` to ``path`` (a directory, or a ``.safetensors`` file); returns the file.
+
+    The write is atomic. An existing file is refused unless ``overwrite``, and even then only an
+    oscarkv artifact is replaced (never, say, a model's ``model.safetensors``).
+    """
+    from safetensors.torch import save
 
     rs.validate(source="RotationSet being saved")
     path = Path(path)
+    if path.suffix != ".safetensors" and path.exists() and not path.is_dir():
+        raise RotationFileError(
+            str(path),
+            "is an existing file; expected a directory or a .safetensors path",
+            fix=f"pass a directory (the artifact goes in it as {ARTIFACT_NAME}) or a new .safetensors path",
+        )
     file = path if path.suffix == ".safetensors" else path / ARTIFACT_NAME
-    file.parent.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, torch.Tensor] = {}
-    clips: dict[str, list[float | None]] = {}
-    for i in rs.layer_ids:
-        lr = rs.layers[i]
-        for kind, r, lam in (("k", lr.k, lr.k_eigenvalues), ("v", lr.v, lr.v_eigenvalues)):
-            tensors[f"layers.{i}.{kind}.rotation"] = r.detach().float().contiguous().cpu()
-            tensors[f"layers.{i}.{kind}.eigenvalues"] = lam.detach().float().contiguous().cpu()
-        clips[str(i)] = [lr.k_clip, lr.v_clip]
-    meta = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "granularity": rs.granularity,
-        "layer_ids": rs.layer_ids,
-        "head_dim": rs.head_dim,
-        "clips": clips,
-        "spec": rs.spec.to_dict(),
-        "provenance": vars(rs.provenance),
-    }
-    save_file(tensors, str(file), metadata={"oscarkv": json.dumps(meta)})
+    guard_target(file, overwrite, not_an_artifact)
+    data = save(artifact_tensors(rs), metadata={"oscarkv": json.dumps(build_metadata(rs))})
+    write_atomic(file, lambda f: f.write(data))
     return file
 
 
-def _load_ours(file: Path) -> RotationSet:
+def _load_ours(file: Path) -> tuple[RotationSet, str]:
+    """The set in ``file`` and a note ("" if none) on unknown keys or tensors it ignored."""
     from safetensors import safe_open
 
-    src = str(file)
+    src = check_readable(file)
     try:
         with safe_open(src, framework="pt") as f:
-            header = f.metadata() or {}
+            meta = parse_metadata((f.metadata() or {}).get("oscarkv"), src)
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open API)
+    except RotationFileError:
+        raise
     except Exception as e:  # safetensors raises its own error types for truncation/corruption
         raise RotationFileError(
             src,
             "cannot read safetensors file (truncated or corrupt)",
-            fix=f"re-create it with `oscarkv calibrate` ({type(e).__name__}: {e})",
+            found=first_line(e),
+            fix="copy the file again or re-create it with `oscarkv calibrate`",
         ) from e
-    if "oscarkv" not in header:
-        raise RotationFileError(
-            src,
-            "safetensors file has no oscarkv metadata",
-            "a file written by oscarkv",
-            f"header keys {sorted(header)}",
-        )
-    try:
-        meta = json.loads(header["oscarkv"])
-    except json.JSONDecodeError as e:
-        raise RotationFileError(src, "metadata is not valid JSON", fix=str(e)) from e
-    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
-        raise RotationFileError(
-            src,
-            "unsupported artifact format",
-            f"{FORMAT} v{FORMAT_VERSION}",
-            f"{meta.get('format')} v{meta.get('format_version')}",
-            "upgrade oscarkv or re-create the artifact",
-        )
-    layers = {}
-    for i in meta["layer_ids"]:
-        try:
-            t = {
-                n: tensors[f"layers.{i}.{n}"]
-                for n in ("k.rotation", "v.rotation", "k.eigenvalues", "v.eigenvalues")
-            }
-        except KeyError as e:
-            raise RotationFileError(
-                src,
-                f"layer {i} is missing tensor {e.args[0]}",
-                "K and V rotation and eigenvalues for every listed layer",
-            ) from e
-        kc, vc = meta.get("clips", {}).get(str(i), [None, None])
-        layers[int(i)] = LayerRotation(
-            t["k.rotation"], t["v.rotation"], t["k.eigenvalues"], t["v.eigenvalues"], kc, vc
-        )
-    try:
-        spec = QuantSpec.from_dict(meta["spec"])
-    except (SpecError, TypeError) as e:
-        raise RotationFileError(src, "invalid QuantSpec in metadata", fix=str(e)) from e
-    return RotationSet(layers, spec, meta["granularity"], Provenance(**meta["provenance"]))
+    layers, note = meta.layers(tensors, src)
+    return RotationSet(layers, meta.spec, meta.granularity, meta.provenance), note
 
 
 # ---- OSCAR RotationZoo format -------------------------------------------------------------
 def _torch_load_plain(file: Path) -> Any:
-    src = str(file)
-    if not file.is_file():
-        raise RotationFileError(src, "file not found")
+    src = check_readable(file)
     if not zipfile.is_zipfile(file):
         raise RotationFileError(
             src,
@@ -143,7 +117,8 @@ def _torch_load_plain(file: Path) -> Any:
         raise RotationFileError(
             src,
             "cannot read torch file (truncated or corrupt)",
-            fix=f"download or export it again ({type(e).__name__}: {e})",
+            found=first_line(e),
+            fix="download or export it again",
         ) from e
 
 
@@ -153,7 +128,7 @@ def _oscar_layers(obj: Any, src: str) -> dict[int, tuple[torch.Tensor, torch.Ten
             src,
             "not an OSCAR rotation file",
             "a dict with a 'layers' dict (spec §2.9)",
-            f"{type(obj).__name__} with keys {sorted(obj) if isinstance(obj, dict) else '-'}",
+            f"{type(obj).__name__} with keys {sorted(map(str, obj)) if isinstance(obj, dict) else '-'}",
         )
     if obj.get("format_version", 1) != 1:
         raise RotationFileError(src, "unsupported OSCAR format_version", "1", repr(obj.get("format_version")))
@@ -175,9 +150,17 @@ def _oscar_layers(obj: Any, src: str) -> dict[int, tuple[torch.Tensor, torch.Ten
             )
         r = entry["rotation"].float()
         lam = entry.get("eigenvalues")
-        lam = torch.ones(r.shape[-1]) if lam is None else lam.float()
+        lam = torch.ones(r.shape[-1]) if not isinstance(lam, torch.Tensor) else lam.float()
         out[lid] = (r, lam)
     return out
+
+
+def _not_oscar(file: Path) -> str | None:
+    try:
+        _oscar_layers(_torch_load_plain(file), str(file))
+    except RotationFileError:
+        return "a file that is not an OSCAR rotation dict"
+    return None
 
 
 def load_oscar_files(k_file: str | Path, v_file: str | Path, spec: QuantSpec | None = None) -> RotationSet:
@@ -199,8 +182,8 @@ def load_oscar_files(k_file: str | Path, v_file: str | Path, spec: QuantSpec | N
         recipe={
             "k_file": k_file.name,
             "v_file": v_file.name,
-            "k_objective": k_obj.get("objective", ""),
-            "v_objective": v_obj.get("objective", ""),
+            "k_objective": str(k_obj.get("objective", "")),
+            "v_objective": str(v_obj.get("objective", "")),
         },
     )
     return RotationSet(layers, spec or QuantSpec(), "layer", prov)
@@ -211,25 +194,35 @@ def save_oscar_files(
     out_dir: str | Path,
     k_name: str = "k_rotation_qqt_r_h_pbr",
     v_name: str = "v_rotation_sst_r_h_pbr",
+    *,
+    overwrite: bool = False,
 ) -> tuple[Path, Path]:
-    """Export per-layer rotations in OSCAR's format (readable by OSCAR's SGLang fork)."""
+    """Export per-layer rotations in OSCAR's format (readable by OSCAR's SGLang fork).
+
+    Each file is written atomically. Existing files are refused unless ``overwrite``, and even
+    then only OSCAR rotation files are replaced; both targets are checked before either is written.
+    """
     if rs.granularity != "layer":
-        raise ValueError(
-            "OSCAR files hold one matrix per layer; kv_head rotations cannot be "
-            "exported (calibrate with --granularity layer)"
+        raise RotationFileError(
+            "RotationSet being exported",
+            "OSCAR files hold one matrix per layer; kv_head rotations cannot be exported",
+            fix="calibrate with --granularity layer",
         )
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for kind, name in (("k", k_name), ("v", v_name)):
+    if out_dir.exists() and not out_dir.is_dir():
+        raise RotationFileError(str(out_dir), "is an existing file; expected a directory")
+    paths = [out_dir / f"{name}.pt" for name in (k_name, v_name)]
+    for p in paths:
+        guard_target(p, overwrite, _not_oscar)
+    for kind, name, p in (("k", k_name, paths[0]), ("v", v_name, paths[1])):
         layers = {}
         for i in rs.layer_ids:
             lr = rs.layers[i]
             r, lam = (lr.k, lr.k_eigenvalues) if kind == "k" else (lr.v, lr.v_eigenvalues)
             layers[i] = {
                 "layer_id": i,
-                "rotation": r.float().contiguous().cpu(),
-                "eigenvalues": lam.float().contiguous().cpu(),
+                "rotation": r.detach().float().contiguous().cpu(),
+                "eigenvalues": lam.detach().float().contiguous().cpu(),
             }
         obj = {
             "format_version": 1,
@@ -237,9 +230,7 @@ def save_oscar_files(
             "source_grouping": "layer",
             "layers": layers,
         }
-        p = out_dir / f"{name}.pt"
-        torch.save(obj, p)
-        paths.append(p)
+        write_atomic(p, lambda f, obj=obj: torch.save(obj, f))
     return paths[0], paths[1]
 
 
@@ -252,7 +243,7 @@ def _pick(dir_: Path, pattern: str) -> Path | None:
             f"several files match {pattern}",
             "exactly one",
             ", ".join(p.name for p in found),
-            "pass the K file and v_path= explicitly",
+            f"pass the K file as the path and {V_FILE_HINT}",
         )
     return found[0] if found else None
 
@@ -263,6 +254,7 @@ def load_rotations(
     v_path: str | Path | None = None,
     model_config: Any = None,
     spec: QuantSpec | None = None,
+    strict: bool = False,
 ) -> RotationSet:
     """Load and validate rotations from our artifact or OSCAR RotationZoo files.
 
@@ -270,19 +262,27 @@ def load_rotations(
         path: a directory holding ``rotations.safetensors`` or one ``k_rotation*.pt`` and one
             ``v_rotation*.pt``; or our ``.safetensors`` file; or an OSCAR K ``.pt`` file (its V
             file is ``v_path`` or the single ``v_rotation*.pt`` beside it).
+        v_path: the OSCAR V file (for a K ``.pt`` file or a directory of ``.pt`` files).
         model_config: a transformers config (or dict); when given, head_dim and the attention
-            layer ids must match it.
+            layer ids must match it, and a different recorded config hash warns.
         spec: the QuantSpec to attach (OSCAR files carry none; ours keep theirs unless given).
+        strict: make a config-hash mismatch an error instead of an ``ArtifactMismatchWarning``.
     Raises:
         RotationFileError: naming the file, what was expected and what was found.
+    Warns:
+        OscarkvWarning: the artifact holds metadata keys or tensors this version does not know.
     """
     path = Path(path)
+    note = ""
+    if not path.exists():
+        raise RotationFileError(str(path), "no such file or directory")
     if path.is_dir():
         ours = path / ARTIFACT_NAME
-        if ours.is_file():
-            rs, src = _load_ours(ours), str(ours)
+        if ours.is_file() and v_path is None:
+            (rs, note), src = _load_ours(ours), str(ours)
         else:
-            k, v = _pick(path, "k_rotation*.pt"), _pick(path, "v_rotation*.pt")
+            k = _pick(path, "k_rotation*.pt")
+            v = Path(v_path) if v_path is not None else _pick(path, "v_rotation*.pt")
             if k is None or v is None:
                 raise RotationFileError(
                     str(path),
@@ -292,20 +292,15 @@ def load_rotations(
                 )
             rs, src = load_oscar_files(k, v, spec), f"{k} + {v}"
     elif path.suffix == ".safetensors":
-        rs, src = _load_ours(path), str(path)
+        (rs, note), src = _load_ours(path), str(path)
     elif path.suffix == ".pt":
         v = Path(v_path) if v_path is not None else _pick(path.parent, "v_rotation*.pt")
         if v is None:
             raise RotationFileError(
-                str(path),
-                "no V rotation file beside the K file",
-                "a v_rotation*.pt in the same folder",
-                "none",
-                "pass v_path=",
-            )
+                str(path), "no V rotation file beside the K file", "a v_rotation*.pt in the same folder",
+                "none", V_FILE_HINT,
+            )  # fmt: skip
         rs, src = load_oscar_files(path, v, spec), f"{path} + {v}"
-    elif not path.exists():
-        raise RotationFileError(str(path), "no such file or directory")
     else:
         raise RotationFileError(
             str(path),
@@ -313,6 +308,8 @@ def load_rotations(
             "a directory, .safetensors or .pt",
             path.suffix or "no suffix",
         )
+    if note:
+        warnings.warn(note, OscarkvWarning, stacklevel=2)
     if spec is not None:
         rs = rs.with_spec(spec)
-    return rs.validate(model_config, source=src)
+    return rs._validate(model_config, src, strict, stacklevel=4)

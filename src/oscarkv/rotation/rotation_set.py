@@ -5,12 +5,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import numbers
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..config import QuantSpec
+from ..errors import ArtifactMismatchWarning, OscarkvError
 
 __all__ = [
     "GRANULARITIES",
@@ -29,8 +33,23 @@ GRANULARITIES = ("layer", "kv_head")
 ORTHO_TOL = 1e-3
 
 
-class RotationFileError(ValueError):
-    """A rotation artifact is unreadable or inconsistent; the message names file and fix."""
+def one_line(text: object) -> str:
+    """``text`` with its lines joined by spaces (messages and hints are single lines)."""
+    return " ".join(s.strip() for s in str(text).splitlines() if s.strip())
+
+
+def first_line(e: BaseException) -> str:
+    """``"Type: first line of the message"`` of an exception, for embedding in a message."""
+    lines = str(e).splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+class RotationFileError(OscarkvError):
+    """A rotation artifact is unreadable or inconsistent.
+
+    ``str(e)`` is one line: ``"{source}: {problem}; expected {expected}; found {found}"``;
+    ``e.hint`` holds ``fix`` (the next step), also one line.
+    """
 
     def __init__(self, source: str, problem: str, expected: str = "", found: str = "", fix: str = ""):
         parts = [f"{source}: {problem}"]
@@ -38,8 +57,16 @@ class RotationFileError(ValueError):
             parts.append(f"expected {expected}")
         if found:
             parts.append(f"found {found}")
-        msg = "; ".join(parts)
-        super().__init__(msg + (f". {fix}" if fix else ""))
+        super().__init__(one_line("; ".join(parts)), one_line(fix))
+
+
+def valid_clip(c: object) -> bool:
+    """Whether ``c`` is a usable per-layer clip: ``None`` or a finite real number in [0, 1]."""
+    if c is None:
+        return True
+    if isinstance(c, bool) or not isinstance(c, numbers.Real):
+        return False
+    return math.isfinite(float(c)) and 0.0 <= float(c) <= 1.0
 
 
 def _text_config(config: Any) -> Any:
@@ -155,11 +182,20 @@ class RotationSet:
         return dataclasses.replace(self, spec=spec)
 
     # ---- validation -------------------------------------------------------------------------
-    def validate(self, model_config: Any = None, source: str = "<RotationSet>") -> RotationSet:
-        """Check shapes, finiteness, orthogonality and (given a config) head dim and coverage.
+    def validate(
+        self, model_config: Any = None, source: str = "<RotationSet>", strict: bool = False
+    ) -> RotationSet:
+        """Check shapes, finiteness, orthogonality, clips and (given a config) head dim, coverage
+        and the recorded model fingerprint.
 
         Raises :class:`RotationFileError` naming ``source``, what was expected and what was found.
+        A ``provenance.config_hash`` that differs from ``config_fingerprint(model_config)`` gives
+        an :class:`ArtifactMismatchWarning`, or a :class:`RotationFileError` when ``strict``.
         """
+        return self._validate(model_config, source, strict, stacklevel=4)
+
+    def _validate(self, model_config: Any, source: str, strict: bool, stacklevel: int) -> RotationSet:
+        """:meth:`validate`; ``stacklevel`` places the mismatch warning (4: our caller's caller)."""
         if self.granularity not in GRANULARITIES:
             raise RotationFileError(
                 source, "unknown granularity", " or ".join(GRANULARITIES), repr(self.granularity)
@@ -210,9 +246,45 @@ class RotationSet:
                         f"{err:.3g}",
                         "the file is not a rotation (or was saved in low precision)",
                     )
+            for name, c in (("k_clip", lr.k_clip), ("v_clip", lr.v_clip)):
+                if not valid_clip(c):
+                    raise RotationFileError(
+                        source,
+                        f"layer {i} {name} is invalid",
+                        "None or a finite number in [0, 1]",
+                        repr(c),
+                        "per-layer clips override the spec's; use None to keep the spec's",
+                    )
         if model_config is not None:
             self._check_model(model_config, source)
+            self._check_fingerprint(model_config, source, strict, stacklevel)
         return self
+
+    def _check_fingerprint(self, config: Any, source: str, strict: bool, stacklevel: int) -> None:
+        recorded = self.provenance.config_hash
+        if not recorded:  # OSCAR files and hand-built sets carry no fingerprint
+            return
+        current = config_fingerprint(config)
+        if recorded == current:
+            return
+        model = self.provenance.model_name or "an unnamed model"
+        if strict:
+            raise RotationFileError(
+                source,
+                f"rotations were calibrated for a different model ({model})",
+                f"config hash {current} (this model)",
+                f"config hash {recorded} (recorded in the artifact)",
+                "re-calibrate for this model, or leave out --strict (strict=False) to use them anyway",
+            )
+        warnings.warn(
+            one_line(
+                f"{source}: rotations were calibrated for {model} (config hash {recorded}), "
+                f"not this model (config hash {current}); re-calibrate for this model, "
+                "or pass --strict to make this an error"
+            ),
+            ArtifactMismatchWarning,
+            stacklevel=stacklevel,
+        )
 
     def _check_model(self, config: Any, source: str) -> None:
         hd = model_head_dim(config)
