@@ -190,4 +190,4 @@ def test_missing_model_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFi
     )
     assert rc == 2
     err = capsys.readouterr().err
-    assert "cannot load model" in err and "nope" in err
+    assert "no such directory" in err and "nope" in err and "Traceback" not in err

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .config import CalibrationConfig, EvalConfig
 
-__all__ = ["DEMO_EVAL", "demo_model_path", "run_demo"]
+__all__ = ["DEMO_EVAL", "DEMO_OUTPUTS", "demo_model_path", "run_demo"]
 
 DEMO_CALIBRATION = CalibrationConfig(tokens=8192, seq_len=1024, holdout_tokens=2048)
 DEMO_EVAL = EvalConfig(
@@ -27,13 +27,22 @@ DEMO_EVAL = EvalConfig(
 )  # fmt: skip
 
 
+#: what the demo writes into its output directory (rotations/ holds the artifact)
+DEMO_OUTPUTS = ("rotations", "results.json", "results.md", "layer_errors.png")
+
+
 def demo_model_path() -> Path:
     """Directory of the bundled demo model (config, bf16 safetensors, tokenizer)."""
     return Path(str(resources.files("oscarkv") / "assets" / "demo-model"))
 
 
-def run_demo(out: str | Path = "oscarkv-demo", device: str = "cpu", quick: bool = False) -> int:
-    """Calibrate and evaluate on the demo model; returns a process exit code."""
+def run_demo(
+    out: str | Path = "oscarkv-demo", device: str = "cpu", quick: bool = False, overwrite: bool = False
+) -> int:
+    """Calibrate and evaluate on the demo model; returns a process exit code.
+
+    Refuses an ``out`` that already holds a demo's files unless ``overwrite``.
+    """
     import dataclasses
 
     import torch
@@ -43,9 +52,10 @@ def run_demo(out: str | Path = "oscarkv-demo", device: str = "cpu", quick: bool 
     from .eval import run_eval, summary_markdown, write_report
     from .hf.loading import load_model
     from .rotation import save_rotations
+    from .utils.files import check_output_dir
 
     con = Console()
-    out = Path(out)
+    out = check_output_dir(out, DEMO_OUTPUTS, overwrite=overwrite)
     torch.manual_seed(0)
     t0 = time.perf_counter()
     model, tok = load_model(str(demo_model_path()), device, "fp32")
@@ -57,7 +67,7 @@ def run_demo(out: str | Path = "oscarkv-demo", device: str = "cpu", quick: bool 
         dataclasses.replace(DEMO_CALIBRATION, tokens=2048, holdout_tokens=1024) if quick else DEMO_CALIBRATION
     )
     rots = calibrate(model, tok, cal, progress=True)
-    save_rotations(rots, out / "rotations")
+    save_rotations(rots, out / "rotations", overwrite=overwrite)
     cfg = dataclasses.replace(DEMO_EVAL, quick=quick)
     rows = run_eval(
         model, tok, rots, cfg, progress=lambda m: con.print(f"[dim]{time.perf_counter() - t0:5.0f}s[/] {m}")

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..errors import ModelError
 from ..utils.models import supports_attention_interface
 
 __all__ = [
@@ -34,7 +35,7 @@ Callback = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
 _HOOK = "_oscarkv_capture"
 
 
-class UnsupportedModelError(TypeError):
+class UnsupportedModelError(ModelError, TypeError):
     """The model does not route attention through transformers' AttentionInterface."""
 
 

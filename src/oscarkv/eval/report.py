@@ -7,9 +7,20 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ..utils.files import atomic_save, atomic_write_text
 from .methods import INT2_METHODS
 
-__all__ = ["log_ppl_difference", "paired_difference", "summary", "summary_markdown", "write_report"]
+__all__ = [
+    "REPORT_FILES",
+    "log_ppl_difference",
+    "paired_difference",
+    "summary",
+    "summary_markdown",
+    "write_report",
+]
+
+#: every file `write_report` may write (an output directory holding one is an earlier run's)
+REPORT_FILES = ("results.json", "results.md", "passkey_heatmap.png", "niah_heatmap.png", "layer_errors.png")
 
 
 def _mean(xs: list[float]) -> float:
@@ -232,7 +243,7 @@ def _plot_needles(rows: list[dict[str, Any]], task: str, path: Path) -> bool:
     axes[0][0].set_ylabel("needle depth", fontsize=8)
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
     fig.suptitle(f"{task} retrieval accuracy", fontsize=10)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    atomic_save(path, lambda name: fig.savefig(name, format="png", dpi=110, bbox_inches="tight"))
     plt.close(fig)
     return True
 
@@ -258,18 +269,21 @@ def _plot_layers(rows: list[dict[str, Any]], path: Path) -> bool:
         ax.set_xlabel("layer")
         ax.set_title(title, fontsize=10)
     axes[0].legend(fontsize=7)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    atomic_save(path, lambda name: fig.savefig(name, format="png", dpi=110, bbox_inches="tight"))
     plt.close(fig)
     return True
 
 
 def write_report(out: str | Path, rows: list[dict[str, Any]], settings: dict[str, Any]) -> list[Path]:
-    """Write ``results.json``, ``results.md`` and the plots into ``out``; returns the files written."""
+    """Write ``results.json``, ``results.md`` and the plots into ``out``; returns the files written.
+
+    Each file is written atomically, the JSON first: a plot that fails leaves the numbers saved.
+    """
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     files = [out / "results.json", out / "results.md"]
-    files[0].write_text(json.dumps({"settings": settings, "summary": summary(rows), "rows": rows}, indent=1))
-    files[1].write_text(summary_markdown(rows, settings) + "\n")
+    doc = {"settings": settings, "summary": summary(rows), "rows": rows}
+    atomic_write_text(files[0], json.dumps(doc, indent=1))
+    atomic_write_text(files[1], summary_markdown(rows, settings) + "\n")
     for task in ("passkey", "niah"):
         if _plot_needles(rows, task, out / f"{task}_heatmap.png"):
             files.append(out / f"{task}_heatmap.png")

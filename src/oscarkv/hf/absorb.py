@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
 
+from ..errors import ModelError
 from ..rotation import RotationSet
 
-__all__ = ["absorb_value_rotation"]
+__all__ = ["ABSORBED_ATTR", "absorb_value_rotation", "v_fingerprint"]
+
+#: model attribute holding the :func:`v_fingerprint` of the rotations whose R_V was absorbed
+ABSORBED_ATTR = "_oscarkv_v_absorbed"
+
+
+def v_fingerprint(rotations: RotationSet) -> str:
+    """Short hash of the V rotations (layer ids and fp32 matrices) that absorption would fold in."""
+    h = hashlib.sha256()
+    for i in rotations.layer_ids:
+        h.update(str(i).encode())
+        h.update(rotations.layers[i].v.detach().to(torch.float32).cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 @torch.no_grad()
@@ -16,16 +30,25 @@ def absorb_value_rotation(model: Any, rotations: RotationSet) -> None:
     """Replace each layer's ``v_proj`` by ``v ↦ v·R_V`` (per KV head), in fp32 math, in place.
 
     For ``y = x Wᵀ + b`` and a head's rows ``W_h [d, in]``: ``W_h ← R_Vᵀ W_h``, ``b_h ← b_h R_V``.
-    Marks the model so a second call (or a second cache) does not rotate twice. Raises for
-    attention modules without a plain ``v_proj`` linear layer.
+    Marks the model with the rotations' :func:`v_fingerprint`; a second call raises
+    :class:`~oscarkv.errors.ModelError` (values would be rotated twice), as do attention modules
+    without a plain ``v_proj`` linear layer.
     """
-    if getattr(model, "_oscarkv_v_absorbed", False):
-        raise ValueError("R_V is already absorbed into this model's value projections")
+    done = getattr(model, ABSORBED_ATTR, None)
+    if done is not None:
+        raise ModelError(
+            f"R_V is already absorbed into this model's value projections (rotations {done}); "
+            "absorbing again would rotate values twice",
+            "load the model again to absorb other rotations",
+        )
     d = rotations.head_dim
     for i, module in _attention_modules(model):
         lin = getattr(module, "v_proj", None)
         if not isinstance(lin, torch.nn.Linear):
-            raise TypeError(f"{type(module).__name__} (layer {i}) has no nn.Linear v_proj to absorb R_V into")
+            raise ModelError(
+                f"{type(module).__name__} (layer {i}) has no nn.Linear v_proj to absorb R_V into",
+                "build the cache without absorb_v",
+            )
         r = rotations.layers[i].v.to(torch.float32)
         w = lin.weight.float().view(-1, d, lin.in_features)  # [Hkv, d, in]
         rt = r.transpose(-1, -2)
@@ -35,7 +58,7 @@ def absorb_value_rotation(model: Any, rotations: RotationSet) -> None:
             bias = lin.bias.float().view(-1, d)
             b_new = bias @ r if r.dim() == 2 else torch.einsum("hd,hde->he", bias, r)
             lin.bias.copy_(b_new.reshape_as(lin.bias).to(lin.bias.dtype))
-    model._oscarkv_v_absorbed = True
+    setattr(model, ABSORBED_ATTR, v_fingerprint(rotations))
 
 
 def _attention_modules(model: Any) -> list[tuple[int, Any]]:
@@ -43,5 +66,5 @@ def _attention_modules(model: Any) -> list[tuple[int, Any]]:
         (int(m.layer_idx), m) for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "v_proj")
     ]
     if not found:
-        raise TypeError(f"{type(model).__name__}: no attention modules with v_proj found")
+        raise ModelError(f"{type(model).__name__}: no attention modules with v_proj found")
     return sorted(found, key=lambda x: x[0])

@@ -17,12 +17,14 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ..config import QuantSpec
+from ..errors import ModelError
 from ..kernels import Backend, KernelOps, resolve
 from ..quant import RowFormat
 from ..rotation import RotationSet, attention_layer_ids, rotate_heads
 from ..utils.models import supports_attention_interface
 from . import attention as attn
-from .absorb import absorb_value_rotation
+from .absorb import ABSORBED_ATTR, absorb_value_rotation, v_fingerprint
+from .health import check_window_memory, raise_if_unhealthy
 from .pools import LayerPools
 from .slots import SlotTable, StepPlan
 
@@ -52,6 +54,9 @@ class OscarCacheLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         b, h, _, d = key_states.shape
+        if self.owner.quantize and all(layer.pools is None for layer in self.owner.layers):
+            n = len(self.owner.layers)
+            check_window_memory(self.owner.spec, b, n, h, d, key_states.dtype, key_states.device)
         self.pools = LayerPools(b, h, d, key_states.dtype, key_states.device, self.k_fmt, self.v_fmt)
         # kept in float32: a 16-bit copy of R is not orthogonal (see ``attend``)
         self.r_k = self.r_k.to(self.device, torch.float32)
@@ -111,6 +116,7 @@ class OscarCacheLayer(DynamicLayer):
         past = self.seen
         self.seen += t
         plan = owner.plan(past, t, mask, bsz, query.device)
+        self.pools.health.note_entry(key, value)
         scale = scaling if scaling is not None else 1.0 / math.sqrt(d)
         if plan.is_decode:
             return self._decode(plan, query[:, :, 0], key[:, :, 0], value[:, :, 0], scale, ops)[:, None]
@@ -235,7 +241,8 @@ class OscarCache(Cache):
         """Validate ``rotations`` against ``model``, route its attention through oscarkv, build a cache.
 
         ``absorb_v=True`` folds ``R_V`` into the value projections (modifies the model in place,
-        once; spec §5.6). ``quantize=False`` keeps every token in 16 bits (a passthrough used to
+        once; spec §5.6). A model that holds absorbed ``R_V`` only attends with the same
+        rotations (``absorb_v`` then changes nothing); other rotations raise ``ModelError``. ``quantize=False`` keeps every token in 16 bits (a passthrough used to
         test the plumbing). ``spec`` overrides the artifact's spec (and its per-layer clips);
         ``quantizer`` overrides the spec's codebook (``symmetric``, ``lloyd_max_centroid``, ...; the
         evaluation baselines use it).
@@ -244,19 +251,25 @@ class OscarCache(Cache):
         rotations.validate(cfg, source="rotations passed to OscarCache")
         ids = attention_layer_ids(cfg)
         if ids != list(range(cfg.num_hidden_layers)):
-            raise NotImplementedError(
+            raise ModelError(
                 f"{type(model).__name__} mixes attention with other layer types {getattr(cfg, 'layer_types', '')}; "
                 "OscarCache supports models whose every layer is full attention"
             )
         if not supports_attention_interface(model):
-            raise TypeError(
+            raise ModelError(
                 f"{type(model).__name__} does not route attention through transformers' "
                 "AttentionInterface; OscarCache cannot serve it"
             )
-        if absorb_v:
+        absorbed = getattr(model, ABSORBED_ATTR, None)
+        if absorbed is not None and absorbed != v_fingerprint(rotations):
+            raise ModelError(
+                f"this model's value projections already hold the R_V of other rotations (fingerprint "
+                f"{absorbed}); attending with these ({v_fingerprint(rotations)}) would rotate values wrongly",
+                "use the rotations that were absorbed, or load the model again",
+            )
+        if absorb_v and absorbed is None:
             absorb_value_rotation(model, rotations)
-        elif getattr(model, "_oscarkv_v_absorbed", False):
-            absorb_v = True
+        absorb_v = absorb_v or absorbed is not None
         attn.register()
         if model.config._attn_implementation != attn.ATTN_IMPL:
             model.set_attn_implementation(attn.ATTN_IMPL)
@@ -268,6 +281,7 @@ class OscarCache(Cache):
         """The tier/slot plan of the current forward (computed by its first layer, then reused)."""
         if self._plan_key == (past, t) and self._plan is not None:
             return self._plan
+        self.check_health()
         if self.table is None:
             self.table = SlotTable(bsz, self.spec, self.quantize)
         valid = attn.valid_from_mask(mask, bsz, t, past)
@@ -275,9 +289,18 @@ class OscarCache(Cache):
         self._plan_key = (past, t)
         return self._plan
 
+    def check_health(self) -> None:
+        """Raise :class:`~oscarkv.errors.KVValueError` if NaN/Inf K/V entered the cache, or if
+        stored scales overflowed their dtype (checked by every forward's first layer and by
+        :meth:`memory_report`; one host read of per-layer device flags)."""
+        pools = [layer.pools for layer in self.layers]
+        health = [p.health if p is not None else None for p in pools]
+        raise_if_unhealthy(health, list(range(len(self.layers))), self.spec)
+
     # ---- reporting -------------------------------------------------------------------------
     def memory_report(self) -> dict[str, Any]:
         """Bytes per tier from the tensors held, and the effective bits per stored element."""
+        self.check_health()
         if self.table is None:
             return {
                 "quantized_bytes": 0,

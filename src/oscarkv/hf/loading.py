@@ -2,33 +2,71 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from ..config import SpecError
+from ..errors import InputError, ModelError
+from .validate import ModelInfo, check_model_source
 
-__all__ = ["DTYPES", "load_model"]
+__all__ = ["DTYPES", "load_model", "resolve_device"]
 
 #: ``--dtype`` names -> torch dtype attribute names ("auto": bf16 on CUDA, fp32 elsewhere)
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "auto": "auto"}
+_LONG_INPUT_WARNING = "sequence-length-is-longer-than-the-specified-maximum"
 
 
-def load_model(path: str, device: str, dtype: str) -> tuple[Any, Any]:
-    """Load a causal LM and its tokenizer (a local path or a hub id) onto ``device``."""
+def resolve_device(device: str) -> str:
+    """``device`` checked against this torch build ("auto": cuda when present, else cpu)."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InputError(
+            f"--device {device}: not a device name; expected cpu, cuda or cuda:N", "or leave it at auto"
+        ) from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError(
+                f"--device {device}: this torch build ({torch.__version__}) sees no CUDA device",
+                "pass --device cpu, or install a CUDA build of torch on a machine with a GPU",
+            )
+        n = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= n:
+            raise InputError(f"--device {device}: only {n} CUDA device(s) (cuda:0 .. cuda:{n - 1})")
+    elif dev.type != "cpu":
+        backend = getattr(torch.backends, dev.type, None)
+        if backend is None or not backend.is_available():
+            raise InputError(f"--device {device}: not available in this torch build; use cpu or cuda")
+    return device
+
+
+def load_model(path: str, device: str, dtype: str, info: ModelInfo | None = None) -> tuple[Any, Any]:
+    """Load a causal LM and its tokenizer (a local path or a hub id) onto ``device``.
+
+    The source is checked first (:func:`~oscarkv.hf.validate.check_model_source`, skipped when
+    ``info`` is that check's result), so a wrong directory fails before any weight loads.
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if info is None:
+        info = check_model_source(path)
+    device = resolve_device(device)
     if dtype == "auto":
         dtype = "bf16" if device.startswith("cuda") else "fp32"
     try:
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, DTYPES[dtype]))
     except OSError as e:
-        where = "a local directory" if Path(path).exists() else "not a local directory"
-        raise SpecError(
-            f"cannot load model {path!r} ({where}): {str(e).splitlines()[0]} — pass a directory with "
-            "config.json, weights and tokenizer files"
-        ) from e
+        raise ModelError(
+            f"model {path}: cannot load ({str(e).splitlines()[0][:200]})",
+            "pass a directory with config.json, weights and tokenizer files",
+        ) from None
+    if getattr(tok, "vocab_size", 1) in (0, None) or len(tok) == 0:
+        raise ModelError(f"model {path}: its tokenizer is empty; the tokenizer files are incomplete")
+    # we tokenize whole documents on purpose and slice them to the model's context ourselves
+    if isinstance(getattr(tok, "deprecation_warnings", None), dict):
+        tok.deprecation_warnings[_LONG_INPUT_WARNING] = True
     return model.to(device).eval(), tok

@@ -12,6 +12,7 @@ import torch
 
 from ..kernels import KernelOps, pool_ops
 from ..quant import RowFormat
+from .health import KVHealth
 from .slots import StepPlan
 
 __all__ = ["LayerPools"]
@@ -49,6 +50,7 @@ class LayerPools:
         self.v_meta = torch.zeros(0, heads, v_fmt.groups, 2, dtype=meta[v_fmt.meta_dtype], device=device)
         self.hp_k = torch.zeros(0, heads, head_dim, dtype=dtype, device=device)
         self.hp_v = torch.zeros(0, heads, head_dim, dtype=dtype, device=device)
+        self.health = KVHealth(device)
 
     def ensure(self, cap_q: int, cap_h: int) -> None:
         if cap_q != self.cap_q:
@@ -74,10 +76,17 @@ class LayerPools:
         q_rows = (k_rot[qb, qt], v_rot[qb, qt])
         hp_rows = (k_rot[hb, ht], v_rot[hb, ht])
         pool_ops.write_step(self, *plan.demote, qs, q_rows, hs, hp_rows, ops)
+        self._note_meta(plan.demote[1], qs)
 
     def demote(self, plan: StepPlan, ops: KernelOps) -> None:
         """Move the step's demoted 16-bit rows to their quantized slots (before any new writes)."""
         pool_ops.demote(self, *plan.demote, ops)
+        self._note_meta(plan.demote[1])
+
+    def _note_meta(self, *slots: torch.Tensor) -> None:
+        for s in slots:
+            if s.numel():
+                self.health.note_meta(self.k_meta[s], self.v_meta[s])
 
     def gather_prefix(
         self,

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import OscarkvError
+
 __all__ = ["Backend", "BackendError", "KernelOps", "resolve", "triton_unavailable_reason"]
 
 
@@ -23,7 +25,7 @@ class Backend(str, enum.Enum):
     TRITON = "triton"
 
 
-class BackendError(RuntimeError):
+class BackendError(OscarkvError, RuntimeError):
     """The requested kernel backend cannot run here; the message says why."""
 
 
