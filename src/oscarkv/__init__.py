@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import CalibrationConfig, QuantSpec, SpecError
+from .config import CalibrationConfig, EngineConfig, QuantSpec, SpecError
+from .engine.request import SamplingParams
 from .rotation import RotationFileError, RotationSet, load_rotations, save_rotations
 from .version import __version__
 
@@ -29,15 +30,23 @@ def __getattr__(name: str) -> Any:
         from .hf import OscarCache
 
         return OscarCache
+    if name in ("LLM", "Engine"):  # the engine imports transformers for configs and tokenizers
+        from . import engine
+
+        return getattr(engine, name)
     raise AttributeError(f"module 'oscarkv' has no attribute {name!r}")
 
 
 __all__ = [
+    "LLM",
     "CalibrationConfig",
+    "Engine",
+    "EngineConfig",
     "OscarCache",
     "QuantSpec",
     "RotationFileError",
     "RotationSet",
+    "SamplingParams",
     "SpecError",
     "__version__",
     "calibrate",

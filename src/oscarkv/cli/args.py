@@ -38,6 +38,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, group: str | 
     target = parser.add_argument_group(group or cls.__name__) if group != "" else parser
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
+        if not f.metadata.get("cli", True):
+            continue
         tp = _scalar_type(hints[f.name])
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else None
@@ -57,4 +59,4 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, group: str | 
 def dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:
     """Build ``cls`` from the flags added by :func:`add_dataclass_args` (validation errors
     surface as the dataclass's own ``SpecError``)."""
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})

@@ -7,6 +7,7 @@ Every knob of the library is a field of one of these; the CLI builds its flags f
 
 from .base import SpecError, field_error, packed_bytes
 from .calibration import CLIP_GRID_K, CLIP_GRID_V, CalibrationConfig
+from .engine import EngineConfig
 from .run import ALL_EVAL_METHODS, EVAL_TASKS, EvalConfig, GenerateConfig
 from .spec import MAX_DEMOTE_BLOCK, MAX_GROUP_SIZE, MAX_WINDOW_TOKENS, META_DTYPE_BYTES, QuantSpec
 
@@ -20,6 +21,7 @@ __all__ = [
     "MAX_WINDOW_TOKENS",
     "META_DTYPE_BYTES",
     "CalibrationConfig",
+    "EngineConfig",
     "EvalConfig",
     "GenerateConfig",
     "QuantSpec",

@@ -49,8 +49,9 @@ def is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def help_field(text: str, **kw: Any) -> Any:
-    return field(metadata={"help": text}, **kw)
+def help_field(text: str, cli: bool = True, **kw: Any) -> Any:
+    """A dataclass field with its ``--help`` text; ``cli=False`` keeps it off the command line."""
+    return field(metadata={"help": text, "cli": cli}, **kw)
 
 
 def packed_bytes(head_dim: int, bits: int) -> int:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..errors import ModelError
-from ..rotation import RotationSet
+from ..rotation import RotationSet, absorb_value_weight
 
 __all__ = ["ABSORBED_ATTR", "absorb_value_rotation", "v_fingerprint"]
 
@@ -49,15 +49,10 @@ def absorb_value_rotation(model: Any, rotations: RotationSet) -> None:
                 f"{type(module).__name__} (layer {i}) has no nn.Linear v_proj to absorb R_V into",
                 "build the cache without absorb_v",
             )
-        r = rotations.layers[i].v.to(torch.float32)
-        w = lin.weight.float().view(-1, d, lin.in_features)  # [Hkv, d, in]
-        rt = r.transpose(-1, -2)
-        w_new = (rt @ w) if r.dim() == 2 else torch.einsum("hed,hdi->hei", rt, w)
-        lin.weight.copy_(w_new.reshape_as(lin.weight).to(lin.weight.dtype))
-        if lin.bias is not None:
-            bias = lin.bias.float().view(-1, d)
-            b_new = bias @ r if r.dim() == 2 else torch.einsum("hd,hde->he", bias, r)
-            lin.bias.copy_(b_new.reshape_as(lin.bias).to(lin.bias.dtype))
+        w, b = absorb_value_weight(lin.weight, lin.bias, rotations.layers[i].v, d)
+        lin.weight.copy_(w)
+        if b is not None:
+            lin.bias.copy_(b)
     setattr(model, ABSORBED_ATTR, v_fingerprint(rotations))
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import InputError, ModelError
+from ..errors import ModelError
+from ..kernels.devices import resolve_device
 from .validate import ModelInfo, check_model_source
 
 __all__ = ["DTYPES", "load_model", "resolve_device"]
@@ -12,34 +13,6 @@ __all__ = ["DTYPES", "load_model", "resolve_device"]
 #: ``--dtype`` names -> torch dtype attribute names ("auto": bf16 on CUDA, fp32 elsewhere)
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "auto": "auto"}
 _LONG_INPUT_WARNING = "sequence-length-is-longer-than-the-specified-maximum"
-
-
-def resolve_device(device: str) -> str:
-    """``device`` checked against this torch build ("auto": cuda when present, else cpu)."""
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise InputError(
-            f"--device {device}: not a device name; expected cpu, cuda or cuda:N", "or leave it at auto"
-        ) from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise InputError(
-                f"--device {device}: this torch build ({torch.__version__}) sees no CUDA device",
-                "pass --device cpu, or install a CUDA build of torch on a machine with a GPU",
-            )
-        n = torch.cuda.device_count()
-        if dev.index is not None and dev.index >= n:
-            raise InputError(f"--device {device}: only {n} CUDA device(s) (cuda:0 .. cuda:{n - 1})")
-    elif dev.type != "cpu":
-        backend = getattr(torch.backends, dev.type, None)
-        if backend is None or not backend.is_available():
-            raise InputError(f"--device {device}: not available in this torch build; use cpu or cuda")
-    return device
 
 
 def load_model(path: str, device: str, dtype: str, info: ModelInfo | None = None) -> tuple[Any, Any]:

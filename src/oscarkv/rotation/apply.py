@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rotate_heads"]
+__all__ = ["absorb_value_weight", "rotate_heads"]
 
 
 def rotate_heads(x: torch.Tensor, r: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -26,3 +26,32 @@ def rotate_heads(x: torch.Tensor, r: torch.Tensor, inverse: bool = False) -> tor
     if h != hr:
         r = r.repeat_interleave(h // hr, dim=0)
     return x @ r[None]
+
+
+@torch.no_grad()
+def absorb_value_weight(
+    w: torch.Tensor, b: torch.Tensor | None, r_v: torch.Tensor, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Fold ``R_V`` into a value projection ``y = x Wᵀ + b`` so that it emits ``v·R_V`` per KV head.
+
+    ``w`` is ``[Hkv·d, in]``, ``b`` is ``[Hkv·d]`` or ``None`` and ``r_v`` is ``[d, d]`` (every head)
+    or ``[Hkv, d, d]`` (per KV head). Per head ``h``: ``W_h ← R_Vᵀ W_h`` and ``b_h ← b_h R_V``, in fp32
+    math; returns new tensors in the dtypes (and on the device) of ``w`` and ``b``.
+    """
+    d = head_dim
+    if w.dim() != 2 or d < 1 or w.shape[0] % d:
+        raise ValueError(f"value weight {tuple(w.shape)} is not [Hkv·{d}, in]")
+    hkv = w.shape[0] // d
+    if r_v.dim() not in (2, 3) or r_v.shape[-2:] != (d, d) or (r_v.dim() == 3 and r_v.shape[0] != hkv):
+        raise ValueError(f"R_V {tuple(r_v.shape)} is neither [{d}, {d}] nor [{hkv}, {d}, {d}]")
+    if b is not None and b.shape != (w.shape[0],):
+        raise ValueError(f"value bias {tuple(b.shape)} is not [{w.shape[0]}]")
+    r = r_v.to(device=w.device, dtype=torch.float32)
+    rt = r.transpose(-1, -2)
+    wf = w.float().view(-1, d, w.shape[1])  # [Hkv, d, in]
+    w_new = (rt @ wf) if r.dim() == 2 else torch.einsum("hed,hdi->hei", rt, wf)
+    b_new = None
+    if b is not None:
+        bf = b.float().view(-1, d)
+        b_new = (bf @ r if r.dim() == 2 else torch.einsum("hd,hde->he", bf, r)).reshape_as(b).to(b.dtype)
+    return w_new.reshape_as(w).to(w.dtype), b_new

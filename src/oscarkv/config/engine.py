@@ -1,0 +1,102 @@
+"""`EngineConfig`: how `oscarkv.LLM` / `Engine` store KV, batch and schedule (engine.md §5.1)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .base import field_error, help_field, is_int, is_num
+from .spec import QuantSpec
+
+__all__ = ["KV_DTYPES", "LOAD_FORMATS", "EngineConfig"]
+
+KV_DTYPES = ("int2", "bf16")
+LOAD_FORMATS = ("safetensors", "dummy")
+#: the KV budget on CPU when ``kv_budget_gb`` is unset (on CUDA: a fraction of free memory)
+CPU_DEFAULT_BUDGET_GB = 1.0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The serving engine's knobs. ``spec`` (a QuantSpec overriding the artifact's) is Python-only."""
+
+    model: str = help_field("model directory: config.json, *.safetensors, tokenizer", default="")
+    rotations: str | None = help_field("rotation artifact (required with --kv-dtype int2)", default=None)
+    kv_dtype: str = help_field("int2 (OSCAR tiers) | bf16 (every token in 16-bit pages)", default="int2")
+    dtype: str = help_field(
+        "model dtype: auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp16 | fp32", default="auto"
+    )
+    device: str = help_field("cpu, cuda, cuda:N or auto", default="auto")
+    backend: str = help_field("kernel backend: auto | torch | triton", default="auto")
+    kv_budget_gb: float | None = help_field(
+        f"bytes for all KV pools, in GiB (unset: {CPU_DEFAULT_BUDGET_GB} on CPU, "
+        "--memory-fraction of free memory on CUDA)",
+        default=None,
+    )
+    memory_fraction: float = help_field(
+        "share of free GPU memory for the KV pools when no budget is set", default=0.9
+    )
+    page_tokens: int = help_field("tokens per KV page (both tiers)", default=16)
+    max_running: int = help_field(
+        "most requests decoding at once (ring slabs allocated up front)", default=64
+    )
+    max_batched_tokens: int = help_field(
+        "most prompt tokens computed in one step (chunked prefill)", default=8192
+    )
+    max_model_len: int | None = help_field(
+        "longest prompt + output (unset: the model's positions)", default=None
+    )
+    prefix_cache: bool = help_field("reuse full KV pages of identical prompt prefixes", default=True)
+    absorb_v: bool = help_field("fold R_V into v_proj at load (int2)", default=True)
+    decode_reserve_pages: int = help_field("pages kept free per running request at admission", default=1)
+    seed: int = help_field("seed for dummy weights and unseeded sampling", default=0)
+    load_format: str = help_field("safetensors | dummy (random weights, speed runs)", default="safetensors")
+    check_invariants: bool = help_field("check page accounting after every step (tests)", default=False)
+    spec: QuantSpec | None = field(default=None, metadata={"help": "QuantSpec override", "cli": False})
+
+    def __post_init__(self) -> None:
+        n = type(self).__name__
+        if not isinstance(self.model, str):
+            raise field_error(n, "model", "a model directory", self.model)
+        if self.kv_dtype not in KV_DTYPES:
+            raise field_error(n, "kv_dtype", " | ".join(KV_DTYPES), self.kv_dtype, True)
+        if self.load_format not in LOAD_FORMATS:
+            raise field_error(n, "load_format", " | ".join(LOAD_FORMATS), self.load_format, True)
+        if self.dtype not in ("auto", "bf16", "fp16", "fp32"):
+            raise field_error(n, "dtype", "auto | bf16 | fp16 | fp32", self.dtype, True)
+        if self.backend not in ("auto", "torch", "triton"):
+            raise field_error(n, "backend", "auto | torch | triton", self.backend, True)
+        b = self.kv_budget_gb
+        if b is not None and (not is_num(b) or not math.isfinite(b) or b <= 0):
+            raise field_error(n, "kv_budget_gb", "a positive number of GiB", b, True)
+        f = self.memory_fraction
+        if not is_num(f) or not 0 < f <= 1:
+            raise field_error(n, "memory_fraction", "a number in (0, 1]", f, True)
+        for name, lo in (
+            ("page_tokens", 1),
+            ("max_running", 1),
+            ("max_batched_tokens", 1),
+            ("decode_reserve_pages", 0),
+        ):
+            v = getattr(self, name)
+            if not is_int(v) or v < lo:
+                raise field_error(n, name, f"an integer >= {lo}", v, True)
+        if self.max_model_len is not None and (not is_int(self.max_model_len) or self.max_model_len < 2):
+            raise field_error(n, "max_model_len", "unset or an integer >= 2", self.max_model_len, True)
+        if not is_int(self.seed):
+            raise field_error(n, "seed", "an integer", self.seed, True)
+        if self.spec is not None and not isinstance(self.spec, QuantSpec):
+            raise field_error(n, "spec", "None or a QuantSpec", self.spec)
+
+    def check_spec(self, spec: QuantSpec) -> None:
+        """The page layout's requirements on the spec in use (engine.md §0): the sink is whole
+        pages and one demotion needs at most one new INT2 page."""
+        n = type(self).__name__
+        if spec.sink_tokens % self.page_tokens:
+            raise field_error(
+                n, "page_tokens", f"a divisor of sink_tokens ({spec.sink_tokens})", self.page_tokens, True
+            )
+        if spec.demote_block > self.page_tokens:
+            raise field_error(
+                n, "page_tokens", f">= demote_block ({spec.demote_block})", self.page_tokens, True
+            )

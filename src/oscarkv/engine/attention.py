@@ -1,0 +1,115 @@
+"""One layer's attention over the paged pools, in ``OscarCache``'s order of operations (§5.6).
+
+Everything stored is in the rotated basis: keys by ``R_K``, values by ``R_V`` (or already
+rotated, when ``R_V`` was absorbed into ``v_proj``); queries are rotated by ``R_K`` and outputs
+back by ``R_Vᵀ``. Rotations run in float32 and round once to the model dtype, exactly as
+``hf/cache.py`` does, so the engine matches the HF cache bit for bit on the same inputs.
+BF16 mode passes ``r_k = r_v = None``: plain 16-bit pages, no rotation at all.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import KernelOps, pool_ops
+from ..quant import RowFormat
+from ..rotation import rotate_heads
+from .kv_pool import LayerViews
+from .planner import DecodeTensors, PrefillTensors
+
+__all__ = ["EngineAttention"]
+
+
+class EngineAttention:
+    """Attention of layer ``layer``.
+
+    Args:
+        r_k, r_v: float32 ``[d, d]`` or ``[Hkv, d, d]`` rotations on the pools' device, or both
+            ``None`` (BF16 mode). ``r_v`` is needed even when absorbed: it rotates outputs back.
+        values_prerotated: ``R_V`` is folded into ``v_proj`` (new values arrive rotated).
+        k_fmt, v_fmt: the layer's INT2 formats (per-layer clips); sm_scale: softmax scale.
+    """
+
+    def __init__(
+        self,
+        layer: int,
+        r_k: torch.Tensor | None,
+        r_v: torch.Tensor | None,
+        k_fmt: RowFormat,
+        v_fmt: RowFormat,
+        ops: KernelOps,
+        sm_scale: float,
+        values_prerotated: bool = False,
+    ):
+        if (r_k is None) != (r_v is None):
+            raise ValueError("EngineAttention: r_k and r_v are both given (int2) or both None (bf16)")
+        self.layer = layer
+        # kept in float32: a 16-bit copy of R is not orthogonal (see hf/cache.py)
+        self.r_k = None if r_k is None else r_k.float()
+        self.r_v = None if r_v is None else r_v.float()
+        self.k_fmt, self.v_fmt, self.ops, self.sm_scale = k_fmt, v_fmt, ops, sm_scale
+        self.values_prerotated = values_prerotated
+
+    def _rotate(self, x: torch.Tensor, r: torch.Tensor | None, inverse: bool = False) -> torch.Tensor:
+        """Rows ``x [T, H, d]`` rotated by ``r`` in float32, rounded once to ``x.dtype``."""
+        if r is None:
+            return x
+        y = rotate_heads(x.float().transpose(0, 1).unsqueeze(0), r, inverse=inverse)
+        return y.squeeze(0).transpose(0, 1).to(x.dtype)
+
+    def prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pools: LayerViews, p: PrefillTensors
+    ) -> torch.Tensor:
+        """New tokens of all sequences, flat: ``q [T, Hq, d]``, ``k, v [T, Hkv, d]`` (model dtype,
+        RoPE applied) -> ``[T, Hq, d]``. Each sequence attends to its pre-step prefix (fully
+        visible) and causally to its own new tokens; then the step's writes are applied."""
+        ops = self.ops
+        q_rot, k_rot = self._rotate(q, self.r_k), self._rotate(k, self.r_k)
+        v_rot = v if self.values_prerotated else self._rotate(v, self.r_v)
+        out = torch.zeros_like(q_rot)
+        cu = p.cu_host
+        for i in range(len(cu) - 1):  # v1: one sequence at a time, as the HF cache does
+            a, b = cu[i], cu[i + 1]
+            if a == b:
+                continue
+            pk, pv = pool_ops.gather_prefix(pools, p.pre_q.row(i), p.pre_hp.row(i), ops)
+            out[a:b] = ops.prefill_attention(q_rot[a:b], pk, pv, k_rot[a:b], v_rot[a:b], self.sm_scale)
+        q_rows = (k_rot[p.q_tok], v_rot[p.q_tok])
+        hp_rows = (k_rot[p.hp_tok], v_rot[p.hp_tok])
+        pool_ops.write_step(pools, p.demote_src, p.demote_dst, p.q_dst, q_rows, p.hp_dst, hp_rows, ops)
+        return self._rotate(out, self.r_v, inverse=True)
+
+    def decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pools: LayerViews, p: DecodeTensors
+    ) -> torch.Tensor:
+        """One token per sequence: ``q [B, Hq, d]``, ``k, v [B, Hkv, d]`` -> ``[B, Hq, d]``.
+
+        Demotions first (they free ring rows), then the new K/V rows go to ``decode_dst``
+        (``-1``: skipped), then attention over the post-step lists and the output rotation."""
+        ops = self.ops
+        pool_ops.demote(pools, p.demote_src, p.demote_dst, ops)
+        if self.r_k is None:
+            ops.rotate_heads(k, None, out=pools.hp_k, dst=p.decode_dst)
+            ops.rotate_heads(v, None, out=pools.hp_v, dst=p.decode_dst)
+            q_rot = q
+        else:
+            r_v = None if self.values_prerotated else self.r_v
+            q_rot = ops.rotate_new_rows(q, k, v, self.r_k, r_v, pools.hp_k, pools.hp_v, p.decode_dst)
+        o = ops.decode_attention(
+            q_rot,
+            pools.k_codes,
+            pools.k_meta,
+            pools.v_codes,
+            pools.v_meta,
+            pools.hp_k,
+            pools.hp_v,
+            p.q.indptr,
+            p.q.indices,
+            p.hp.indptr,
+            p.hp.indices,
+            self.sm_scale,
+            self.k_fmt,
+            self.v_fmt,
+            lens_hint=p.lens_hint,
+        )
+        return o if self.r_v is None else ops.rotate_heads(o, self.r_v, inverse=True)

@@ -1,0 +1,146 @@
+"""`Engine`: requests in, tokens out, one :meth:`Engine.step` at a time (continuous batching).
+
+``add_request`` checks and queues a request, ``abort`` ends one at the next step boundary, and
+``step`` runs one batch (a prefill of prompt chunks, or a decode of every running request) and
+returns a :class:`RequestOutput` for each request that gained text or finished. All pool and
+page mutation happens inside ``step``, in the caller's thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+from ..config import EngineConfig
+from .check import check
+from .detok import IncrementalDetokenizer
+from .model_runner import ModelRunner
+from .pages import PagePool
+from .prefix_cache import PrefixCache
+from .request import FinishReason, RequestOutput, SamplingParams, Sequence
+from .scheduler import Scheduler
+from .tokenizer import encode_prompt
+
+__all__ = ["Engine"]
+
+
+class Engine:
+    """One model on one device with its KV pools, scheduler and prefix cache."""
+
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.runner = ModelRunner(cfg)
+        self.tokenizer = self.runner.tokenizer
+        plan, spec = self.runner.plan, self.runner.spec
+        self.hp = PagePool(plan.hp_pages)
+        self.q = PagePool(plan.q_pages) if plan.int2 else None
+        prefix = None
+        if cfg.prefix_cache:
+            prefix = PrefixCache(
+                self.runner.fingerprint, cfg.page_tokens, spec, cfg.kv_dtype, self.hp, self.q or PagePool(1)
+            )
+        self.scheduler = Scheduler(
+            cfg, self.hp, self.q, prefix, spec=spec, eos_ids=self.runner.shape.eos_token_ids,
+            max_model_len=self.runner.max_model_len,
+        )  # fmt: skip
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._aborted: list[Sequence] = []
+        self._ids = itertools.count()
+        self.stats = {
+            "steps": 0,
+            "prefill_tokens": 0,
+            "decode_tokens": 0,
+            "cached_tokens": 0,
+            "preemptions": 0,
+        }
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None, rid: str | None = None
+    ) -> str:
+        """Queue ``prompt`` (text or token ids); returns its request id. Raises ``InputError`` for
+        a prompt that is empty, too long for ``max_model_len`` or larger than the KV pools."""
+        params = params or SamplingParams()
+        ids = encode_prompt(self.tokenizer, prompt, self.runner.shape.vocab)
+        rid = rid if rid is not None else f"req-{next(self._ids)}"
+        seq = Sequence(rid, ids, params)
+        self.scheduler.add(seq)
+        self._detok[rid] = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        return rid
+
+    def abort(self, rid: str) -> None:
+        """End ``rid`` with finish reason "abort" (its pages are freed at the step boundary)."""
+        seq = self.scheduler.abort(rid)
+        if seq is not None:
+            self._aborted.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return not self.scheduler.idle or bool(self._aborted)
+
+    # ---- one step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; outputs for the requests that gained text or finished in it."""
+        outs: list[RequestOutput] = [self._output(s, True) for s in self._drain_aborted()]
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return outs
+        toks = self.runner.run(batch)
+        finished = {s.rid: s for s in self.scheduler.postprocess(batch, toks)}
+        self.stats["steps"] += 1
+        key = "decode_tokens" if batch.is_decode else "prefill_tokens"
+        self.stats[key] += batch.num_tokens
+        for it, tok in zip(batch.items, toks, strict=True):
+            seq = it.seq
+            if tok is None and seq.rid not in finished:
+                continue
+            det = self._detok.get(seq.rid)
+            if det is not None and tok is not None and seq.out and seq.out[-1] == tok:
+                det.add([tok])
+                if det.stopped and seq.rid not in finished:
+                    self.scheduler.finish(seq, FinishReason.STOP)
+                    finished[seq.rid] = seq
+            outs.append(self._output(seq, seq.rid in finished))
+        for rid, seq in finished.items():  # aborted mid-flight: not among the batch's items
+            if not any(o.rid == rid for o in outs):
+                outs.append(self._output(seq, True))
+        if self.cfg.check_invariants:
+            check(self.scheduler)
+        return outs
+
+    def _drain_aborted(self) -> list[Sequence]:
+        out, self._aborted = self._aborted, []
+        return out
+
+    def _output(self, seq: Sequence, finished: bool) -> RequestOutput:
+        det = self._detok.get(seq.rid)
+        text = det.text if det is not None else ""
+        if finished:
+            if det is not None and not det.stopped:
+                det.flush()
+                text = det.text
+            self._detok.pop(seq.rid, None)
+            self.runner.release(seq.rid)
+            seq.times.finished = time.perf_counter()
+            self.stats["cached_tokens"] += seq.n_cached
+            self.stats["preemptions"] += seq.preemptions
+        t = seq.times
+        return RequestOutput(
+            rid=seq.rid,
+            prompt_token_ids=list(seq.prompt),
+            token_ids=list(seq.out),
+            text=text,
+            finished=finished,
+            finish_reason=seq.finish_reason.value if finished and seq.finish_reason else None,
+            num_cached_tokens=seq.n_cached,
+            ttft_s=None if t.first_token is None else t.first_token - t.arrival,
+            e2e_s=None if t.finished is None else t.finished - t.arrival,
+        )
+
+    def memory_report(self) -> dict[str, Any]:
+        """Bytes of every KV pool as allocated, plus the page counts of each tier."""
+        rep = self.runner.memory_report()
+        rep["pages"] = {"hp_free": self.hp.n_free, "hp_cached": self.hp.n_cached}
+        if self.q is not None:
+            rep["pages"].update(q_free=self.q.n_free, q_cached=self.q.n_cached)
+        return rep

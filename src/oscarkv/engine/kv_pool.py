@@ -1,0 +1,235 @@
+"""The engine's KV storage: one INT2 page pool and one 16-bit pool per layer (engine.md §3.1, §5.2).
+
+Every tensor kind is allocated once as ``[L, N, ...]``; :meth:`KVPool.layer` hands out the
+contiguous ``[l]`` views the kernels read (``kernels.pool_ops.FlatPools``). Row ids are flat:
+
+* INT2 pool, ``N = q_pages·ps`` rows: codes uint8 ``[N, Hkv, packed]``, meta ``[N, Hkv, G, 2]``
+  (the spec's meta dtype), for K and V. Page 0 is ``DUMMY_Q``.
+* 16-bit pool, model dtype ``[Nh, Hkv, d]`` for K and V: pages ``0 .. hp_pages-1`` (page 0 =
+  ``DUMMY_H``, then sink pages; page ``p`` = rows ``p·ps .. p·ps+ps-1``), then one ring slab of
+  ``ring_cap`` rows per request slot from row ``ring0 = hp_pages·ps``.
+* BF16 mode (``kv_dtype="bf16"``): no INT2 rows and no rings; every token lives in 16-bit pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..config import META_DTYPE_BYTES, EngineConfig, QuantSpec
+from ..config.engine import CPU_DEFAULT_BUDGET_GB
+from ..errors import InputError
+from ..quant import RowFormat
+from ..quant.tiers import window_limit
+
+__all__ = ["DUMMY_PAGE", "KVPool", "LayerViews", "PoolPlan", "budget_bytes", "plan_pools"]
+
+DUMMY_PAGE = 0  # page 0 of both pools: never handed out; the target of no-op writes
+GIB = 1 << 30
+_META = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """Sizes of the pools. Page counts include the dummy page 0 (``PagePool(n, reserved=1)``);
+    byte counts cover all layers, K and V."""
+
+    int2: bool  # kv_dtype == "int2"
+    page_tokens: int
+    max_running: int
+    sink_pages: int  # 16-bit pages of one sequence's sink (0 in bf16 mode)
+    q_pages: int  # INT2 pages (0 in bf16 mode)
+    hp_pages: int  # 16-bit pages (dummy + sink pages; in bf16 mode: every page)
+    ring: int  # ring modulus = window_limit(spec) (0 in bf16 mode)
+    ring_cap: int  # rows per ring slab: ring rounded up to whole pages (0 in bf16 mode)
+    q_page_bytes: int
+    hp_page_bytes: int
+    total_bytes: int
+
+    @property
+    def ring0(self) -> int:
+        """First row of ring slab 0 in the 16-bit pool."""
+        return self.hp_pages * self.page_tokens
+
+    @property
+    def hp_rows(self) -> int:
+        return self.ring0 + self.max_running * self.ring_cap
+
+    @property
+    def q_rows(self) -> int:
+        return self.q_pages * self.page_tokens
+
+    def ring_base(self, slot: int) -> int:
+        """First row of the ring slab of request slot ``slot``."""
+        return self.ring0 + slot * self.ring_cap
+
+
+def _int2_row_bytes(fk: RowFormat, fv: RowFormat, heads: int) -> int:
+    """Bytes of one token of one layer in the INT2 tier (codes + (scale, zero), K and V)."""
+    meta = META_DTYPE_BYTES[fk.meta_dtype]
+    return heads * (fk.packed_dim + fv.packed_dim + 2 * meta * (fk.groups + fv.groups))
+
+
+def plan_pools(
+    cfg: EngineConfig,
+    spec: QuantSpec | None,
+    layers: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    budget_bytes: int,
+) -> PoolPlan:
+    """Split ``budget_bytes`` over the pools (§5.2). ``kv_heads`` are this rank's KV heads.
+
+    INT2 mode: the 16-bit part is fixed, ``(1 + max_running·sink_pages·2)`` pages plus
+    ``max_running`` ring slabs; the INT2 pages take the rest. BF16 mode: all 16-bit pages.
+    Raises :class:`~oscarkv.errors.InputError` when the budget cannot hold one usable page per tier.
+    """
+    ps, mr = cfg.page_tokens, cfg.max_running
+    hp_tok = 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    hp_page = ps * hp_tok
+    if cfg.kv_dtype == "bf16":
+        hp_pages = budget_bytes // hp_page
+        _need(budget_bytes, 2 * hp_page, "two 16-bit pages (the dummy page and one usable page)")
+        return PoolPlan(False, ps, mr, 0, 0, hp_pages, 0, 0, 0, hp_page, hp_pages * hp_page)
+    if spec is None:
+        raise InputError("int2 KV pools need a QuantSpec (from the rotations or EngineConfig.spec)")
+    cfg.check_spec(spec)
+    fk, fv = RowFormat.from_spec(spec, head_dim, "k"), RowFormat.from_spec(spec, head_dim, "v")
+    q_page = ps * layers * _int2_row_bytes(fk, fv, kv_heads)
+    sink_pages = spec.sink_tokens // ps
+    hp_pages = 1 + mr * sink_pages * 2
+    ring = window_limit(spec)
+    cap = -(-ring // ps) * ps
+    fixed = hp_pages * hp_page + mr * cap * hp_tok
+    _need(
+        budget_bytes,
+        fixed + 2 * q_page,
+        f"the 16-bit sinks and rings of max_running={mr} requests ({fixed} bytes) plus two INT2 pages",
+    )
+    q_pages = (budget_bytes - fixed) // q_page
+    total = fixed + q_pages * q_page
+    return PoolPlan(True, ps, mr, sink_pages, q_pages, hp_pages, ring, cap, q_page, hp_page, total)
+
+
+def _need(budget: int, need: int, what: str) -> None:
+    if budget < need:
+        raise InputError(
+            f"the KV budget of {budget} bytes ({budget / GIB:.3g} GiB) is too small: it needs at least "
+            f"{need} bytes ({need / GIB:.3g} GiB) for {what}",
+            "raise kv_budget_gb (--kv-budget-gb), or lower max_running or page_tokens",
+        )
+
+
+def budget_bytes(cfg: EngineConfig, device: torch.device | str) -> int:
+    """The KV budget in bytes: ``kv_budget_gb`` GiB if set; else ``CPU_DEFAULT_BUDGET_GB`` on a
+    non-CUDA device, or ``memory_fraction`` × the free memory of a CUDA device (call it after the
+    weights are loaded and a warmup ran)."""
+    device = torch.device(device)
+    if cfg.kv_budget_gb is not None:
+        return int(cfg.kv_budget_gb * GIB)
+    if device.type != "cuda":
+        return int(CPU_DEFAULT_BUDGET_GB * GIB)
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(cfg.memory_fraction * free)
+
+
+@dataclass(frozen=True)
+class LayerViews:
+    """One layer's pool views (satisfies ``kernels.pool_ops.FlatPools``); all contiguous.
+
+    ``k_codes/v_codes`` uint8 ``[Nq, Hkv, packed]``, ``k_meta/v_meta`` ``[Nq, Hkv, G, 2]``,
+    ``hp_k/hp_v`` ``[Nh, Hkv, d]`` in the model dtype.
+    """
+
+    k_codes: torch.Tensor
+    v_codes: torch.Tensor
+    k_meta: torch.Tensor
+    v_meta: torch.Tensor
+    hp_k: torch.Tensor
+    hp_v: torch.Tensor
+    k_fmt: RowFormat
+    v_fmt: RowFormat
+
+
+class KVPool:
+    """The allocated pools of all layers. ``fmts[l] = (k_fmt, v_fmt)`` (per-layer clips); in BF16
+    mode ``fmts`` may be ``None`` (a 2-bit format of one group only shapes the empty INT2 views)."""
+
+    def __init__(
+        self,
+        plan: PoolPlan,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        fmts: Sequence[tuple[RowFormat, RowFormat]] | None,
+        device: torch.device | str,
+    ):
+        if fmts is None:
+            if plan.int2:
+                raise ValueError("KVPool: int2 pools need the per-layer (k_fmt, v_fmt)")
+            fmts = [(RowFormat(head_dim, group=head_dim),) * 2] * layers
+        if len(fmts) != layers:
+            raise ValueError(f"KVPool: {len(fmts)} layer formats for {layers} layers")
+        for side in (0, 1):
+            shapes = {(f[side].packed_dim, f[side].groups, f[side].meta_dtype) for f in fmts}
+            if len(shapes) != 1:
+                raise ValueError(f"KVPool: the layers' formats differ in packed size or groups: {shapes}")
+        self.plan, self.fmts = plan, list(fmts)
+        self.layers, self.kv_heads, self.head_dim, self.dtype = layers, kv_heads, head_dim, dtype
+        self.device = torch.device(device)
+        fk, fv = self.fmts[0]
+        nq, nh, h, d = plan.q_rows, plan.hp_rows, kv_heads, head_dim
+
+        def zeros(*shape: int, dt: torch.dtype) -> torch.Tensor:
+            return torch.zeros(layers, *shape, dtype=dt, device=self.device)
+
+        self.k_codes = zeros(nq, h, fk.packed_dim, dt=torch.uint8)
+        self.v_codes = zeros(nq, h, fv.packed_dim, dt=torch.uint8)
+        self.k_meta = zeros(nq, h, fk.groups, 2, dt=_META[fk.meta_dtype])
+        self.v_meta = zeros(nq, h, fv.groups, 2, dt=_META[fv.meta_dtype])
+        self.hp_k = zeros(nh, h, d, dt=dtype)
+        self.hp_v = zeros(nh, h, d, dt=dtype)
+
+    def layer(self, l: int) -> LayerViews:
+        """Layer ``l``'s contiguous views and formats."""
+        k_fmt, v_fmt = self.fmts[l]
+        return LayerViews(
+            self.k_codes[l], self.v_codes[l], self.k_meta[l], self.v_meta[l], self.hp_k[l], self.hp_v[l],
+            k_fmt, v_fmt,
+        )  # fmt: skip
+
+    def _int2_tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.k_codes, self.v_codes, self.k_meta, self.v_meta
+
+    def memory_report(self, tokens_quantized: int = 0, tokens_hp: int = 0) -> dict[str, Any]:
+        """Allocated bytes per tier (from the tensors), per-token bytes (all layers, K and V), and
+        the bits per stored element of ``tokens_quantized`` INT2 and ``tokens_hp`` 16-bit tokens."""
+
+        def nbytes(t: torch.Tensor) -> int:
+            return t.numel() * t.element_size()
+
+        int2 = sum(nbytes(t) for t in self._int2_tensors())
+        hp = nbytes(self.hp_k) + nbytes(self.hp_v)
+        ring = nbytes(self.hp_k[:, self.plan.ring0 :]) + nbytes(self.hp_v[:, self.plan.ring0 :])
+        q_tok = sum(nbytes(t[:, :1]) for t in self._int2_tensors()) if self.plan.q_rows else 0
+        hp_tok = nbytes(self.hp_k[:, :1]) + nbytes(self.hp_v[:, :1])
+        elems = 2 * (tokens_quantized + tokens_hp) * self.layers * self.kv_heads * self.head_dim
+        held = tokens_quantized * q_tok + tokens_hp * hp_tok
+        return {
+            "int2_bytes": int2,
+            "hp_bytes": hp,
+            "hp_paged_bytes": hp - ring,
+            "ring_bytes": ring,
+            "total_bytes": int2 + hp,
+            "int2_bytes_per_token": q_tok,
+            "hp_bytes_per_token": hp_tok,
+            "tokens_quantized": tokens_quantized,
+            "tokens_hp": tokens_hp,
+            "held_bytes": held,
+            "bits_per_element": 8 * held / elems if elems else float("nan"),
+        }

@@ -1,0 +1,172 @@
+"""`ModelRunner`: the decoder, the KV pools and the per-layer attention of one engine, and one
+step of it: plan the batch's slots, run the forward, sample.
+
+Built from an :class:`~oscarkv.config.EngineConfig`: the rotations are loaded and checked
+against the model's config, ``R_V`` is folded into ``v_proj`` at load (``absorb_v``), the pools
+take the KV budget, and the kernels are resolved once (the torch reference on CPU).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import EngineConfig, QuantSpec
+from ..errors import InputError
+from ..kernels import resolve
+from ..kernels.devices import resolve_device
+from ..quant import RowFormat
+from ..rotation import RotationSet, load_rotations
+from .attention import EngineAttention
+from .kv_pool import KVPool, budget_bytes, plan_pools
+from .models import load_decoder
+from .planner import plan_decode, plan_prefill
+from .request import Batch, SamplingParams
+from .sampler import make_generator, sample
+from .tokenizer import load_tokenizer
+
+__all__ = ["ModelRunner"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _config_dict(model_dir: str) -> dict[str, Any]:
+    p = Path(model_dir) / "config.json"
+    if not p.is_file():
+        raise InputError(f"model {model_dir}: no config.json", "pass a model directory")
+    return json.loads(p.read_text(encoding="utf-8"))
+
+
+class ModelRunner:
+    """Loads everything one engine needs and runs its steps (one process, one device)."""
+
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.device = torch.device(resolve_device(cfg.device))
+        dt = cfg.dtype if cfg.dtype != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
+        self.dtype = _DTYPES[dt]
+        config = _config_dict(cfg.model)
+        self.rotations = self._rotations(config)
+        self.spec = cfg.spec or (self.rotations.spec if self.rotations is not None else QuantSpec())
+        absorb = self.rotations is not None and cfg.absorb_v
+        r_v = {i: lr.v for i, lr in self.rotations.layers.items()} if absorb else None
+        self.model, self.shape = load_decoder(
+            cfg.model, self.dtype, self.device, r_v=r_v, load_format=cfg.load_format, seed=cfg.seed
+        )
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.ops = resolve(cfg.backend, self.device)
+        s = self.shape
+        self.max_model_len = min(cfg.max_model_len or s.max_positions, s.max_positions)
+        fmts = self._formats() if self.rotations is not None else None
+        budget = budget_bytes(cfg, self.device)
+        self.plan = plan_pools(
+            cfg, self.spec if fmts else None, s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, budget
+        )
+        self.pool = KVPool(self.plan, s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, fmts, self.device)
+        scale = s.head_dim**-0.5
+        self.attn = []
+        for i in range(s.num_layers):
+            kf, vf = fmts[i] if fmts else self.pool.fmts[i]
+            r_k = r_vv = None
+            if self.rotations is not None:
+                lr = self.rotations.layers[i]
+                r_k, r_vv = lr.k.to(self.device, torch.float32), lr.v.to(self.device, torch.float32)
+            self.attn.append(EngineAttention(i, r_k, r_vv, kf, vf, self.ops, scale, values_prerotated=absorb))
+        self.generators: dict[str, torch.Generator] = {}
+        self.fingerprint = self._fingerprint(config)
+
+    # ---- set-up ---------------------------------------------------------------------------
+    def _rotations(self, config: dict[str, Any]) -> RotationSet | None:
+        cfg = self.cfg
+        if cfg.kv_dtype == "bf16":
+            if cfg.rotations is not None:
+                raise InputError(
+                    "kv_dtype bf16 keeps every token in 16 bits and uses no rotations; got rotations="
+                    f"{cfg.rotations}",
+                    "drop rotations, or use kv_dtype int2",
+                )
+            return None
+        if cfg.rotations is None:
+            raise InputError(
+                "kv_dtype int2 needs rotations (a directory from `oscarkv calibrate`)",
+                "pass rotations=DIR (--rotations), or kv_dtype bf16 for the 16-bit baseline",
+            )
+        rs = load_rotations(cfg.rotations, model_config=config)
+        if rs.layer_ids != list(range(int(config.get("num_hidden_layers", 0)))):
+            raise InputError(
+                f"rotations {cfg.rotations}: cover layers {rs.layer_ids}, not every layer of the model"
+            )
+        return rs
+
+    def _formats(self) -> list[tuple[RowFormat, RowFormat]]:
+        rs, d = self.rotations, self.shape.head_dim
+        assert rs is not None
+        out = []
+        for i in range(self.shape.num_layers):
+            kc, vc = rs.clips(i) if self.cfg.spec is None else (self.spec.k_clip, self.spec.v_clip)
+            out.append(
+                (RowFormat.from_spec(self.spec, d, "k", kc), RowFormat.from_spec(self.spec, d, "v", vc))
+            )
+        return out
+
+    def _fingerprint(self, config: dict[str, Any]) -> bytes:
+        """Seeds the prefix cache's page hashes: the model config, the rotations and the dtype."""
+        h = hashlib.blake2b(json.dumps(config, sort_keys=True, default=str).encode(), digest_size=16)
+        h.update(
+            str(
+                (self.dtype, self.cfg.load_format, self.cfg.seed if self.cfg.load_format == "dummy" else 0)
+            ).encode()
+        )
+        if self.rotations is not None:
+            for i in self.rotations.layer_ids:
+                lr = self.rotations.layers[i]
+                h.update(lr.k.float().cpu().numpy().tobytes())
+                h.update(lr.v.float().cpu().numpy().tobytes())
+        return h.digest()
+
+    # ---- one step -------------------------------------------------------------------------
+    def generator(self, rid: str, params: SamplingParams) -> torch.Generator | None:
+        if params.seed is None or params.greedy:
+            return None
+        if rid not in self.generators:
+            self.generators[rid] = make_generator(params.seed, self.device)
+        return self.generators[rid]
+
+    def release(self, rid: str) -> None:
+        self.generators.pop(rid, None)
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> list[int | None]:
+        """Run ``batch``; one sampled token per item that ends its prompt (or decodes), else None."""
+        dev, pool = self.device, self.pool
+        if batch.is_decode:
+            p = plan_decode(batch, self.plan, dev)
+            ids = [it.seq.tokens[it.start] for it in batch.items]
+            positions, last = p.positions, None
+
+            def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                return self.attn[layer].decode(q, k, v, pool.layer(layer), p)
+        else:
+            p = plan_prefill(batch, self.plan, dev)
+            ids = [t for it in batch.items for t in it.seq.tokens[it.start : it.start + it.n_new]]
+            positions, last = p.positions, p.last_idx
+
+            def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                return self.attn[layer].prefill(q, k, v, pool.layer(layer), p)
+
+        input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
+        logits = self.model(input_ids, positions, attn, last)
+        rows = [it for it in batch.items if batch.is_decode or it.ends_prompt]
+        if not rows:
+            return [None] * len(batch.items)
+        params = [it.seq.params for it in rows]
+        gens = [self.generator(it.seq.rid, it.seq.params) for it in rows]
+        toks = iter(sample(logits, params, gens).tolist())
+        return [next(toks) if (batch.is_decode or it.ends_prompt) else None for it in batch.items]
+
+    def memory_report(self, tokens_quantized: int = 0, tokens_hp: int = 0) -> dict[str, Any]:
+        return self.pool.memory_report(tokens_quantized, tokens_hp)

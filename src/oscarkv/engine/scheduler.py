@@ -1,0 +1,287 @@
+"""Admission, chunked prefill, decode batches, preemption, aborts, finishing (engine.md §5.4).
+
+Pure Python over ints. :meth:`Scheduler.schedule` allocates every page and slot a step writes
+and advances its sequences (each :class:`StepSeq` carries the tiers before and the moves);
+:meth:`Scheduler.postprocess` appends sampled tokens, publishes, finishes and releases. Prefill
+first (the partial prompt, then FCFS); decode otherwise; when the growing tier runs out the
+newest running sequence is preempted by recompute.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import replace
+
+from ..config import EngineConfig, QuantSpec
+from ..errors import InputError
+from ..quant.tiers import Moves, TierState, apply_moves, plan_moves, window_limit
+from .check import check
+from .pages import OutOfPages, PagePool
+from .prefix_cache import UNBOUNDED_SINK, PrefixCache
+from .request import Batch, FinishReason, Sequence, Status, StepSeq
+
+__all__ = ["Scheduler"]
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    """Owns the waiting queue, the running list (admission order, newest last) and request slots."""
+
+    def __init__(self, cfg: EngineConfig, hp: PagePool, q: PagePool | None = None,
+                 prefix: PrefixCache | None = None, *, spec: QuantSpec | None = None,
+                 eos_ids: Iterable[int] = (), max_model_len: int | None = None) -> None:  # fmt: skip
+        spec = spec if spec is not None else cfg.spec
+        if spec is None:
+            raise ValueError("Scheduler needs the QuantSpec in use (spec= or cfg.spec)")
+        self.int2 = cfg.kv_dtype == "int2"
+        if self.int2:
+            cfg.check_spec(spec)
+        self.cfg, self.spec, self.ps = cfg, spec, cfg.page_tokens
+        self.hp, self.q = hp, q if q is not None else PagePool(1)
+        self.prefix = prefix
+        self.ring = window_limit(spec)  # ring modulus of every request slot
+        self.max_model_len = max_model_len if max_model_len is not None else cfg.max_model_len
+        self.eos_ids = frozenset(eos_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # holds pages and a slot; includes the partial prefill
+        self.free_slots: list[int] = list(range(cfg.max_running))  # a heap
+        self.live: dict[str, Sequence] = {}
+        self.prompt_end: dict[str, int] = {}  # rid -> tokens to prefill since its last admission
+        # rid -> [("admit", n), ("hit", m)?, ("prefill"|"decode", n_new), ...] (check_invariants)
+        self.trace: dict[str, list[tuple[str, int]]] | None = {} if cfg.check_invariants else None
+        self._inflight: Batch | None = None
+        self._pending: dict[str, FinishReason] = {}
+
+    # ---- requests -------------------------------------------------------------------------
+    def sink_target(self, seq: Sequence) -> int:
+        assert seq.sink_len is not None
+        return seq.sink_len if self.int2 else UNBOUNDED_SINK
+
+    def pages_for(self, n: int, sink_len: int) -> tuple[int, int]:
+        """(16-bit, INT2) pages after a fresh prefill of ``n`` tokens: the most a request with
+        ``n`` computed tokens ever holds (decode keeps at least as many in the ring)."""
+        m = plan_moves(
+            TierState(), n, False, self.spec, sink_target=sink_len if self.int2 else UNBOUNDED_SINK
+        )
+        return _ceil(m.to_sink, self.ps), _ceil(m.to_int2, self.ps)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request; raises :class:`InputError` for one that can never run."""
+        n, mt, mml = len(seq.prompt), seq.params.max_tokens, self.max_model_len
+        if seq.rid in self.live:
+            raise InputError(f"request id {seq.rid!r} is already in use", "give each request its own id")
+        if seq.status is not Status.WAITING or seq.out or seq.n_computed or seq.hp_pages or seq.q_pages:
+            raise ValueError(f"Scheduler.add needs a new sequence; {seq.rid!r} has state")
+        if n == 0:
+            raise InputError("prompt must have at least one token; got an empty prompt")
+        if mml is not None and n >= mml:
+            raise InputError(f"prompt of {n} tokens must be shorter than max_model_len ({mml})",
+                             "shorten the prompt or raise --max-model-len")  # fmt: skip
+        if mml is not None and n + mt > mml:
+            raise InputError(f"prompt ({n} tokens) + max_tokens ({mt}) must be <= max_model_len ({mml})",
+                             "lower max_tokens or raise --max-model-len")  # fmt: skip
+        sink_len = seq.sink_len if seq.sink_len is not None else min(n, self.spec.sink_tokens)
+        need_h, need_q = self.pages_for(n + mt - 1, sink_len)
+        for need, pool, kind in ((need_q, self.q, "INT2"), (need_h, self.hp, "16-bit")):
+            if need > pool.capacity:
+                raise InputError(f"prompt of {n} tokens with max_tokens {mt} needs {need} {kind} pages "
+                                 f"of {self.ps} tokens; the pool has {pool.capacity}",
+                                 "raise --kv-budget-gb or lower max_tokens")  # fmt: skip
+        self.live[seq.rid] = seq
+        self.waiting.append(seq)
+
+    def abort(self, rid: str) -> Sequence | None:
+        """Finish ``rid`` with "abort"; returns it, or None if unknown or deferred (see finish)."""
+        seq = self.live.get(rid)
+        return seq if seq is not None and self.finish(seq, FinishReason.ABORT) else None
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> bool:
+        """Finish ``seq`` now (True), or, while a batch is in flight, at the step boundary: it
+        then comes back from :meth:`postprocess`. The engine calls this for stop strings."""
+        if seq.rid in self.live and self._inflight is not None:
+            self._pending.setdefault(seq.rid, reason)
+        elif seq.rid in self.live:
+            self._finish(seq, reason)
+            return True
+        return False
+
+    def preempt_newest(self) -> Sequence | None:
+        """Preempt the newest running sequence by recompute (at a step boundary)."""
+        assert self._inflight is None, "preempt at a step boundary only"
+        seq = self.running[-1] if self.running else None
+        if seq is not None:
+            self._preempt(seq)
+        return seq
+
+    @property
+    def idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    # ---- one step -------------------------------------------------------------------------
+    def schedule(self) -> Batch | None:
+        """The next batch (None when there is nothing to run); pages are allocated already."""
+        if self._inflight is not None:
+            raise AssertionError("schedule() called again before postprocess() of the last batch")
+        self._inflight = self._prefill() or self._decode()
+        if self.cfg.check_invariants:
+            check(self)
+        return self._inflight
+
+    def postprocess(self, batch: Batch, sampled: list[int | None]) -> list[Sequence]:
+        """Apply one step's sampled tokens (None for chunks that do not end a prompt); returns
+        the sequences that finished, their pages and slots already released."""
+        if batch is not self._inflight:
+            raise AssertionError("postprocess() of a batch that is not the one in flight")
+        self._inflight, done = None, []
+        for item, tok in zip(batch.items, sampled, strict=True):
+            seq, reason = item.seq, None
+            if (tok is None) == item.ends_prompt:
+                raise ValueError(f"{seq.rid!r}: sample a token exactly when a step ends the prompt")
+            if tok is not None and seq.rid not in self._pending:
+                seq.out.append(tok)
+                if seq.times.first_token is None:
+                    seq.times.first_token = time.perf_counter()
+                reason = self._stop_reason(seq, tok)
+            if self.prefix is not None:
+                self.prefix.publish_ready(seq)
+            if reason is not None:
+                self._finish(seq, reason)
+                done.append(seq)
+        for rid, reason in self._pending.items():  # aborts and finishes deferred to this boundary
+            if rid in self.live:
+                done.append(self.live[rid])
+                self._finish(done[-1], reason)
+        self._pending.clear()
+        if self.cfg.check_invariants:
+            check(self)
+        return done
+
+    # ---- internals ------------------------------------------------------------------------
+    def _stop_reason(self, seq: Sequence, tok: int) -> FinishReason | None:
+        p = seq.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
+            return FinishReason.STOP
+        if len(seq.out) >= p.max_tokens or (self.max_model_len and seq.num_tokens >= self.max_model_len):
+            return FinishReason.LENGTH
+        return None
+
+    def _prefilling(self, seq: Sequence) -> bool:
+        return seq.n_computed < self.prompt_end[seq.rid]
+
+    def _prefill(self) -> Batch | None:
+        """A partial chunk uses up the budget, so it is the last of its batch (at most one)."""
+        budget, items = self.cfg.max_batched_tokens, []
+        for seq in [s for s in self.running if self._prefilling(s)]:
+            item = self._step(seq, min(self.prompt_end[seq.rid] - seq.n_computed, budget), False)
+            if item is None:  # no pages (rare): wait for decodes to free some, admit nobody
+                return Batch("prefill", tuple(items)) if items else None
+            items.append(item)
+            budget -= item.n_new
+        while budget > 0 and self.waiting and (item := self._admit(self.waiting[0], budget)):
+            items.append(item)
+            budget -= item.n_new
+        return Batch("prefill", tuple(items)) if items else None
+
+    def _decode(self) -> Batch | None:
+        ready = [s for s in self.running if not self._prefilling(s)]  # oldest first: victims come later
+        items = [i for s in ready if s.status is Status.RUNNING and (i := self._step(s, 1, True, True))]
+        return Batch("decode", tuple(items)) if items else None
+
+    def _admit(self, seq: Sequence, budget: int) -> StepSeq | None:
+        if not self.free_slots:
+            return None
+        if seq.sink_len is None:
+            seq.sink_len = min(len(seq.prompt), self.spec.sink_tokens)
+        n = seq.num_tokens
+        if self.prefix is not None:
+            seq.hp_pages, seq.q_pages = self.prefix.match(seq)
+            seq.published = len(seq.hp_pages) + len(seq.q_pages)
+            seq.n_computed = seq.published * self.ps
+            seq.tiers = self.prefix.hit_state(n, seq.n_computed, self.sink_target(seq))
+        need_h, need_q = self.pages_for(n, seq.sink_len)
+        reserve = self.cfg.decode_reserve_pages * len(self.running)  # on the growing tier
+        need_h += (not self.int2) * reserve - len(seq.hp_pages)
+        if need_h > self.hp.n_free or need_q + self.int2 * reserve - len(seq.q_pages) > self.q.n_free:
+            self._release(seq, reset=True)  # undo the match
+            return None
+        self.running.append(self.waiting.popleft())
+        seq.status, seq.slot, seq.n_cached = Status.RUNNING, heapq.heappop(self.free_slots), seq.n_computed
+        self.prompt_end[seq.rid] = n
+        seq.times.first_scheduled = seq.times.first_scheduled or time.perf_counter()
+        if self.trace is not None:
+            self.trace[seq.rid] = [("admit", n)] + [("hit", seq.n_computed)] * (seq.n_computed > 0)
+        item = self._step(seq, min(n - seq.n_computed, budget), False)
+        assert item is not None, "admission checked the pages of the whole prompt"
+        return item
+
+    def _step(self, seq: Sequence, n: int, decode: bool, preempt: bool = False) -> StepSeq | None:
+        """Allocate and advance one step of ``seq``; None if it cannot get its pages (with
+        ``preempt``: after preempting newer sequences, ``seq`` itself last)."""
+        while True:
+            moves = plan_moves(seq.tiers, n, decode, self.spec, sink_target=self.sink_target(seq))
+            try:
+                self._grow(seq, moves)
+                break
+            except OutOfPages:
+                if not preempt:
+                    return None
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    return None
+        item = StepSeq(seq, seq.n_computed, n, replace(seq.tiers), moves)
+        apply_moves(seq.tiers, moves, self.ring)
+        seq.n_computed += n
+        if self.trace is not None:
+            self.trace[seq.rid].append(("decode" if decode else "prefill", n))
+        return item
+
+    def _grow(self, seq: Sequence, m: Moves) -> None:
+        """Allocate the pages ``m`` writes (all or nothing)."""
+        st = seq.tiers
+        need_h = _ceil(st.n_sink + m.to_sink, self.ps) - len(seq.hp_pages)
+        need_q = _ceil(st.n_q + m.demote + m.to_int2, self.ps) - len(seq.q_pages)
+        if need_h > self.hp.n_free or need_q > self.q.n_free:
+            raise OutOfPages(f"{seq.rid!r} needs {need_h} 16-bit and {need_q} INT2 pages")
+        seq.hp_pages += self.hp.alloc(max(need_h, 0))
+        seq.q_pages += self.q.alloc(max(need_q, 0))
+
+    def _release(self, seq: Sequence, reset: bool) -> None:
+        """Drop ``seq``'s pages (reverse order, so tails are evicted first) and its slot."""
+        for p in reversed(seq.q_pages):
+            self.q.decref(p)
+        for p in reversed(seq.hp_pages):
+            self.hp.decref(p)
+        seq.hp_pages, seq.q_pages = [], []
+        if seq.slot is not None:
+            heapq.heappush(self.free_slots, seq.slot)
+            seq.slot = None
+        if reset:
+            seq.tiers, seq.n_computed, seq.published = TierState(), 0, 0
+
+    def _leave_running(self, seq: Sequence, reset: bool) -> None:
+        self._release(seq, reset)
+        self.running.remove(seq)
+        self.prompt_end.pop(seq.rid)
+        (self.trace or {}).pop(seq.rid, None)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute later: keep ``prompt + out`` and ``sink_len``; first in the waiting queue."""
+        self._leave_running(seq, reset=True)
+        seq.hashes, seq.status = [], Status.WAITING
+        seq.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status is Status.RUNNING:
+            self._leave_running(seq, reset=False)  # tiers stay readable after the finish
+        else:
+            self.waiting.remove(seq)
+        del self.live[seq.rid]
+        seq.status, seq.finish_reason, seq.times.finished = Status.FINISHED, reason, time.perf_counter()

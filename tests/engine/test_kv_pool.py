@@ -1,0 +1,130 @@
+"""KV pool sizing and allocation (engine.md §3.1, §5.2): bytes per token, budgets, views."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from oscarkv import QuantSpec
+from oscarkv.config import EngineConfig, SpecError
+from oscarkv.config.engine import CPU_DEFAULT_BUDGET_GB
+from oscarkv.engine.kv_pool import GIB, KVPool, budget_bytes, plan_pools
+from oscarkv.errors import InputError
+from oscarkv.quant import RowFormat
+
+# Qwen3-8B: 36 layers, 8 KV heads, head dim 128, bf16; the default (OSCAR) spec
+L, HKV, D = 36, 8, 128
+INT2_PER_TOKEN, BF16_PER_TOKEN = 20_736, 147_456  # engine.md §3.1
+
+
+def test_qwen3_8b_int2_plan_matches_the_design_numbers():
+    cfg = EngineConfig(kv_dtype="int2", page_tokens=16, max_running=64)
+    plan = plan_pools(cfg, QuantSpec(), L, HKV, D, torch.bfloat16, 60 * GIB)
+    assert plan.q_page_bytes == 16 * INT2_PER_TOKEN
+    assert plan.hp_page_bytes == 16 * BF16_PER_TOKEN
+    assert (plan.ring, plan.ring_cap, plan.sink_pages) == (263, 272, 4)
+    assert plan.ring_cap * BF16_PER_TOKEN == 40_108_032  # "a 272-slot ring (40.1 MB)"
+    assert plan.hp_pages == 1 + 64 * 4 * 2
+    fixed = plan.hp_pages * plan.hp_page_bytes + 64 * 272 * BF16_PER_TOKEN
+    assert plan.q_pages == (60 * GIB - fixed) // plan.q_page_bytes
+    assert plan.total_bytes == fixed + plan.q_pages * plan.q_page_bytes <= 60 * GIB
+    assert 60 * GIB - plan.total_bytes < plan.q_page_bytes
+    assert round(BF16_PER_TOKEN / INT2_PER_TOKEN, 1) == 7.1
+
+
+def test_qwen3_8b_bf16_plan_gives_every_byte_to_16_bit_pages():
+    cfg = EngineConfig(kv_dtype="bf16", page_tokens=16, max_running=64)
+    plan = plan_pools(cfg, None, L, HKV, D, torch.bfloat16, 60 * GIB)
+    assert (plan.q_pages, plan.ring_cap, plan.q_rows, plan.int2) == (0, 0, 0, False)
+    assert plan.hp_pages == 60 * GIB // (16 * BF16_PER_TOKEN)
+    assert plan.hp_rows == plan.hp_pages * 16 and plan.total_bytes == plan.hp_pages * plan.hp_page_bytes
+
+
+@pytest.mark.parametrize("kv_dtype", ["int2", "bf16"])
+def test_too_small_budget_names_the_bytes_and_the_flag(kv_dtype):
+    cfg = EngineConfig(kv_dtype=kv_dtype, page_tokens=16, max_running=64)
+    spec = QuantSpec() if kv_dtype == "int2" else None
+    ok = plan_pools(cfg, spec, L, HKV, D, torch.bfloat16, 8 * GIB)
+    need = ok.total_bytes - (ok.q_pages - 2) * ok.q_page_bytes if ok.int2 else 2 * ok.hp_page_bytes
+    assert plan_pools(cfg, spec, L, HKV, D, torch.bfloat16, need).total_bytes == need  # just enough
+    with pytest.raises(InputError, match=f"at least {need} bytes") as e:
+        plan_pools(cfg, spec, L, HKV, D, torch.bfloat16, need - 1)
+    assert "kv_budget_gb" in e.value.hint
+
+
+def test_int2_plan_checks_the_spec_against_the_page_size():
+    cfg = EngineConfig(kv_dtype="int2", page_tokens=16)
+    with pytest.raises(SpecError, match="page_tokens"):
+        plan_pools(cfg, QuantSpec(sink_tokens=24), 2, 2, 64, torch.float32, GIB)
+    with pytest.raises(InputError, match="QuantSpec"):
+        plan_pools(cfg, None, 2, 2, 64, torch.float32, GIB)
+
+
+def _pool(kv_dtype: str = "int2") -> KVPool:
+    spec = QuantSpec(sink_tokens=8, recent_tokens=8, demote_block=4)
+    cfg = EngineConfig(kv_dtype=kv_dtype, page_tokens=4, max_running=3)
+    plan = plan_pools(cfg, spec, 3, 2, 32, torch.float32, 1 << 18)
+    fmts = [
+        (RowFormat.from_spec(spec, 32, "k", 0.9 - i / 10), RowFormat.from_spec(spec, 32, "v"))
+        for i in range(3)
+    ]
+    return KVPool(plan, 3, 2, 32, torch.float32, fmts if plan.int2 else None, "cpu")
+
+
+@pytest.mark.parametrize("kv_dtype", ["int2", "bf16"])
+def test_layer_views_are_contiguous_disjoint_and_shaped_for_the_kernels(kv_dtype):
+    pool = _pool(kv_dtype)
+    p = pool.plan
+    spans = []
+    for l in range(3):
+        v = pool.layer(l)
+        assert v.k_fmt == pool.fmts[l][0] and v.v_fmt == pool.fmts[l][1]
+        assert v.k_codes.shape == (p.q_rows, 2, 8) and v.k_codes.dtype == torch.uint8
+        assert v.k_meta.shape == (p.q_rows, 2, 1, 2) and v.k_meta.dtype == torch.float16
+        assert v.hp_k.shape == (p.hp_rows, 2, 32) and v.hp_v.dtype == torch.float32
+        for name in ("k_codes", "v_codes", "k_meta", "v_meta", "hp_k", "hp_v"):
+            t = getattr(v, name)
+            assert t.is_contiguous(), name
+            if t.numel():
+                spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+    spans.sort()
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))
+    before = pool.layer(0).hp_k.clone()
+    pool.layer(1).hp_k.fill_(1.0)  # a write to one layer's view leaves the others alone
+    assert torch.equal(pool.layer(0).hp_k, before) and bool((pool.hp_k[1] == 1).all())
+    if p.int2:
+        assert p.hp_rows == (1 + 3 * 2 * 2) * 4 + 3 * 12 and p.ring_base(2) == p.ring0 + 24
+
+
+def test_memory_report_counts_the_allocated_tensors():
+    pool = _pool("int2")
+    p = pool.plan
+    r = pool.memory_report(tokens_quantized=100, tokens_hp=20)
+    assert r["total_bytes"] == p.total_bytes == r["int2_bytes"] + r["hp_bytes"]
+    assert r["int2_bytes"] == p.q_pages * p.q_page_bytes
+    assert r["ring_bytes"] == 3 * p.ring_cap * p.hp_page_bytes // p.page_tokens
+    assert r["hp_paged_bytes"] == p.hp_pages * p.hp_page_bytes
+    # per token, 3 layers × 2 heads × (K, V): INT2 8 code bytes + fp16 (scale, zero); fp32 rows
+    assert r["int2_bytes_per_token"] == 3 * 2 * 2 * (8 + 4) and r["hp_bytes_per_token"] == 3 * 2 * 2 * 128
+    elems = 120 * 3 * 2 * 2 * 32
+    assert r["bits_per_element"] == pytest.approx(8 * (100 * 144 + 20 * 1536) / elems)
+    assert pool.memory_report()["bits_per_element"] != pool.memory_report()["bits_per_element"]  # nan
+
+
+def test_budget_bytes_from_the_config_or_the_cpu_default():
+    assert budget_bytes(EngineConfig(kv_budget_gb=0.5), "cpu") == GIB // 2
+    assert budget_bytes(EngineConfig(), "cpu") == int(CPU_DEFAULT_BUDGET_GB * GIB)
+
+
+def test_kv_pool_refuses_mismatched_formats():
+    spec = QuantSpec(sink_tokens=8, recent_tokens=8, demote_block=4)
+    cfg = EngineConfig(kv_dtype="int2", page_tokens=4, max_running=2)
+    plan = plan_pools(cfg, spec, 2, 2, 32, torch.float32, 1 << 18)
+    f2 = RowFormat.from_spec(spec, 32, "k")
+    f4 = RowFormat(32, bits=4, group=32)
+    with pytest.raises(ValueError, match="differ"):
+        KVPool(plan, 2, 2, 32, torch.float32, [(f2, f2), (f4, f2)], "cpu")
+    with pytest.raises(ValueError, match="k_fmt, v_fmt"):
+        KVPool(plan, 2, 2, 32, torch.float32, None, "cpu")
