@@ -523,6 +523,27 @@ def _(w, c):
     return cli(gen(w, rot=w.root / "nope"), c)
 
 
+@case("gen-engine-only-flag")
+def _(w, c):
+    return cli(gen(w, "--kv-dtype", "bf16"), c)
+
+
+@case("gen-engine-prompts")
+def _(w, c):
+    f = put(w, "reqs.jsonl", b'{"prompt": "a"}\n{"text": "b"}\n')
+    return cli(["generate", "--engine", "--model", str(w.model), "--rotations", str(w.rot), "--prompts", str(f)], c)
+
+
+@case("gen-engine-out-exists")
+def _(w, c):
+    return cli([*gen(w, "--engine", "--out", str(put(w, "plain.txt", b"x")))], c)
+
+
+@case("gen-engine-budget")
+def _(w, c):
+    return cli([*gen(w, "--engine", "--kv-budget-gb", "0.000001", "--device", "cpu")], c)
+
+
 # ---- eval ------------------------------------------------------------------------------------
 @case("eval-methods-unknown")
 def _(w, c):

@@ -166,6 +166,7 @@ def test_invalid_inputs_raise(logits: torch.Tensor, n_params: int, n_gens: int) 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype")
 def test_no_host_sync_on_cuda() -> None:
     logits = torch.randn(4, 1000, device="cuda")
     params = [

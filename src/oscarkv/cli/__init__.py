@@ -45,9 +45,10 @@ def _overwrite(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..config import CalibrationConfig, EvalConfig, GenerateConfig, QuantSpec
+    from ..config import CalibrationConfig, EngineConfig, EvalConfig, GenerateConfig, QuantSpec
     from ..version import __version__
     from . import commands as c
+    from .engine_cmd import ENGINE_SKIP
 
     ap = OneLineParser(
         prog="oscarkv",
@@ -89,16 +90,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=c.cmd_eval)
 
     p = sub.add_parser(
-        "generate", parents=common, help="generate with an OscarCache, streaming to the terminal"
+        "generate",
+        parents=common,
+        help="generate with the 2-bit cache: one prompt streamed (OscarCache), or a batch with --engine",
     )
     _model_flags(p)
-    p.add_argument("--rotations", required=True, help="rotation artifact (ours or OSCAR RotationZoo files)")
+    p.add_argument("--rotations", help="rotation artifact (ours or OSCAR RotationZoo files)")
+    p.add_argument("--prompt", help="the prompt; @FILE reads a UTF-8 file, @@text is the literal @text")
     p.add_argument(
-        "--prompt", required=True, help="the prompt; @FILE reads a UTF-8 file, @@text is the literal @text"
+        "--prompts",
+        help='with --engine: a JSONL file, one request per line: {"prompt": text}, '
+        '{"prompt_token_ids": [...]} or {"messages": [...]}',
     )
+    p.add_argument("--engine", action="store_true", help="run on the paged serving engine (a batch at once)")
+    p.add_argument("--out", help="with --engine: write the outputs as JSONL here (default: stdout)")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="kernel backend")
     _strict(p)
+    _overwrite(p)
     add_dataclass_args(p, GenerateConfig, "generation")
+    add_dataclass_args(p, EngineConfig, "engine (with --engine)", skip=ENGINE_SKIP)
     p.set_defaults(func=c.cmd_generate)
 
     p = sub.add_parser(

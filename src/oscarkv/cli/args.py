@@ -33,12 +33,15 @@ def _scalar_type(tp: Any) -> Any:
     return tp
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, group: str | None = None) -> None:
-    """Add one ``--field-name`` flag per field of dataclass ``cls`` (default: the field default)."""
+def add_dataclass_args(
+    parser: argparse.ArgumentParser, cls: type, group: str | None = None, skip: tuple[str, ...] = ()
+) -> None:
+    """Add one ``--field-name`` flag per field of dataclass ``cls`` (default: the field default),
+    except the fields in ``skip`` (the command has its own flag for them)."""
     target = parser.add_argument_group(group or cls.__name__) if group != "" else parser
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if not f.metadata.get("cli", True):
+        if not f.metadata.get("cli", True) or f.name in skip:
             continue
         tp = _scalar_type(hints[f.name])
         flag = "--" + f.name.replace("_", "-")

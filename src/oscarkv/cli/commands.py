@@ -168,8 +168,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ..errors import InputError
     from ..hf import OscarCache
     from ..hf.loading import load_model
+    from .engine_cmd import check_engine_flags, generate_engine
 
+    check_engine_flags(args)
     gen = dataclass_from_args(GenerateConfig, args)
+    if args.engine:
+        return generate_engine(args)
     prompt = read_prompt(args.prompt)
     info, device = check_model(args.model, args.device)
     rots = load_checked_rotations(args.rotations, info.config, args.strict)

@@ -13,7 +13,7 @@ __all__ = ["KV_DTYPES", "LOAD_FORMATS", "EngineConfig"]
 KV_DTYPES = ("int2", "bf16")
 LOAD_FORMATS = ("safetensors", "dummy")
 #: the KV budget on CPU when ``kv_budget_gb`` is unset (on CUDA: a fraction of free memory)
-CPU_DEFAULT_BUDGET_GB = 1.0
+CPU_DEFAULT_BUDGET_GB = 0.25
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,13 @@ class LLM:
         self.config = EngineConfig(model=model, rotations=rotations, kv_dtype=kv_dtype, **kw)
         self.engine = Engine(self.config)
 
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> LLM:
+        """An ``LLM`` over an existing :class:`EngineConfig`."""
+        llm = cls.__new__(cls)
+        llm.config, llm.engine = cfg, Engine(cfg)
+        return llm
+
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -41,10 +48,14 @@ class LLM:
         params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion (continuous batching); outputs in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)
-        plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        plist = (
+            list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        )
         if len(plist) != len(prompts):
             from ..errors import InputError
 

@@ -28,6 +28,7 @@ __all__ = [
     "atomic_write_text",
     "check_input_file",
     "check_output_dir",
+    "check_output_file",
     "decode_text",
     "enclosing_model_dir",
     "read_text",
@@ -94,6 +95,20 @@ def check_output_dir(
                 f"{flag} {path}: already holds {', '.join(taken)} from an earlier run",
                 "pass a new directory, or add --overwrite to replace those files",
             )
+    return p
+
+
+def check_output_file(path: str | Path, *, overwrite: bool = False, flag: str = "--out") -> Path:
+    """Check, before any work, that the file ``path`` may be written: not a directory, not an
+    existing file unless ``overwrite``, in a writable directory. Creates nothing."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise InputError(f"{flag} {path}: is a directory; expected a file name")
+    if p.exists() and not overwrite:
+        raise InputError(f"{flag} {path}: already exists", "pass a new file name, or add --overwrite")
+    base = _nearest_existing(p.resolve().parent)
+    if not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
+        raise InputError(f"{flag} {path}: cannot write there ({base} is not a writable directory)")
     return p
 
 
