@@ -14,6 +14,25 @@ K_NAME = "k_rotation_qqt_r_h_pbr.pt"
 V_NAME = "v_rotation_sst_r_h_pbr.pt"
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--smollm2",
+        default=str(SHARED_DIR / "models" / "smollm2-135m-instruct"),
+        help="SmolLM2-135M-Instruct as a transformers folder (../shared/tools/get_smollm2.sh makes one)",
+    )
+
+
+@pytest.fixture
+def smollm2_dir(request: pytest.FixtureRequest) -> Path:
+    """The real pretrained model of docs/real-model.md, or a skip saying how to get it."""
+    path = Path(request.config.getoption("--smollm2"))
+    if not (path / "config.json").is_file():
+        pytest.skip(
+            f"SmolLM2-135M-Instruct not found at {path}: run ../shared/tools/get_smollm2.sh DIR, pass --smollm2 DIR"
+        )
+    return path
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if SHARED_DIR.is_dir():
         return

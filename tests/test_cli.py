@@ -27,9 +27,11 @@ def test_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
     assert "info" in out and "demo" in out
 
 
-def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([]) == 0
-    assert "info" in capsys.readouterr().out
+def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "oscarkv: error: a command is required (calibrate, info, eval, generate, demo)"
+    assert len(err) == 2 and "--help" in err[1]
 
 
 def test_info_on_oscar_pair(oscar_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -110,7 +110,8 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str], after_load: boo
     lines = err.strip("\n").splitlines()
     if after_load:
         lines = lines[next(i for i, x in enumerate(lines) if x.startswith("oscarkv ")) :]
-    assert lines and lines[0].startswith(f"oscarkv {argv[0]}: error: "), err
+    prefix = f"oscarkv {argv[0]}: error: " if argv else "oscarkv: error: "
+    assert lines and lines[0].startswith(prefix), err
     assert len(lines) == 1 or (len(lines) == 2 and lines[1].startswith("  hint: ")), err
     return Failure(lines[0], lines[1] if len(lines) > 1 else "")
 
@@ -531,7 +532,9 @@ def _(w, c):
 @case("gen-engine-prompts")
 def _(w, c):
     f = put(w, "reqs.jsonl", b'{"prompt": "a"}\n{"text": "b"}\n')
-    return cli(["generate", "--engine", "--model", str(w.model), "--rotations", str(w.rot), "--prompts", str(f)], c)
+    return cli(
+        ["generate", "--engine", "--model", str(w.model), "--rotations", str(w.rot), "--prompts", str(f)], c
+    )
 
 
 @case("gen-engine-out-exists")
@@ -542,6 +545,80 @@ def _(w, c):
 @case("gen-engine-budget")
 def _(w, c):
     return cli([*gen(w, "--engine", "--kv-budget-gb", "0.000001", "--device", "cpu")], c)
+
+
+@case("gen-max-new-positions")
+def _(w, c):
+    return cli(gen(w, "--max-new-tokens", "2048"), c)
+
+
+@case("gen-backend")
+def _(w, c):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    return cli(gen(w, "--backend", "triton", "--device", "cpu"), c)
+
+
+@case("cal-group-size")
+def _(w, c):
+    return cli(cal(w, "--group-size", "48"), c)
+
+
+@case("cal-clip-per-layer")
+def _(w, c):
+    return cli(cal(w, "--clip-per-layer"), c)
+
+
+def _model_copy(w: World, name: str) -> Path:
+    d = w.root / "models" / name
+    if not d.exists():
+        shutil.copytree(w.model, d)
+    return d
+
+
+@case("model-truncated")
+def _(w, c):
+    d = _model_copy(w, "truncated")
+    f = d / "model.safetensors"
+    if f.stat().st_size > 1000:
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    return cli(cal(w, model=d), c)
+
+
+@case("model-bad-tokenizer")
+def _(w, c):
+    d = _model_copy(w, "badtok")
+    (d / "tokenizer.json").write_text("{bad")
+    return cli(cal(w, model=d), c)
+
+
+@case("model-bad-field")
+def _(w, c):
+    d = _model_copy(w, "badfield")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["head_dim"] = "abc"
+    (d / "config.json").write_text(json.dumps(cfg))
+    return cli(cal(w, model=d), c)
+
+
+@case("no-command")
+def _(w, c):
+    return cli([], c)
+
+
+@case("info-strict-alone")
+def _(w, c):
+    return cli(["info", str(w.rot), "--strict"], c)
+
+
+@case("eval-rot-unused")
+def _(w, c):
+    return cli(ev(w, "--rotations", str(w.rot)), c)
+
+
+@case("eval-tasks-twice")
+def _(w, c):
+    return cli(ev(w, "--tasks", "ppl,ppl"), c)
 
 
 # ---- eval ------------------------------------------------------------------------------------
@@ -728,3 +805,15 @@ def test_read_prompt_escapes(tmp_path: Path) -> None:
     assert read_prompt("@@x") == "@x"
     assert read_prompt(f"@{f}") == "héllo"
     assert read_prompt("plain @ text") == "plain @ text"
+
+
+def test_the_cache_checks_work_with_autograd_on(world: World) -> None:
+    """The K/V health flags are updated outside autograd: a plain forward (grad mode on) runs."""
+    from oscarkv import OscarCache, load_rotations
+
+    m = _model(world)
+    cache = OscarCache.from_rotations(m, load_rotations(world.rot), backend="torch")
+    ids = torch.randint(0, 2048, (1, 12))
+    m(ids, past_key_values=cache)
+    m(ids[:, :1], past_key_values=cache)
+    assert cache.memory_report()["tokens_hp"] == 13

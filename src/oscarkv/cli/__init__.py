@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", parents=common, help="fit K/V rotations and clip ratios for a causal LM")
     _model_flags(p)
     p.add_argument("--out", required=True, help="output directory for rotations.safetensors")
-    p.add_argument("--data", nargs="*", help="UTF-8 text files, folders or JSONL (default: Python stdlib)")
+    p.add_argument("--data", nargs="+", help="UTF-8 text files, folders or JSONL (default: Python stdlib)")
     p.add_argument("--export-oscar", action="store_true", help="also write OSCAR-format .pt files")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     _overwrite(p)
@@ -142,11 +142,16 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code (0 ok, 2 user error, 130 interrupted)."""
     from ..errors import OscarkvError
 
-    ap = build_parser()
-    args = ap.parse_args(argv)
+    try:
+        ap = build_parser()
+        args = ap.parse_args(argv)
+    except KeyboardInterrupt:
+        print("oscarkv: interrupted", file=sys.stderr)
+        return 130
     if not getattr(args, "command", None):
-        ap.print_help()
-        return 0
+        print("oscarkv: error: a command is required (calibrate, info, eval, generate, demo)", file=sys.stderr)
+        print("  hint: `oscarkv --help` lists the commands", file=sys.stderr)
+        return 2
     with warnings.catch_warnings():
         warnings.showwarning = _print_warnings(args.command)
         try:

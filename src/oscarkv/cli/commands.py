@@ -20,12 +20,13 @@ def cmd_info(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from ..errors import InputError
     from ..rotation import load_rotations
 
+    if args.strict and not args.model_config:
+        raise InputError("--strict compares the artifact with a model: pass --model-config CONFIG.json too")
     cfg = read_json_file(args.model_config, "--model-config") if args.model_config else None
     if cfg is not None and not isinstance(cfg, dict):
-        from ..errors import InputError
-
         raise InputError(f"--model-config {args.model_config}: expected a JSON object (a config.json)")
     rs = load_rotations(args.path, v_path=args.v_path, model_config=cfg, strict=args.strict)
     p, spec = rs.provenance, rs.spec
@@ -82,6 +83,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         check_sources(args.data)
     info, device = check_model(args.model, args.device)
     cfg.check_model_positions(info.max_positions)
+    from ..rotation import model_head_dim
+
+    spec.group_for(model_head_dim(info.config))
     model, tok = load_model(args.model, device, args.dtype, info=info)
     rs = calibrate(model, tok, cfg, spec, data=args.data or None, progress=not args.quiet)
     con = Console()
@@ -134,6 +138,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
             "method 'oscar' needs --rotations DIR (from `oscarkv calibrate`)",
             "pass --rotations, or leave oscar out of --methods",
         )
+    if args.rotations and "oscar" not in cfg.method_list:
+        raise SpecError(
+            f"--rotations is only used by the 'oscar' method, which --methods {cfg.methods} leaves out",
+            "add oscar to --methods, or drop --rotations",
+        )
     out = check_output_dir(args.out, REPORT_FILES, overwrite=args.overwrite)
     info, device = check_model(args.model, args.device)
     cfg.check_model_positions(info.max_positions)
@@ -146,6 +155,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     )
     settings = {
         **dataclasses.asdict(cfg.effective()),
+        "quick": cfg.quick,
         "model": args.model,
         "rotations": args.rotations,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
@@ -177,6 +187,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = read_prompt(args.prompt)
     info, device = check_model(args.model, args.device)
     rots = load_checked_rotations(args.rotations, info.config, args.strict)
+    if info.max_positions and gen.max_new_tokens >= info.max_positions:
+        raise InputError(
+            f"--max-new-tokens {gen.max_new_tokens} leaves no room for a prompt in the model's "
+            f"{info.max_positions} positions",
+            f"pass --max-new-tokens below {info.max_positions}",
+        )
+    from ..kernels import resolve
+
+    resolve(args.backend, device)  # a backend that cannot run here fails before the model loads
     model, tok = load_model(args.model, device, args.dtype, info=info)
     cache = OscarCache.from_rotations(model, rots, backend=args.backend)
     ids = tok(prompt, return_tensors="pt").input_ids.to(next(model.parameters()).device)

@@ -78,6 +78,13 @@ class CalibrationConfig:
             raise field_error(
                 name, "holdout_tokens", "> 0 when clip_search is on (or pass --no-clip-search)", 0
             )
+        if self.clip_per_layer and not (self.clip_search and self.clip_objective in ("nll", "kl")):
+            raise field_error(
+                name,
+                "clip_per_layer",
+                "used only with --clip-search --clip-objective nll|kl (drop --clip-per-layer, or add those)",
+                self.clip_per_layer,
+            )
         if self.rotation_select and self.holdout_tokens < 1:
             raise field_error(
                 name,

@@ -82,6 +82,8 @@ class EvalConfig:
             raise field_error(name, "tasks", "a comma-separated string of tasks", self.tasks, True)
         tasks = [t for t in self.tasks.split(",") if t]
         bad = [t for t in tasks if t not in EVAL_TASKS]
+        if len(set(tasks)) != len(tasks):
+            raise field_error(name, "tasks", "each task at most once", self.tasks, True)
         if bad or not tasks:
             raise field_error(
                 name, "tasks", "a comma-separated subset of " + ",".join(EVAL_TASKS), self.tasks, True

@@ -24,12 +24,14 @@ class KVHealth:
     def __init__(self, device: torch.device):
         self.flags = torch.zeros(2, dtype=torch.float32, device=device)
 
+    @torch.no_grad()
     def note_entry(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Fold ``max |x|`` of the new ``key/value`` in (NaN and Inf propagate)."""
         for x in (key, value):
             m = torch.linalg.vector_norm(x, ord=float("inf"), dtype=torch.float32)
             torch.maximum(self.flags[0], m, out=self.flags[0])
 
+    @torch.no_grad()
     def note_meta(self, *metas: torch.Tensor) -> None:
         """Flag non-finite entries in freshly written ``(scale, zero)`` rows (an fp16 overflow)."""
         for m in metas:

@@ -32,10 +32,11 @@ def load_model(path: str, device: str, dtype: str, info: ModelInfo | None = None
     try:
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, DTYPES[dtype]))
-    except OSError as e:
+    except (OSError, ValueError, RuntimeError) as e:  # corrupt files, mismatched shapes, bad JSON
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise ModelError(
-            f"model {path}: cannot load ({str(e).splitlines()[0][:200]})",
-            "pass a directory with config.json, weights and tokenizer files",
+            f"model {path}: cannot load its weights or tokenizer ({type(e).__name__}: {first})",
+            "the files are truncated, corrupt or do not match config.json; copy the model again",
         ) from None
     if getattr(tok, "vocab_size", 1) in (0, None) or len(tok) == 0:
         raise ModelError(f"model {path}: its tokenizer is empty; the tokenizer files are incomplete")

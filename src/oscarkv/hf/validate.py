@@ -48,17 +48,40 @@ def _load_config(path: str) -> Any:
 
     try:
         return AutoConfig.from_pretrained(path)
-    except (ValueError, KeyError) as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ModelError(
-            f"model {path}: transformers {transformers.__version__} cannot read its config ({first[:200]})",
-            "an unknown model_type needs a newer transformers; otherwise fix config.json",
-        ) from None
     except OSError as e:
         raise ModelError(
             f"model {path}: not a local directory and not loadable as a hub id ({str(e).splitlines()[0][:200]})",
             f"pass {_NEEDS}",
         ) from None
+    except Exception as e:  # unknown model_type, strict config field checks: all mean "bad config"
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ModelError(
+            f"model {path}: transformers {transformers.__version__} cannot read its config ({first[:200]})",
+            "an unknown model_type needs a newer transformers; otherwise fix config.json",
+        ) from None
+
+
+def _check_files(d: Path) -> None:
+    """Headers of the weight files and the tokenizer JSON parse (truncated copies fail here)."""
+    from safetensors import safe_open
+
+    for f in sorted(d.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt"):
+                pass
+        except Exception as e:  # safetensors raises its own types for a bad header or size
+            raise ModelError(
+                f"model {d}: {f.name} is truncated or corrupt ({type(e).__name__}: {str(e).splitlines()[0][:120]})",
+                "copy the model files again",
+            ) from None
+    tj = d / "tokenizer.json"
+    if tj.is_file():
+        try:
+            json.loads(tj.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ModelError(
+                f"model {d}: tokenizer.json is not valid JSON ({e})", "copy the tokenizer files again"
+            ) from None
 
 
 def check_model_source(path: str) -> ModelInfo:
@@ -91,6 +114,7 @@ def check_model_source(path: str) -> ModelInfo:
                 f"model {path}: no weights (no *.safetensors or pytorch_model*.bin; it holds {_listing(p)})",
                 "copy the weights next to config.json",
             )
+        _check_files(p)
         if not any((p / n).is_file() for n in TOKENIZER_FILES):
             raise ModelError(
                 f"model {path}: no tokenizer files (one of {', '.join(TOKENIZER_FILES)})",
@@ -100,7 +124,11 @@ def check_model_source(path: str) -> ModelInfo:
     check_model_config(config, path)
     text = config.get_text_config()
     mp = getattr(text, "max_position_embeddings", None)
-    return ModelInfo(path, config, int(mp) if isinstance(mp, int) and mp > 0 else None)
+    if isinstance(mp, int) and mp < 2:
+        raise ModelError(
+            f"model {path}: config.json says max_position_embeddings {mp}; a causal LM needs >= 2"
+        )
+    return ModelInfo(path, config, mp if isinstance(mp, int) else None)
 
 
 def check_model_config(config: Any, name: str = "model") -> None:
