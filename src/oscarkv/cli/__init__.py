@@ -149,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         print("oscarkv: interrupted", file=sys.stderr)
         return 130
     if not getattr(args, "command", None):
-        print("oscarkv: error: a command is required (calibrate, info, eval, generate, demo)", file=sys.stderr)
+        print(
+            "oscarkv: error: a command is required (calibrate, info, eval, generate, demo)", file=sys.stderr
+        )
         print("  hint: `oscarkv --help` lists the commands", file=sys.stderr)
         return 2
     with warnings.catch_warnings():
