@@ -344,6 +344,25 @@ def _(w, c):
     return cli(cal(w, "--data", str(put(w, "latin1.txt", "café = 1\n".encode("latin-1")))), c)
 
 
+@case("data-empty")
+def _(w, c):
+    return cli(cal(w, "--data", str(put(w, "blank.txt", b"  \n\n"))), c)
+
+
+@case("out-proc")
+def _(w, c):
+    if not Path("/proc").is_dir():
+        pytest.skip("no /proc here")
+    return cli(cal(w, out=Path("/proc/oscarkv-test")), c)
+
+
+@case("out-artifact-is-dir")
+def _(w, c):
+    d = w.root / "odd-out"
+    (d / "rotations.safetensors").mkdir(parents=True, exist_ok=True)
+    return cli(cal(w, out=d), c)
+
+
 @case("data-missing")
 def _(w, c):
     return cli(cal(w, "--data", str(w.root / "missing.txt")), c)

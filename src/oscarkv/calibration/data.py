@@ -214,7 +214,12 @@ def check_sources(sources: Sequence[str | Path] | None) -> list[Path]:
         if path.suffix.lower() == ".jsonl":
             _check_jsonl_head(head, whole, path)
         else:
-            _decode(head if whole else _utf8_head(head), path)
+            text = _decode(head if whole else _utf8_head(head), path)
+            if whole and not text.strip():
+                raise CorpusError(
+                    f"{path}: holds no text (it is empty or only whitespace)",
+                    "pass files with text to --data",
+                )
     return files
 
 
@@ -226,9 +231,11 @@ def _check_jsonl_head(head: bytes, whole: bool, path: Path) -> None:
     for n, raw in enumerate(raw_lines, 1):
         complete = whole or n < len(raw_lines)
         line = _decode(raw if complete else _utf8_head(raw), path, n)
-        if not parsed and complete and line.strip():
+        if complete and line.strip():  # every complete record of the first 64 KiB
             _check_record(_parse_line(line, f"{path}:{n}"), f"{path}:{n}")
             parsed = True
+    if whole and not parsed:
+        raise CorpusError(f"{path}: holds no JSON records", "pass files with text to --data")
 
 
 def _parse_line(line: str, where: str) -> Any:

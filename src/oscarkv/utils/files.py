@@ -60,6 +60,17 @@ def _nearest_existing(p: Path) -> Path:
     return p
 
 
+def _can_create_in(d: Path) -> bool:
+    """Whether a file can be created in ``d`` (tried: permission bits do not tell for root, /proc, ...)."""
+    try:
+        fd, name = tempfile.mkstemp(dir=d, prefix=".oscarkv-probe-")
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(name)
+    return True
+
+
 def check_output_dir(
     path: str | Path, produces: Iterable[str], *, overwrite: bool = False, flag: str = "--out"
 ) -> Path:
@@ -67,7 +78,7 @@ def check_output_dir(
 
     Refuses (:class:`InputError`): an existing file; a directory inside a model directory; an
     unwritable location; and, unless ``overwrite``, a directory already holding any of
-    ``produces`` (other files in it are never touched). Creates nothing. Returns the path.
+    ``produces`` (other files in it are never touched). Leaves nothing behind. Returns the path.
     """
     p = Path(path).expanduser()
     if p.exists() and not p.is_dir():
@@ -83,11 +94,17 @@ def check_output_dir(
             f"pass a directory outside the model, e.g. {flag} {model.name}-oscarkv",
         )
     base = _nearest_existing(p.resolve())
-    if not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
+    if not base.is_dir() or not _can_create_in(base):
         raise InputError(
             f"{flag} {path}: cannot write there ({base} is not a writable directory)",
             "pass a directory you can write to",
         )
+    if p.is_dir():
+        dirs = sorted(n for n in produces if "." in n and (p / n).is_dir())
+        if dirs:
+            raise InputError(
+                f"{flag} {path}: {', '.join(dirs)} there is a directory, not a file this command wrote"
+            )
     if p.is_dir() and not overwrite:
         taken = sorted(n for n in produces if (p / n).exists())
         if taken:
@@ -100,14 +117,14 @@ def check_output_dir(
 
 def check_output_file(path: str | Path, *, overwrite: bool = False, flag: str = "--out") -> Path:
     """Check, before any work, that the file ``path`` may be written: not a directory, not an
-    existing file unless ``overwrite``, in a writable directory. Creates nothing."""
+    existing file unless ``overwrite``, in a writable directory. Leaves nothing behind."""
     p = Path(path).expanduser()
     if p.is_dir():
         raise InputError(f"{flag} {path}: is a directory; expected a file name")
     if p.exists() and not overwrite:
         raise InputError(f"{flag} {path}: already exists", "pass a new file name, or add --overwrite")
     base = _nearest_existing(p.resolve().parent)
-    if not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
+    if not base.is_dir() or not _can_create_in(base):
         raise InputError(f"{flag} {path}: cannot write there ({base} is not a writable directory)")
     return p
 
