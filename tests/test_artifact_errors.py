@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from oscarkv.config import QuantSpec, SpecError
 from oscarkv.errors import ArtifactMismatchWarning, OscarkvError, OscarkvWarning
 from oscarkv.rotation import (
     ARTIFACT_NAME,
@@ -43,7 +44,10 @@ CFG = {
 }
 OTHER_CFG = {**CFG, "rope_theta": 1_000_000.0}  # same shapes, different model
 K_NAME, V_NAME = "k_rotation_qqt_r_h_pbr.pt", "v_rotation_sst_r_h_pbr.pt"
-V_HINT = "pass the V file (--v-path on the command line, v_path= in Python)"
+V_HINT = (
+    "pass a directory holding exactly one k_rotation*.pt and one v_rotation*.pt "
+    "(or v_path= in Python; `oscarkv info` has --v-path)"
+)
 
 
 def _orth(d: int = D) -> torch.Tensor:
@@ -450,3 +454,166 @@ def test_interrupted_oscar_write_keeps_old_file(tmp_path: Path, monkeypatch: pyt
         save_oscar_files(_rs(), tmp_path, overwrite=True)
     assert k.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == [K_NAME, V_NAME]
+
+
+# ---- bad arguments to the artifact API (each a one-line OscarkvError, never a raw exception) -----
+def _one_line(
+    exc: type[OscarkvError], match: str, fn: Callable[..., Any], *args: Any, **kw: Any
+) -> OscarkvError:
+    with pytest.raises(exc, match=match) as ei:
+        fn(*args, **kw)
+    assert "\n" not in str(ei.value) and "\n" not in ei.value.hint
+    return ei.value
+
+
+@pytest.mark.parametrize(
+    ("cfg", "match"),
+    [
+        ({}, "model config lacks head_dim / hidden_size\\+num_attention_heads"),
+        ({"num_hidden_layers": 2}, "model config lacks head_dim"),
+        ({**CFG, "head_dim": "abc"}, "head_dim"),
+        ({**CFG, "head_dim": None, "hidden_size": "x"}, "hidden_size"),
+        ({k: v for k, v in CFG.items() if k != "num_hidden_layers"}, "model config lacks num_hidden_layers"),
+        ({**CFG, "num_hidden_layers": "two"}, "num_hidden_layers"),
+        ({**CFG, "layer_types": 7}, "layer_types"),
+        ("qwen3", "model_config must be a transformers config or a dict; got str"),
+        (5, "model_config must be a transformers config or a dict; got int"),
+        ([CFG], "got list"),
+    ],
+)
+def test_bad_model_config(art: Path, cfg: Any, match: str) -> None:
+    e = _error(match, load_rotations, art, model_config=cfg)
+    assert str(art) in str(e) and e.hint
+    _error(match, _rs().validate, cfg)
+
+
+def test_bad_kv_head_count_in_config(tmp_path: Path) -> None:
+    eig = torch.ones(2, D)
+    layers = {
+        i: LayerRotation(torch.stack([_orth(), _orth()]), torch.stack([_orth(), _orth()]), eig, eig)
+        for i in (0, 1)
+    }
+    rs = RotationSet(layers, granularity="kv_head")
+    _error("num_key_value_heads", rs.validate, {**CFG, "num_key_value_heads": "2"})
+    assert rs.validate({**CFG, "num_key_value_heads": 2}) is rs
+
+
+def test_v_file_is_the_k_file(tmp_path: Path) -> None:
+    k, _ = save_oscar_files(_rs(), tmp_path)
+    e = _error("the V file is the K file", load_rotations, k, v_path=k)
+    assert K_NAME in str(e) and "v_rotation" in e.hint
+    _error("the V file is the K file", load_rotations, tmp_path, v_path=k)
+    (tmp_path / "link.pt").symlink_to(k)
+    _error("the V file is the K file", load_rotations, k, v_path=tmp_path / "link.pt")
+
+
+@pytest.mark.parametrize("kind", ["k_eigenvalues", "v_eigenvalues"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_eigenvalues(tmp_path: Path, kind: str, bad: float) -> None:
+    rs = _rs()
+    getattr(rs.layers[1], kind)[3] = bad
+    match = f"layer 1 {kind[0].upper()} eigenvalues contain NaN or inf"
+    _error(match, rs.validate)
+    _error(match, save_rotations, rs, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    art = save_rotations(_rs(), tmp_path / "art")
+    _load_error(art, match, lambda m, t: t[f"layers.1.{kind[0]}.eigenvalues"].__setitem__(3, bad))
+    k, v = save_oscar_files(_rs(), tmp_path / "oscar")
+    obj = torch.load(k if kind[0] == "k" else v, weights_only=True)
+    obj["layers"][1]["eigenvalues"][3] = bad
+    torch.save(obj, k if kind[0] == "k" else v)
+    _error(match, load_rotations, k)
+
+
+def test_save_refuses_a_model_directory(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    save_file({"w": torch.ones(2)}, str(model / "model.safetensors"))
+    before = sorted(p.name for p in model.rglob("*"))
+    for target in (model, model / "rotations", model / "sub" / "rot.safetensors"):
+        e = _error("inside the model directory", save_rotations, _rs(), target)
+        assert str(model) in str(e) and e.hint
+    assert sorted(p.name for p in model.rglob("*")) == before
+
+
+@pytest.mark.parametrize("name", ["foo.pt", "rot.v2", "rotations.json"])
+def test_save_refuses_a_foreign_suffix(tmp_path: Path, name: str) -> None:
+    e = _error(
+        f"save_rotations writes a directory or a .safetensors file; got {re.escape(name)}",
+        save_rotations, _rs(), tmp_path / name,
+    )  # fmt: skip
+    assert ".safetensors" in e.hint
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_save_keeps_directories(tmp_path: Path) -> None:
+    assert save_rotations(_rs(), tmp_path / "plain") == tmp_path / "plain" / ARTIFACT_NAME
+    (tmp_path / "run.v2").mkdir()
+    assert save_rotations(_rs(), tmp_path / "run.v2") == tmp_path / "run.v2" / ARTIFACT_NAME
+    assert save_rotations(_rs(), tmp_path / "x.safetensors") == tmp_path / "x.safetensors"
+    assert load_rotations(tmp_path / "run.v2").layer_ids == [0, 1]
+
+
+def test_spec_must_be_a_quantspec(art: Path) -> None:
+    e = _one_line(SpecError, "spec must be a QuantSpec; got dict", load_rotations, art, spec={"key_bits": 2})
+    assert "QuantSpec" in e.hint
+    _one_line(SpecError, "spec must be a QuantSpec; got dict", _rs().with_spec, {"key_bits": 2})
+    assert load_rotations(art, spec=QuantSpec(key_bits=2)).spec.key_bits == 2
+    rs = _rs()
+    rs.spec = {"key_bits": 2}
+    _error("spec must be a QuantSpec; found dict", rs.validate)
+
+
+def _layers_bad(kind: str) -> Any:
+    good = _rs().layers
+    return {
+        "list": list(good.values()),
+        "str-key": {"0": good[0]},
+        "neg-key": {-1: good[0]},
+        "tuple": {0: (good[0].k, good[0].v)},
+        "numpy": {
+            0: LayerRotation(good[0].k.numpy(), good[0].v, good[0].k_eigenvalues, good[0].v_eigenvalues)
+        },
+        "scalar": {
+            0: LayerRotation(torch.tensor(1.0), good[0].v, good[0].k_eigenvalues, good[0].v_eigenvalues)
+        },
+    }[kind]
+
+
+@pytest.mark.parametrize(
+    ("kind", "match"),
+    [
+        ("list", "layers must be a dict of layer id -> LayerRotation; found list"),
+        ("str-key", "layer id '0' is not an integer >= 0"),
+        ("neg-key", "layer id -1 is not an integer >= 0"),
+        ("tuple", "layer 0 is not a LayerRotation; found tuple"),
+        ("numpy", "layer 0 k is not a torch.Tensor; found ndarray"),
+        ("scalar", "layer 0 K rotation has the wrong shape"),
+    ],
+)
+def test_validate_checks_types_first(tmp_path: Path, kind: str, match: str) -> None:
+    rs = RotationSet(_layers_bad(kind))
+    _error(match, rs.validate)
+    _error(match, save_rotations, rs, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_empty_set(tmp_path: Path) -> None:
+    rs = RotationSet(layers={})
+    _error("no layers", rs.validate)
+    _error("no layers", lambda: rs.head_dim)
+    _error("no layers", save_rotations, rs, tmp_path / "out")
+    rs = RotationSet(_rs().layers, provenance="me")  # type: ignore[arg-type]
+    _error("provenance must be a Provenance; found str", rs.validate)
+
+
+@pytest.mark.parametrize(
+    ("path", "kind"), [(None, "NoneType"), (5, "int"), (b"rot", "bytes"), (["a"], "list")]
+)
+def test_path_must_be_a_path(tmp_path: Path, path: Any, kind: str) -> None:
+    _error(f"path must be a str or os.PathLike; got {kind}", load_rotations, path)
+    _error(f"path must be a str or os.PathLike; got {kind}", save_rotations, _rs(), path)
+    k, _ = save_oscar_files(_rs(), tmp_path)
+    if path is not None:  # v_path=None means "find it"
+        _error(f"v_path must be a str or os.PathLike; got {kind}", load_rotations, k, v_path=path)

@@ -13,9 +13,11 @@ that is not a rotation artifact; an existing artifact is replaced only with ``ov
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import warnings
 import zipfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ import torch
 
 from ..config import QuantSpec
 from ..errors import OscarkvWarning
+from ..utils.files import enclosing_model_dir
 from .metadata import (
     FORMAT,
     FORMAT_VERSION,
@@ -34,7 +37,7 @@ from .metadata import (
     parse_metadata,
     write_atomic,
 )
-from .rotation_set import LayerRotation, Provenance, RotationFileError, RotationSet, first_line
+from .rotation_set import LayerRotation, Provenance, RotationFileError, RotationSet, check_spec, first_line
 
 __all__ = [
     "ARTIFACT_NAME",
@@ -47,28 +50,46 @@ __all__ = [
 ]
 
 ARTIFACT_NAME = "rotations.safetensors"
-V_FILE_HINT = "pass the V file (--v-path on the command line, v_path= in Python)"
+SAVE_FIX = f"pass a directory (the artifact goes in it as {ARTIFACT_NAME}) or a path ending in .safetensors"
+OUTSIDE_MODEL_FIX = (
+    "write rotations outside the model directory (e.g. next to it); model files stay untouched"
+)
+V_FILE_HINT = (
+    "pass a directory holding exactly one k_rotation*.pt and one v_rotation*.pt "
+    "(or v_path= in Python; `oscarkv info` has --v-path)"
+)
 
 
 # ---- our format ---------------------------------------------------------------------------
+def _as_path(p: object, what: str, fn: str) -> Path:
+    if isinstance(p, str | os.PathLike) and isinstance(os.fspath(p), str):
+        return Path(p)
+    fix = "pass a path such as 'rotations/' or Path('rotations.safetensors')"
+    raise RotationFileError(fn, f"{what} must be a str or os.PathLike; got {type(p).__name__}", fix=fix)
+
+
 def save_rotations(rs: RotationSet, path: str | Path, *, overwrite: bool = False) -> Path:
     """Write ``rs`` to ``path`` (a directory, or a ``.safetensors`` file); returns the file.
 
     The write is atomic. An existing file is refused unless ``overwrite``, and even then only an
-    oscarkv artifact is replaced (never, say, a model's ``model.safetensors``).
+    oscarkv artifact is replaced (never, say, a model's ``model.safetensors``); a path inside a
+    model directory or with a suffix other than ``.safetensors`` (unless a directory) is refused.
     """
     from safetensors.torch import save
 
+    path = _as_path(path, "path", "save_rotations")
     rs.validate(source="RotationSet being saved")
-    path = Path(path)
-    if path.suffix != ".safetensors" and path.exists() and not path.is_dir():
-        raise RotationFileError(
-            str(path),
-            "is an existing file; expected a directory or a .safetensors path",
-            fix=f"pass a directory (the artifact goes in it as {ARTIFACT_NAME}) or a new .safetensors path",
-        )
+    if path.suffix != ".safetensors" and not path.is_dir():
+        err = partial(RotationFileError, str(path), fix=SAVE_FIX)
+        if path.exists():
+            raise err("is an existing file; expected a directory or a .safetensors path")
+        if path.suffix:
+            raise err(f"save_rotations writes a directory or a .safetensors file; got {path.name}")
     file = path if path.suffix == ".safetensors" else path / ARTIFACT_NAME
     guard_target(file, overwrite, not_an_artifact)
+    if (model := enclosing_model_dir(file)) is not None:
+        inside = f"it lies inside the model directory {model}"
+        raise RotationFileError(f"refusing to write {file}", inside, fix=OUTSIDE_MODEL_FIX)
     data = save(artifact_tensors(rs), metadata={"oscarkv": json.dumps(build_metadata(rs))})
     write_atomic(file, lambda f: f.write(data))
     return file
@@ -100,11 +121,8 @@ def _load_ours(file: Path) -> tuple[RotationSet, str]:
 def _torch_load_plain(file: Path) -> Any:
     src = check_readable(file)
     if not zipfile.is_zipfile(file):
-        raise RotationFileError(
-            src,
-            "not a torch.save zip archive (truncated or corrupt)",
-            fix="download or export the file again",
-        )
+        bad = "not a torch.save zip archive (truncated or corrupt)"
+        raise RotationFileError(src, bad, fix="download or export the file again")
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -114,12 +132,8 @@ def _torch_load_plain(file: Path) -> Any:
             fix="only load rotation files from sources you trust; OSCAR files never need this",
         ) from e
     except Exception as e:
-        raise RotationFileError(
-            src,
-            "cannot read torch file (truncated or corrupt)",
-            found=first_line(e),
-            fix="download or export it again",
-        ) from e
+        bad = "cannot read torch file (truncated or corrupt)"
+        raise RotationFileError(src, bad, found=first_line(e), fix="download or export it again") from e
 
 
 def _oscar_layers(obj: Any, src: str) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -166,6 +180,10 @@ def _not_oscar(file: Path) -> str | None:
 def load_oscar_files(k_file: str | Path, v_file: str | Path, spec: QuantSpec | None = None) -> RotationSet:
     """Read an OSCAR ``k_rotation_*.pt`` / ``v_rotation_*.pt`` pair into a :class:`RotationSet`."""
     k_file, v_file = Path(k_file), Path(v_file)
+    check_readable(k_file), check_readable(v_file)
+    if os.path.samefile(k_file, v_file):
+        same = "the V file is the K file"
+        raise RotationFileError(f"{k_file} + {v_file}", same, "a separate v_rotation*.pt", fix=V_FILE_HINT)
     k_obj, v_obj = _torch_load_plain(k_file), _torch_load_plain(v_file)
     k, v = _oscar_layers(k_obj, str(k_file)), _oscar_layers(v_obj, str(v_file))
     if sorted(k) != sorted(v):
@@ -238,12 +256,9 @@ def save_oscar_files(
 def _pick(dir_: Path, pattern: str) -> Path | None:
     found = sorted(dir_.glob(pattern))
     if len(found) > 1:
+        names = ", ".join(p.name for p in found)
         raise RotationFileError(
-            str(dir_),
-            f"several files match {pattern}",
-            "exactly one",
-            ", ".join(p.name for p in found),
-            f"pass the K file as the path and {V_FILE_HINT}",
+            str(dir_), f"several files match {pattern}", "exactly one", names, V_FILE_HINT
         )
     return found[0] if found else None
 
@@ -272,7 +287,10 @@ def load_rotations(
     Warns:
         OscarkvWarning: the artifact holds metadata keys or tensors this version does not know.
     """
-    path = Path(path)
+    path = _as_path(path, "path", "load_rotations")
+    v_path = None if v_path is None else _as_path(v_path, "v_path", "load_rotations")
+    if spec is not None:
+        check_spec(spec)
     note = ""
     if not path.exists():
         raise RotationFileError(str(path), "no such file or directory")
@@ -302,11 +320,9 @@ def load_rotations(
             )  # fmt: skip
         rs, src = load_oscar_files(path, v, spec), f"{path} + {v}"
     else:
+        kind = path.suffix or "no suffix"
         raise RotationFileError(
-            str(path),
-            "unknown rotation file type",
-            "a directory, .safetensors or .pt",
-            path.suffix or "no suffix",
+            str(path), "unknown rotation file type", "a directory, .safetensors or .pt", kind
         )
     if note:
         warnings.warn(note, OscarkvWarning, stacklevel=2)

@@ -8,12 +8,15 @@ import json
 import math
 import numbers
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from ..config import QuantSpec
+from ..config import QuantSpec, SpecError
 from ..errors import ArtifactMismatchWarning, OscarkvError
 
 __all__ = [
@@ -24,6 +27,7 @@ __all__ = [
     "RotationFileError",
     "RotationSet",
     "attention_layer_ids",
+    "check_spec",
     "config_fingerprint",
     "model_head_dim",
 ]
@@ -45,69 +49,99 @@ def first_line(e: BaseException) -> str:
 
 
 class RotationFileError(OscarkvError):
-    """A rotation artifact is unreadable or inconsistent.
-
-    ``str(e)`` is one line: ``"{source}: {problem}; expected {expected}; found {found}"``;
-    ``e.hint`` holds ``fix`` (the next step), also one line.
-    """
+    """A rotation artifact (or set, or its model config) is unreadable or inconsistent. ``str(e)``
+    is ``"{source}: {problem}; expected {expected}; found {found}"``, ``e.hint`` the ``fix``."""
 
     def __init__(self, source: str, problem: str, expected: str = "", found: str = "", fix: str = ""):
-        parts = [f"{source}: {problem}"]
-        if expected:
-            parts.append(f"expected {expected}")
-        if found:
-            parts.append(f"found {found}")
+        parts = [f"{source}: {problem}"] + [
+            f"{w} {x}" for w, x in (("expected", expected), ("found", found)) if x
+        ]
         super().__init__(one_line("; ".join(parts)), one_line(fix))
 
 
 def valid_clip(c: object) -> bool:
     """Whether ``c`` is a usable per-layer clip: ``None`` or a finite real number in [0, 1]."""
-    if c is None:
-        return True
-    if isinstance(c, bool) or not isinstance(c, numbers.Real):
-        return False
+    if c is None or isinstance(c, bool) or not isinstance(c, numbers.Real):
+        return c is None
     return math.isfinite(float(c)) and 0.0 <= float(c) <= 1.0
 
 
-def _text_config(config: Any) -> Any:
-    if isinstance(config, dict):
-        from types import SimpleNamespace
+CONFIG_HINT = "pass model.config (or AutoConfig.from_pretrained(model_dir)), or config.json as a dict"
+SAME_MODEL = "use rotations calibrated for this model"
+RERUN = "re-run calibration"
+SHAPE_FIX = "every layer must be square with the same head dim"
+ORTHO_WANT = f"max|RᵀR − I| < {ORTHO_TOL:g}"
+CLIP_RANGE = "None or a finite number in [0, 1]"
+ORTHO_FIX = "the file is not a rotation (or was saved in low precision)"
+CLIP_FIX = "per-layer clips override the spec's; use None to keep the spec's"
+BUILD_FIX = "build RotationSet({layer_id: LayerRotation(k, v, k_eigenvalues, v_eigenvalues)}, QuantSpec(...))"
 
-        config = SimpleNamespace(**config)
+
+def _kind(x: object) -> str:
+    return type(x).__name__
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _text_config(config: Any, source: str = "model_config") -> Any:
+    if isinstance(config, dict):
+        return SimpleNamespace(**{str(k): v for k, v in config.items()})
+    if not hasattr(config, "__dict__"):  # str, int, list, None...: not a config object
+        got = f"model_config must be a transformers config or a dict; got {_kind(config)}"
+        raise RotationFileError(source, got, fix=CONFIG_HINT)
     get = getattr(config, "get_text_config", None)
     return get() if callable(get) else config
 
 
-def model_head_dim(config: Any) -> int:
-    """Attention head dim of a transformers config (or a plain dict)."""
-    c = _text_config(config)
-    hd = getattr(c, "head_dim", None)
-    return int(hd) if hd else int(c.hidden_size // c.num_attention_heads)
+def _config_int(c: Any, name: str, source: str, need: bool = True) -> int | None:
+    """Positive integer field ``name`` of config ``c`` (``None`` if absent and not ``need``)."""
+    v, err = getattr(c, name, None), partial(RotationFileError, source, fix=CONFIG_HINT)
+    if v is None and need:
+        raise err(f"model config lacks {name}")
+    if v is not None and (not _is_int(v) or v <= 0):
+        raise err(f"model config field {name} is invalid", "a positive integer", repr(v)[:60])
+    return None if v is None else int(v)
 
 
-def attention_layer_ids(config: Any) -> list[int]:
+def model_head_dim(config: Any, source: str = "model_config") -> int:
+    """Attention head dim of a transformers config (or a plain dict); :class:`RotationFileError`
+    naming ``source`` if ``config`` is not a config or lacks the fields."""
+    c = _text_config(config, source)
+    names = ("head_dim", "hidden_size", "num_attention_heads")
+    hd, hidden, heads = (_config_int(c, n, source, need=False) for n in names)
+    if hd is None and (hidden is None or heads is None):
+        need = "model config lacks head_dim / hidden_size+num_attention_heads"
+        raise RotationFileError(source, need, fix=CONFIG_HINT)
+    return hd or hidden // heads
+
+
+def attention_layer_ids(config: Any, source: str = "model_config") -> list[int]:
     """Global ids of the softmax-attention layers (linear-attention layers of hybrids excluded)."""
-    c = _text_config(config)
+    c = _text_config(config, source)
     types = getattr(c, "layer_types", None)
+    if types is not None and not (isinstance(types, list | tuple) and all(isinstance(t, str) for t in types)):
+        bad = "model config field layer_types is invalid"
+        raise RotationFileError(source, bad, "a list of str", repr(types)[:60], CONFIG_HINT)
     if types:
         return [i for i, t in enumerate(types) if "attention" in t and "linear" not in t]
-    return list(range(int(c.num_hidden_layers)))
+    return list(range(_config_int(c, "num_hidden_layers", source)))
+
+
+def check_spec(spec: object) -> QuantSpec:
+    """``spec`` if it is a :class:`QuantSpec`, else a :class:`SpecError` naming its type."""
+    if not isinstance(spec, QuantSpec):
+        fix = "build one with QuantSpec(key_bits=..., ...) or QuantSpec.from_dict(d)"
+        raise SpecError(f"spec must be a QuantSpec; got {_kind(spec)}", fix)
+    return spec
 
 
 def config_fingerprint(config: Any) -> str:
     """Short hash of the config fields a rotation depends on (shapes, RoPE, layer types)."""
     c = _text_config(config)
-    keys = (
-        "model_type",
-        "hidden_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "rope_theta",
-        "rope_parameters",
-        "layer_types",
-    )
+    keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+    keys += ("head_dim", "rope_theta", "rope_parameters", "layer_types")
     d = {k: getattr(c, k, None) for k in keys}
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -152,113 +186,99 @@ class RotationSet:
     def layer_ids(self) -> list[int]:
         return sorted(self.layers)
 
+    def _first(self) -> LayerRotation:
+        if not self.layers:
+            raise RotationFileError("<RotationSet>", "no layers", "at least one layer", "none")
+        return self.layers[self.layer_ids[0]]
+
     @property
     def head_dim(self) -> int:
-        return int(self.layers[self.layer_ids[0]].k.shape[-1])
+        return int(self._first().k.shape[-1])
 
     @property
     def num_kv_heads(self) -> int | None:
         """KV heads per layer for ``kv_head`` granularity, ``None`` for shared per-layer matrices."""
         if self.granularity != "kv_head":
             return None
-        return int(self.layers[self.layer_ids[0]].k.shape[0])
+        return int(self._first().k.shape[0])
 
     def clips(self, layer: int) -> tuple[float, float]:
         """``(k_clip, v_clip)`` used for ``layer`` (per-layer override or the spec's)."""
         lr = self.layers[layer]
-        k = self.spec.k_clip if lr.k_clip is None else lr.k_clip
-        v = self.spec.v_clip if lr.v_clip is None else lr.v_clip
-        return k, v
+        return (
+            self.spec.k_clip if lr.k_clip is None else lr.k_clip,
+            self.spec.v_clip if lr.v_clip is None else lr.v_clip,
+        )
 
     def orthogonality_errors(self) -> dict[int, float]:
         """Per layer: max over K, V (and heads) of ``max |RᵀR − I|``, computed in float64."""
-        out = {}
-        for i, lr in self.layers.items():
-            errs = [_ortho_error(r) for r in (lr.k, lr.v)]
-            out[i] = max(errs)
-        return out
+        return {i: max(_ortho_error(lr.k), _ortho_error(lr.v)) for i, lr in self.layers.items()}
 
     def with_spec(self, spec: QuantSpec) -> RotationSet:
-        return dataclasses.replace(self, spec=spec)
+        return dataclasses.replace(self, spec=check_spec(spec))
 
     # ---- validation -------------------------------------------------------------------------
     def validate(
         self, model_config: Any = None, source: str = "<RotationSet>", strict: bool = False
     ) -> RotationSet:
-        """Check shapes, finiteness, orthogonality, clips and (given a config) head dim, coverage
-        and the recorded model fingerprint.
-
-        Raises :class:`RotationFileError` naming ``source``, what was expected and what was found.
-        A ``provenance.config_hash`` that differs from ``config_fingerprint(model_config)`` gives
-        an :class:`ArtifactMismatchWarning`, or a :class:`RotationFileError` when ``strict``.
-        """
+        """Check types, shapes, finiteness, orthogonality, clips and (given a config) head dim,
+        coverage and recorded model fingerprint; a :class:`RotationFileError` names ``source``,
+        what was expected and what was found. A ``provenance.config_hash`` other than the config's
+        warns (:class:`ArtifactMismatchWarning`), or raises when ``strict``."""
         return self._validate(model_config, source, strict, stacklevel=4)
 
     def _validate(self, model_config: Any, source: str, strict: bool, stacklevel: int) -> RotationSet:
         """:meth:`validate`; ``stacklevel`` places the mismatch warning (4: our caller's caller)."""
+        err = partial(RotationFileError, source)
+        self._check_types(err)
         if self.granularity not in GRANULARITIES:
-            raise RotationFileError(
-                source, "unknown granularity", " or ".join(GRANULARITIES), repr(self.granularity)
-            )
-        if not self.layers:
-            raise RotationFileError(source, "no layers", "at least one layer", "none")
-        d = self.head_dim
-        want_rank = 2 if self.granularity == "layer" else 3
-        heads = self.layers[self.layer_ids[0]].k.shape[0] if want_rank == 3 else None
+            raise err("unknown granularity", " or ".join(GRANULARITIES), repr(self.granularity))
+        d, heads = self.head_dim, (self._first().k.shape[0] if self.granularity == "kv_head" else None)
+        want = [d, d] if heads is None else [heads, d, d]
         for i in self.layer_ids:
             lr = self.layers[i]
             for name, r, lam in (("K", lr.k, lr.k_eigenvalues), ("V", lr.v, lr.v_eigenvalues)):
                 where = f"layer {i} {name} rotation"
-                shape = tuple(r.shape)
-                ok = r.dim() == want_rank and shape[-2:] == (d, d)
-                if ok and want_rank == 3:
-                    ok = shape[0] == heads
-                if not ok:
-                    exp = f"[{d}, {d}]" if want_rank == 2 else f"[{heads}, {d}, {d}]"
-                    raise RotationFileError(
-                        source,
-                        f"{where} has the wrong shape",
-                        exp,
-                        str(shape),
-                        "every layer must be square with the same head dim",
-                    )
-                if tuple(lam.shape) != shape[:-1]:
-                    raise RotationFileError(
-                        source,
-                        f"layer {i} {name} eigenvalues have the wrong shape",
-                        str(list(shape[:-1])),
-                        str(tuple(lam.shape)),
-                    )
-                if not torch.isfinite(r).all():
-                    raise RotationFileError(
-                        source,
-                        f"{where} contains NaN or inf",
-                        "finite values",
-                        "non-finite entries",
-                        "re-run calibration",
-                    )
-                err = _ortho_error(r)
-                if not err < ORTHO_TOL:
-                    raise RotationFileError(
-                        source,
-                        f"{where} is not orthogonal",
-                        f"max|RᵀR − I| < {ORTHO_TOL:g}",
-                        f"{err:.3g}",
-                        "the file is not a rotation (or was saved in low precision)",
-                    )
+                if list(r.shape) != want:
+                    raise err(f"{where} has the wrong shape", str(want), str(tuple(r.shape)), SHAPE_FIX)
+                if list(lam.shape) != want[:-1]:
+                    bad = f"layer {i} {name} eigenvalues have the wrong shape"
+                    raise err(bad, str(want[:-1]), str(tuple(lam.shape)))
+                for what, t in ((f"{where} contains", r), (f"layer {i} {name} eigenvalues contain", lam)):
+                    if not torch.isfinite(t).all():
+                        raise err(f"{what} NaN or inf", "finite values", "non-finite entries", RERUN)
+                if not (e := _ortho_error(r)) < ORTHO_TOL:
+                    raise err(f"{where} is not orthogonal", ORTHO_WANT, f"{e:.3g}", ORTHO_FIX)
             for name, c in (("k_clip", lr.k_clip), ("v_clip", lr.v_clip)):
                 if not valid_clip(c):
-                    raise RotationFileError(
-                        source,
-                        f"layer {i} {name} is invalid",
-                        "None or a finite number in [0, 1]",
-                        repr(c),
-                        "per-layer clips override the spec's; use None to keep the spec's",
-                    )
+                    raise err(f"layer {i} {name} is invalid", CLIP_RANGE, repr(c), CLIP_FIX)
         if model_config is not None:
             self._check_model(model_config, source)
             self._check_fingerprint(model_config, source, strict, stacklevel)
         return self
+
+    def _check_types(self, err: Callable[..., RotationFileError]) -> None:
+        """Python types first, so that a malformed set fails with a message, not an IndexError."""
+        for want, x, name in ((dict, self.layers, "layers"), (QuantSpec, self.spec, "spec")):
+            if not isinstance(x, want):
+                what = "a dict of layer id -> LayerRotation" if want is dict else "a QuantSpec"
+                raise err(f"{name} must be {what}", found=_kind(x), fix=BUILD_FIX)
+        if not isinstance(self.provenance, Provenance):
+            raise err("provenance must be a Provenance", found=_kind(self.provenance), fix=BUILD_FIX)
+        if not self.layers:
+            raise err("no layers", "at least one layer", "none")
+        for i, lr in self.layers.items():
+            if not _is_int(i) or i < 0:
+                raise err(f"layer id {i!r} is not an integer >= 0", fix=BUILD_FIX)
+            if not isinstance(lr, LayerRotation):
+                raise err(f"layer {i} is not a LayerRotation", found=_kind(lr), fix=BUILD_FIX)
+            for name in ("k", "v", "k_eigenvalues", "v_eigenvalues"):
+                t = getattr(lr, name)
+                if not isinstance(t, torch.Tensor):
+                    raise err(f"layer {i} {name} is not a torch.Tensor", found=_kind(t), fix=BUILD_FIX)
+                if name in ("k", "v") and t.dim() < 2:
+                    bad = f"layer {i} {name.upper()} rotation has the wrong shape"
+                    raise err(bad, "[d, d] or [H_kv, d, d]", str(tuple(t.shape)), SHAPE_FIX)
 
     def _check_fingerprint(self, config: Any, source: str, strict: bool, stacklevel: int) -> None:
         recorded = self.provenance.config_hash
@@ -287,37 +307,25 @@ class RotationSet:
         )
 
     def _check_model(self, config: Any, source: str) -> None:
-        hd = model_head_dim(config)
+        err = partial(RotationFileError, source, fix=SAME_MODEL)
+        hd = model_head_dim(config, source)
         if hd != self.head_dim:
-            raise RotationFileError(
-                source,
-                "head_dim does not match the model",
-                f"{hd} (model)",
-                f"{self.head_dim} (rotations)",
-                "use rotations calibrated for this model",
-            )
-        want = attention_layer_ids(config)
+            raise err("head_dim does not match the model", f"{hd} (model)", f"{self.head_dim} (rotations)")
+        want = attention_layer_ids(config, source)
         missing = [i for i in want if i not in self.layers]
         extra = [i for i in self.layer_ids if i not in want]
         if missing or extra:
-            raise RotationFileError(
-                source,
+            raise err(
                 "layer ids do not match the model's attention layers",
                 f"{len(want)} layers {want}",
                 f"{len(self.layers)} layers {self.layer_ids}"
                 + (f" (missing {missing})" if missing else "")
                 + (f" (extra {extra})" if extra else ""),
-                "use rotations calibrated for this model",
             )
         if self.granularity == "kv_head":
-            kv = int(_text_config(config).num_key_value_heads)
+            kv = _config_int(_text_config(config, source), "num_key_value_heads", source)
             if kv != self.num_kv_heads:
-                raise RotationFileError(
-                    source,
-                    "KV head count does not match the model",
-                    f"{kv}",
-                    f"{self.num_kv_heads}",
-                )
+                raise err("KV head count does not match the model", f"{kv}", f"{self.num_kv_heads}")
 
 
 def _ortho_error(r: torch.Tensor) -> float:
