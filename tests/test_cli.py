@@ -30,7 +30,7 @@ def test_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
 def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert err[0] == "oscarkv: error: a command is required (calibrate, info, eval, generate, demo)"
+    assert err[0] == "oscarkv: error: a command is required (calibrate, info, eval, generate, serve, demo)"
     assert len(err) == 2 and "--help" in err[1]
 
 

@@ -1,4 +1,4 @@
-"""Command-line front end: ``oscarkv calibrate | info | eval | generate | demo``.
+"""Command-line front end: ``oscarkv calibrate | info | eval | generate | serve | demo``.
 
 Flags come from the frozen config dataclasses. A user error (any
 :class:`~oscarkv.errors.OscarkvError`) prints one ``oscarkv CMD: error: …`` line, an optional
@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(p, EngineConfig, "engine (with --engine)", skip=ENGINE_SKIP)
     p.set_defaults(func=c.cmd_generate)
 
+    from .serve_cmd import add_serve_parser
+
+    add_serve_parser(sub, common)
+
     p = sub.add_parser(
         "demo",
         parents=common,
@@ -150,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     if not getattr(args, "command", None):
         print(
-            "oscarkv: error: a command is required (calibrate, info, eval, generate, demo)", file=sys.stderr
+            "oscarkv: error: a command is required (calibrate, info, eval, generate, serve, demo)",
+            file=sys.stderr,
         )
         print("  hint: `oscarkv --help` lists the commands", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ from .base import SpecError, field_error, packed_bytes
 from .calibration import CLIP_GRID_K, CLIP_GRID_V, CalibrationConfig
 from .engine import EngineConfig
 from .run import ALL_EVAL_METHODS, EVAL_TASKS, EvalConfig, GenerateConfig
+from .server import ServerConfig
 from .spec import MAX_DEMOTE_BLOCK, MAX_GROUP_SIZE, MAX_WINDOW_TOKENS, META_DTYPE_BYTES, QuantSpec
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "EvalConfig",
     "GenerateConfig",
     "QuantSpec",
+    "ServerConfig",
     "SpecError",
     "field_error",
     "packed_bytes",

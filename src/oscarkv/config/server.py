@@ -1,0 +1,65 @@
+"""`ServerConfig`: how `oscarkv serve` listens, authenticates and limits requests (engine.md §6)."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+from .base import SpecError, field_error, help_field, is_int
+
+__all__ = ["ServerConfig", "is_loopback"]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` only listens on this machine (``localhost`` or a loopback address)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP server's knobs; the engine's are in :class:`~oscarkv.config.EngineConfig`."""
+
+    host: str = help_field("address to listen on (non-loopback needs --api-key-file)", default="127.0.0.1")
+    port: int = help_field("TCP port (0: any free port)", default=8000)
+    api_key_file: str | None = help_field(
+        "file holding the API key; clients send 'Authorization: Bearer KEY' on /v1/*", default=None
+    )
+    served_model_name: str | None = help_field(
+        "model name in /v1/models and responses (default: the model directory's name)", default=None
+    )
+    chat_template: str | None = help_field(
+        "jinja2 chat template file (overrides the tokenizer's)", default=None
+    )
+    max_queued: int = help_field("most requests waiting or running; more get 503", default=1024)
+    max_body_bytes: int = help_field("largest request body in bytes; larger get 413", default=1_000_000)
+    insecure_no_api_key: bool = help_field(
+        "allow a non-loopback --host without --api-key-file (anyone who can connect may use it)",
+        default=False,
+    )
+
+    def __post_init__(self) -> None:
+        n = type(self).__name__
+        if not isinstance(self.host, str) or not self.host:
+            raise field_error(n, "host", "a host name or IP address", self.host, True)
+        if not is_int(self.port) or not 0 <= self.port <= 65535:
+            raise field_error(n, "port", "an integer in [0, 65535]", self.port, True)
+        for name in ("api_key_file", "served_model_name", "chat_template"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise field_error(n, name, "unset or a non-empty string", v, True)
+        for name in ("max_queued", "max_body_bytes"):
+            v = getattr(self, name)
+            if not is_int(v) or v < 1:
+                raise field_error(n, name, "an integer >= 1", v, True)
+        if not isinstance(self.insecure_no_api_key, bool):
+            raise field_error(n, "insecure_no_api_key", "a bool", self.insecure_no_api_key)
+        if not is_loopback(self.host) and self.api_key_file is None and not self.insecure_no_api_key:
+            raise SpecError(
+                f"ServerConfig.host {self.host!r} is not loopback and no --api-key-file is set",
+                "pass --api-key-file FILE, or --insecure-no-api-key to serve without authentication",
+            )

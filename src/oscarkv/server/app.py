@@ -1,0 +1,296 @@
+"""`create_app`: the OpenAI-compatible routes over an :class:`AsyncEngine` (engine.md §6)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..config.base import SpecError
+from ..config.server import ServerConfig
+from ..engine.request import RequestOutput, SamplingParams
+from ..errors import InputError, OscarkvError
+from ..utils.files import read_text
+from .async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from .protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    Usage,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    error_body,
+    new_id,
+    sampling_params,
+    spec_param,
+)
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("oscarkv.server")
+DISCONNECT_POLL_S = 0.25
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+def _read_key(path: str) -> bytes:
+    key = read_text(path, "--api-key-file").strip()
+    if not key:
+        raise InputError(f"--api-key-file {path} is empty", "write the API key into the file")
+    return key.encode()
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    """The JSON body; 413 before reading past ``limit`` bytes, 422 when it is not JSON."""
+    cl = request.headers.get("content-length")
+    if cl is not None and (not cl.isdigit() or int(cl) > limit):
+        raise ApiError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > limit:
+            raise ApiError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
+    try:
+        return json.loads(buf)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(422, f"the request body is not valid JSON ({e})", code="invalid_json") from None
+
+
+def _parse(cls: type[BaseModel], body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise ApiError(422, "the request body must be a JSON object", code="invalid_json")
+    try:
+        req = cls.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise ApiError(400, f"{loc}: {err['msg']}", str(err["loc"][0]) if err["loc"] else None) from None
+    bad = req.unsupported()
+    if bad is not None:
+        raise bad
+    return req
+
+
+async def _until_disconnected(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def create_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Any | None = None) -> FastAPI:
+    """The FastAPI app; it starts ``engine``'s thread on startup and stops it on shutdown."""
+    if metrics is None:
+        from .metrics import ServerMetrics
+
+        metrics = ServerMetrics()
+    model_name = cfg.served_model_name or Path(engine.engine.cfg.model).name or "oscarkv"
+    template = read_text(cfg.chat_template, "--chat-template") if cfg.chat_template else None
+    api_key = _read_key(cfg.api_key_file) if cfg.api_key_file else None
+    max_len = int(engine.engine.runner.max_model_len)
+
+    def observe(out: RequestOutput) -> None:
+        n = len(out.token_ids)
+        tpot = None
+        if n > 1 and out.ttft_s is not None and out.e2e_s is not None:
+            tpot = (out.e2e_s - out.ttft_s) / (n - 1)
+        try:
+            metrics.observe_finished(
+                prompt_tokens=len(out.prompt_token_ids), completion_tokens=n,
+                cached_tokens=out.num_cached_tokens, finish_reason=out.finish_reason or "abort",
+                ttft_s=out.ttft_s, tpot_s=tpot, e2e_s=out.e2e_s or 0.0,
+            )  # fmt: skip
+        except Exception:  # metrics never break serving
+            log.exception("metrics.observe_finished failed")
+
+    engine.on_finished = observe
+    watchers: set[asyncio.Task] = set()  # strong references to the disconnect watchers
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if engine._thread is None:
+            engine.start(asyncio.get_running_loop())
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="oscarkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.async_engine, app.state.metrics, app.state.model_name = engine, metrics, model_name
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+        return _error(e.status, e.message, e.param, e.code)
+
+    @app.exception_handler(OscarkvError)
+    async def _user_error(request: Request, e: OscarkvError) -> JSONResponse:
+        if isinstance(e, (QueueFullError, EngineDeadError)):
+            return _error(503, str(e), code="unavailable")
+        param = (
+            spec_param(str(e)) if isinstance(e, SpecError) else getattr(request.state, "prompt_param", None)
+        )
+        return _error(400, str(e), param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return _error(e.status_code, str(e.detail))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
+        return _error(400, str(e.errors()[:1]))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        log.exception("internal error on %s", request.url.path)
+        return _error(500, "internal server error", code="internal_error")
+
+    def check_auth(request: Request) -> None:
+        if api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key):
+            raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                           code="invalid_api_key")  # fmt: skip
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
+                           "model", "model_not_found")  # fmt: skip
+
+    async def run(request: Request, req: Any, ids: list[int], params: SamplingParams, chat: bool) -> Response:
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        q = await engine.add(ids, params, rid)
+        outs = engine.stream(rid, q)
+        if req.stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            body = _stream(rid, outs, chat, usage)
+            watcher = asyncio.ensure_future(_abort_on_disconnect(request, rid))  # also if never iterated
+            watchers.add(watcher)
+            watcher.add_done_callback(watchers.discard)
+            return StreamingResponse(body, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+        return await _complete(request, rid, outs, chat)
+
+    async def _complete(
+        request: Request, rid: str, outs: AsyncIterator[RequestOutput], chat: bool
+    ) -> Response:
+        async def last() -> RequestOutput:
+            out = None
+            async for out in outs:  # noqa: B007
+                pass
+            assert out is not None
+            return out
+
+        task = asyncio.ensure_future(last())
+        watch = asyncio.ensure_future(_until_disconnected(request))
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()  # the stream's `finally` aborts the request
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return Response(status_code=499)
+        watch.cancel()
+        out = task.result()
+        usage = Usage.of(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)
+        make = chat_response if chat else completion_response
+        return JSONResponse(make(rid, model_name, out.text, out.finish_reason, usage))
+
+    async def _abort_on_disconnect(request: Request, rid: str) -> None:
+        while engine.is_live(rid):
+            if await request.is_disconnected():
+                engine.abort(rid)
+                return
+            await asyncio.sleep(DISCONNECT_POLL_S)
+
+    async def _stream(
+        rid: str, outs: AsyncIterator[RequestOutput], chat: bool, with_usage: bool
+    ) -> AsyncIterator[str]:
+        created, sent = int(time.time()), 0
+
+        def chunk(text: str | None, finish: str | None, usage: Usage | None = None) -> str:
+            if chat:
+                delta = None if text is None else ({"content": text} if text or not finish else {})
+                return _sse(chat_chunk(rid, model_name, created, delta, finish, usage, with_usage))
+            return _sse(completion_chunk(rid, model_name, created, text, finish, usage, with_usage))
+
+        try:
+            if chat:
+                first = chat_chunk(rid, model_name, created, {"role": "assistant", "content": ""}, None, None,
+                                   with_usage)  # fmt: skip
+                yield _sse(first)
+            async for out in outs:
+                delta, sent = out.text[sent:], len(out.text)
+                finish = out.finish_reason if out.finished else None
+                if delta or finish:
+                    yield chunk(delta, finish)
+                if out.finished and with_usage:
+                    n_p, n_o = len(out.prompt_token_ids), len(out.token_ids)
+                    yield chunk(None, None, Usage.of(n_p, n_o, out.num_cached_tokens))
+            yield "data: [DONE]\n\n"
+        except OscarkvError as e:
+            yield _sse(error_body(503, str(e), code="unavailable"))
+        finally:
+            await outs.aclose()  # type: ignore[attr-defined]
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        check_auth(request)
+        req = _parse(CompletionRequest, await _read_json(request, cfg.max_body_bytes))
+        check_model(req.model)
+        request.state.prompt_param = "prompt"
+        ids = await engine.encode(req.prompt)
+        params = sampling_params(req, len(ids), req.max_tokens, "completion", max_len)
+        return await run(request, req, ids, params, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        check_auth(request)
+        req = _parse(ChatRequest, await _read_json(request, cfg.max_body_bytes))
+        check_model(req.model)
+        request.state.prompt_param = "messages"
+        tok = engine.engine.tokenizer
+        if template is None and not getattr(tok, "chat_template", None):
+            raise ApiError(400, "this model's tokenizer has no chat template; start the server with "
+                           "--chat-template FILE, or use /v1/completions", "messages", "no_chat_template")  # fmt: skip
+        ids = await engine.encode_chat(req.plain_messages(), template)
+        max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
+        params = sampling_params(req, len(ids), max_tokens, "chat", max_len)
+        return await run(request, req, ids, params, chat=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        check_auth(request)
+        card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "oscarkv",
+                "max_model_len": max_len}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.alive:
+            return _error(503, "the engine thread has stopped", code="engine_dead")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        metrics.update_engine(engine.engine)
+        body, ctype = metrics.render()
+        return Response(content=body, media_type=ctype)
+
+    return app

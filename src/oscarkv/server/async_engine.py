@@ -1,0 +1,219 @@
+"""`AsyncEngine`: one engine thread beside the asyncio loop (engine.md §6).
+
+The thread drains a command queue (add / abort), calls :meth:`Engine.step` and hands each
+:class:`RequestOutput` to its request's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``.
+All engine state is touched by that thread only; tokenization runs in an executor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ..engine.engine import Engine
+from ..engine.request import RequestOutput, SamplingParams
+from ..engine.tokenizer import apply_chat, encode_prompt
+from ..errors import OscarkvError
+
+__all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError"]
+
+log = logging.getLogger("oscarkv.server")
+_IDLE_WAIT_S = 0.05
+
+
+class QueueFullError(OscarkvError):
+    """More requests are live than ``max_queued`` allows (answered 503)."""
+
+
+class EngineDeadError(OscarkvError):
+    """The engine thread stopped after an error (answered 503)."""
+
+
+class AsyncEngine:
+    """Runs ``engine`` in its own thread; ``generate`` streams a request's outputs on the loop."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        max_queued: int = 1024,
+        on_finished: Callable[[RequestOutput], None] | None = None,
+    ):
+        self.engine = engine
+        self.max_queued = max_queued
+        self.on_finished = on_finished
+        self._cmds: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._tok_pool = ThreadPoolExecutor(1, thread_name_prefix="oscarkv-tokenize")
+        self.error: BaseException | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the engine thread, delivering to ``loop`` (default: the running loop)."""
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="oscarkv-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._cmds.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._tok_pool.shutdown(wait=False)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    @property
+    def num_live(self) -> int:
+        with self._lock:
+            return len(self._queues)
+
+    def is_live(self, rid: str) -> bool:
+        """Whether ``rid`` was added and has not finished (nor been given up on)."""
+        with self._lock:
+            return rid in self._queues
+
+    # ---- tokenization (off the loop) ----------------------------------------------------------
+    async def encode(self, prompt: str | list[int]) -> list[int]:
+        """Checked token ids of a text prompt or an id list (``InputError`` for a bad one)."""
+        tok, vocab = self.engine.tokenizer, self.engine.runner.shape.vocab
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tok_pool, encode_prompt, tok, prompt, vocab
+        )
+
+    async def encode_chat(self, messages: list[dict], template: str | None) -> list[int]:
+        tok = self.engine.tokenizer
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tok_pool, apply_chat, tok, messages, template
+        )
+
+    # ---- requests ---------------------------------------------------------------------------
+    async def add(self, prompt_ids: list[int], params: SamplingParams, rid: str) -> asyncio.Queue:
+        """Queue a request and wait until the engine accepted it (its ``InputError`` raises here)."""
+        if not self.alive:
+            raise EngineDeadError(
+                "the engine thread has stopped", "restart the server; its log has the error"
+            )
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if len(self._queues) >= self.max_queued:
+                raise QueueFullError(f"the server is busy: {self.max_queued} requests are queued")
+            if rid in self._queues:
+                raise OscarkvError(f"request id {rid!r} is already in use")
+            self._queues[rid] = q
+        accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._cmds.put(("add", (rid, prompt_ids, params, accepted)))
+        try:
+            await accepted
+        except BaseException:
+            with self._lock:
+                self._queues.pop(rid, None)
+            if not accepted.done() or accepted.cancelled() or accepted.exception() is None:
+                self.abort(rid)  # cancelled while queued: the engine may accept it later
+            raise
+        return q
+
+    async def stream(self, rid: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """Outputs of an added request until it finishes; leaving early aborts it."""
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, rid: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its cumulative outputs; an unfinished request is aborted on exit."""
+        q = await self.add(prompt_ids, params, rid)
+        async for out in self.stream(rid, q):
+            yield out
+
+    def abort(self, rid: str) -> None:
+        """Abort ``rid`` at the next step boundary (thread-safe; unknown ids are ignored)."""
+        self._cmds.put(("abort", rid))
+
+    # ---- the engine thread --------------------------------------------------------------------
+    def _deliver(self, rid: str, item: Any) -> None:
+        with self._lock:
+            q = self._queues.get(rid)
+            if (isinstance(item, RequestOutput) and item.finished) or isinstance(item, BaseException):
+                self._queues.pop(rid, None)
+        assert self._loop is not None
+        if q is not None:
+            self._loop.call_soon_threadsafe(q.put_nowait, item)
+        if isinstance(item, RequestOutput) and item.finished and self.on_finished is not None:
+            self._loop.call_soon_threadsafe(self.on_finished, item)
+
+    def _command(self, kind: str, arg: Any) -> None:
+        assert self._loop is not None
+        if kind == "abort":
+            self.engine.abort(arg)
+        elif kind == "add":
+            rid, ids, params, fut = arg
+            try:
+                self.engine.add_request(ids, params, rid)
+            except Exception as e:  # handed to the caller
+                self._loop.call_soon_threadsafe(_set, fut, e)
+            else:
+                self._loop.call_soon_threadsafe(_set, fut, None)
+
+    def _run(self) -> None:
+        eng = self.engine
+        try:
+            while not self._stop.is_set():
+                if not eng.has_unfinished():
+                    try:
+                        self._command(*self._cmds.get(timeout=_IDLE_WAIT_S))
+                    except queue.Empty:
+                        continue
+                while True:
+                    try:
+                        self._command(*self._cmds.get_nowait())
+                    except queue.Empty:
+                        break
+                if eng.has_unfinished():
+                    for out in eng.step():
+                        self._deliver(out.rid, out)
+        except BaseException as e:  # the thread must report, not vanish
+            log.exception("oscarkv engine thread died")
+            self.error = e
+            dead = EngineDeadError(f"the engine thread stopped: {type(e).__name__}")
+            with self._lock:
+                rids = list(self._queues)
+            for rid in rids:
+                self._deliver(rid, dead)
+            while True:  # adds still queued would wait forever
+                try:
+                    kind, arg = self._cmds.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "add" and self._loop is not None:
+                    self._loop.call_soon_threadsafe(_set, arg[3], dead)
+
+
+def _set(fut: asyncio.Future, err: BaseException | None) -> None:
+    if fut.done():
+        return
+    if err is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(err)

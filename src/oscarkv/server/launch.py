@@ -1,0 +1,95 @@
+"""Running the server: :func:`serve` (the ``oscarkv serve`` foreground process) and
+:func:`start_server` (uvicorn in a background thread, for tests and soak runs)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import EngineConfig
+from ..config.server import ServerConfig
+from ..engine.engine import Engine
+from ..errors import InputError
+from .async_engine import AsyncEngine
+
+__all__ = ["RunningServer", "build_app", "serve", "start_server"]
+
+
+def build_app(engine_cfg: EngineConfig, server_cfg: ServerConfig, engine: Engine | None = None,
+              metrics: Any | None = None) -> Any:  # fmt: skip
+    """Load the engine (unless given) and return the FastAPI app over it."""
+    from .app import create_app
+
+    eng = engine if engine is not None else Engine(engine_cfg)
+    return create_app(AsyncEngine(eng, server_cfg.max_queued), server_cfg, metrics)
+
+
+def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> None:
+    """Load the model and serve until interrupted (uvicorn in this thread)."""
+    import uvicorn
+
+    app = build_app(engine_cfg, server_cfg)
+    uvicorn.run(
+        app, host=server_cfg.host, port=server_cfg.port, log_level="info", timeout_graceful_shutdown=5
+    )
+
+
+@dataclass
+class RunningServer:
+    """A server running in a background thread; ``stop()`` shuts it down and joins it."""
+
+    url: str
+    app: Any
+    engine: Engine
+    server: Any
+    thread: threading.Thread
+
+    @property
+    def async_engine(self) -> AsyncEngine:
+        return self.app.state.async_engine
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+    def __enter__(self) -> RunningServer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def start_server(
+    engine_cfg: EngineConfig,
+    server_cfg: ServerConfig,
+    engine: Engine | None = None,
+    metrics: Any | None = None,
+    timeout: float = 60.0,
+) -> RunningServer:
+    """Serve on ``server_cfg.host`` in a background thread (port 0 picks a free port)."""
+    import uvicorn
+
+    eng = engine if engine is not None else Engine(engine_cfg)
+    app = build_app(engine_cfg, server_cfg, eng, metrics)
+    fam = socket.AF_INET6 if ":" in server_cfg.host else socket.AF_INET
+    sock = socket.socket(fam, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((server_cfg.host, server_cfg.port))
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name="oscarkv-uvicorn", daemon=True
+    )
+    thread.start()
+    t0 = time.monotonic()
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() - t0 > timeout:
+            server.should_exit = True
+            raise InputError(f"the server did not start on {host}:{port} within {timeout:.0f} s")
+        time.sleep(0.02)
+    h = f"[{host}]" if fam == socket.AF_INET6 else host
+    return RunningServer(f"http://{h}:{port}", app, eng, server, thread)

@@ -1,0 +1,250 @@
+"""Request and response models of ``/v1/completions`` and ``/v1/chat/completions`` (OpenAI's shapes)."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+
+from ..config.base import SpecError
+from ..engine.request import SamplingParams
+
+__all__ = [
+    "ApiError",
+    "ChatMessage",
+    "ChatRequest",
+    "CompletionRequest",
+    "ContentPart",
+    "StreamOptions",
+    "Usage",
+    "chat_chunk",
+    "chat_response",
+    "completion_chunk",
+    "completion_response",
+    "error_body",
+    "new_id",
+    "sampling_params",
+    "spec_param",
+]
+
+#: the most stop strings a request may carry (OpenAI's limit)
+MAX_STOPS = 4
+#: max_tokens when a request sets none (capped to what fits in max_model_len)
+DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256}
+
+
+class ApiError(Exception):
+    """An error answered to the client as ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          413: "invalid_request_error", 422: "invalid_request_error", 503: "service_unavailable"}  # fmt: skip
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object for ``status``."""
+    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields both endpoints share; unknown fields are ignored (clients send many)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: StrictInt | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: StrictInt | None = None
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: StrictInt | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+
+    def stops(self) -> tuple[str, ...]:
+        s = self.stop
+        return () if s is None else (s,) if isinstance(s, str) else tuple(s)
+
+    def unsupported(self) -> ApiError | None:
+        """The first field asking for something this server does not do."""
+        if self.n is not None and self.n != 1:
+            return ApiError(400, f"n must be 1 (one choice per request); got {self.n}", "n")
+        if len(self.stops()) > MAX_STOPS:
+            return ApiError(400, f"stop takes at most {MAX_STOPS} strings; got {len(self.stops())}", "stop")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                return ApiError(400, f"{name} is not supported; leave it unset or 0", name)
+        if self.stream_options is not None and not self.stream:
+            return ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
+        return None
+
+
+class CompletionRequest(_Sampling):
+    prompt: StrictStr | list[StrictInt]
+    echo: bool = False
+    logprobs: StrictInt | None = None
+    best_of: StrictInt | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> ApiError | None:
+        if self.echo:
+            return ApiError(400, "echo is not supported", "echo")
+        if self.logprobs is not None:
+            return ApiError(400, "logprobs is not supported", "logprobs")
+        if self.best_of not in (None, 1):
+            return ApiError(400, "best_of must be 1", "best_of")
+        if self.suffix:
+            return ApiError(400, "suffix is not supported", "suffix")
+        return super().unsupported()
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: StrictStr | list[ContentPart] | None = None
+
+    def text(self, i: int) -> str:
+        """The message's text: the string, or its text parts joined (other parts: 400)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        for p in self.content:
+            if p.type != "text" or p.text is None:
+                raise ApiError(400, f"messages[{i}]: only text content parts are supported; got {p.type!r}",
+                               "messages")  # fmt: skip
+        return "".join(p.text or "" for p in self.content)
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    tools: list[Any] | None = None
+
+    def unsupported(self) -> ApiError | None:
+        if self.logprobs or self.top_logprobs is not None:
+            return ApiError(400, "logprobs is not supported", "logprobs")
+        if self.tools:
+            return ApiError(400, "tools are not supported", "tools")
+        return super().unsupported()
+
+    def plain_messages(self) -> list[dict]:
+        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
+
+    @classmethod
+    def of(cls, n_prompt: int, n_out: int, n_cached: int = 0) -> Usage:
+        return cls(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
+                   prompt_tokens_details={"cached_tokens": n_cached})  # fmt: skip
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _head(rid: str, obj: str, model: str, created: int | None) -> dict:
+    return {"id": rid, "object": obj, "created": created or int(time.time()), "model": model}
+
+
+def completion_response(rid: str, model: str, text: str, finish: str | None, usage: Usage) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    return {**_head(rid, "text_completion", model, None), "choices": [choice], "usage": usage.model_dump()}
+
+
+def chat_response(rid: str, model: str, text: str, finish: str | None, usage: Usage) -> dict:
+    msg = {"role": "assistant", "content": text}
+    choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": finish}
+    return {**_head(rid, "chat.completion", model, None), "choices": [choice], "usage": usage.model_dump()}
+
+
+def completion_chunk(
+    rid: str,
+    model: str,
+    created: int,
+    text: str | None,
+    finish: str | None,
+    usage: Usage | None,
+    with_usage: bool,
+) -> dict:
+    """One SSE chunk; ``text is None`` makes the final usage-only chunk (no choices)."""
+    out = _head(rid, "text_completion", model, created)
+    out["choices"] = (
+        [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+    )
+    if with_usage:
+        out["usage"] = usage.model_dump() if usage is not None else None
+    return out
+
+
+def chat_chunk(
+    rid: str,
+    model: str,
+    created: int,
+    delta: dict | None,
+    finish: str | None,
+    usage: Usage | None,
+    with_usage: bool,
+) -> dict:
+    """One SSE chunk; ``delta is None`` makes the final usage-only chunk (no choices)."""
+    out = _head(rid, "chat.completion.chunk", model, created)
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    out["choices"] = [] if delta is None else [choice]
+    if with_usage:
+        out["usage"] = usage.model_dump() if usage is not None else None
+    return out
+
+
+def spec_param(msg: str) -> str | None:
+    """The field a ``SpecError`` message names (``Cls.field must ...``)."""
+    m = re.match(r"\w+\.(\w+) must", msg)
+    return m.group(1) if m else None
+
+
+def sampling_params(
+    req: Any, n_prompt: int, max_tokens: int | None, kind: str, max_len: int
+) -> SamplingParams:
+    """SamplingParams of a request (a default ``max_tokens`` that fits); 400 for a bad value."""
+    if max_tokens is None:
+        max_tokens = max(1, min(DEFAULT_MAX_TOKENS[kind], max_len - n_prompt))
+    kw: dict[str, Any] = {"max_tokens": max_tokens, "stop": req.stops(), "ignore_eos": req.ignore_eos}
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        if getattr(req, name) is not None:
+            kw[name] = getattr(req, name)
+    if req.stop_token_ids:
+        kw["stop_token_ids"] = tuple(req.stop_token_ids)
+    try:
+        return SamplingParams(**kw)
+    except SpecError as e:
+        raise ApiError(400, str(e), spec_param(str(e))) from None
