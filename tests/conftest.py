@@ -61,6 +61,20 @@ def random_orthogonal(d: int, gen: torch.Generator | None = None) -> torch.Tenso
     return (q * torch.sign(torch.diagonal(r))).float()
 
 
+def random_rotation_set(layers: int, head_dim: int, spec=None, seed: int = 5):
+    """A RotationSet of random orthogonal K/V rotations (unit eigenvalues) for ``layers`` layers."""
+    from oscarkv.config import QuantSpec
+    from oscarkv.rotation import LayerRotation, RotationSet
+
+    g = torch.Generator().manual_seed(seed)
+    d = head_dim
+
+    def layer() -> LayerRotation:
+        return LayerRotation(random_orthogonal(d, g), random_orthogonal(d, g), torch.ones(d), torch.ones(d))
+
+    return RotationSet({i: layer() for i in range(layers)}, spec=spec or QuantSpec())
+
+
 def tiny_lm_config(kind: str = "qwen3", *, vocab: int, layers: int, heads: int, kv_heads: int, head_dim: int,
                    positions: int = 1024, bias: bool = False):  # fmt: skip
     """A small Qwen3 (q/k norms) or Llama config, hidden 64 and MLP 128, for random-weight models."""

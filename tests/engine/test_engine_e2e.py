@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import random_orthogonal
+from conftest import random_orthogonal, random_rotation_set
 from oscarkv import LLM, OscarCache, QuantSpec, SamplingParams
 from oscarkv.demo import demo_model_path
 from oscarkv.engine import Engine
@@ -116,16 +116,7 @@ def test_bf16_chunking_and_prefix_cache_do_not_change_tokens(models, chunk: int,
 # ---- INT2 == OscarCache -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def demo_rotations(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, RotationSet]:
-    g = torch.Generator().manual_seed(5)
-    rs = RotationSet(
-        {
-            i: LayerRotation(
-                random_orthogonal(128, g), random_orthogonal(128, g), torch.ones(128), torch.ones(128)
-            )
-            for i in range(4)
-        },
-        spec=SPEC,
-    )
+    rs = random_rotation_set(4, 128, SPEC)
     d = tmp_path_factory.mktemp("rot")
     save_rotations(rs, d)
     return d, rs

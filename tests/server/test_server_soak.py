@@ -14,14 +14,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import random_orthogonal
+from conftest import random_rotation_set
 from oscarkv import LLM, EngineConfig, QuantSpec, SamplingParams, save_rotations
 from oscarkv.config import ServerConfig
 from oscarkv.demo import demo_model_path
-from oscarkv.rotation import LayerRotation, RotationSet
 from oscarkv.server.launch import RunningServer, start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]  # tiny tensors
@@ -54,16 +52,7 @@ class Seen:
 
 @pytest.fixture(scope="module")
 def rotations(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    g = torch.Generator().manual_seed(5)
-    rs = RotationSet(
-        {
-            i: LayerRotation(
-                random_orthogonal(128, g), random_orthogonal(128, g), torch.ones(128), torch.ones(128)
-            )
-            for i in range(4)
-        },
-        spec=SPEC,
-    )
+    rs = random_rotation_set(4, 128, SPEC)
     d = tmp_path_factory.mktemp("rot")
     save_rotations(rs, d)
     return d
