@@ -24,6 +24,7 @@ import torch
 
 from ..errors import InputError
 from ..utils.files import check_input_file, decode_text
+from ..utils.models import quiet_length_warning
 
 __all__ = [
     "CorpusError",
@@ -49,18 +50,6 @@ class CorpusError(InputError):
 
 #: how much of each file :func:`check_sources` decodes up front
 CHECK_BYTES = 64 * 1024
-#: the key of transformers' warn-once flag for "Token indices sequence length is longer than ..."
-_LENGTH_WARNING = "sequence-length-is-longer-than-the-specified-maximum"
-
-
-def quiet_length_warning(tokenizer: Any) -> Any:
-    """Silence transformers' "Token indices sequence length is longer than the specified maximum
-    sequence length" warning on ``tokenizer`` (we tokenize whole documents and cut windows
-    ourselves, so it is noise). Tokenizers without the warn-once dict are left alone."""
-    flags = getattr(tokenizer, "deprecation_warnings", None)
-    if isinstance(flags, dict):
-        flags[_LENGTH_WARNING] = True
-    return tokenizer
 
 
 def _decode(data: bytes, path: Path, line: int | None = None) -> str:

@@ -9,7 +9,7 @@ import types
 import typing
 from typing import Any, NoReturn
 
-__all__ = ["DTYPE_CHOICES", "OneLineParser", "add_dataclass_args", "dataclass_from_args"]
+__all__ = ["DTYPE_CHOICES", "OneLineParser", "add_dataclass_args", "cli_fields", "dataclass_from_args"]
 
 #: ``--dtype`` choices: the keys of :data:`oscarkv.hf.loading.DTYPES`, repeated here so that parsing
 #: flags (``--help``, ``info``) does not import transformers (tests/test_cli.py keeps the two equal)
@@ -40,9 +40,7 @@ def add_dataclass_args(
     except the fields in ``skip`` (the command has its own flag for them)."""
     target = parser.add_argument_group(group or cls.__name__) if group != "" else parser
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if not f.metadata.get("cli", True) or f.name in skip:
-            continue
+    for f in cli_fields(cls, skip):
         tp = _scalar_type(hints[f.name])
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else None
@@ -57,6 +55,11 @@ def add_dataclass_args(
             )
         else:
             target.add_argument(flag, type=tp, default=default, help=help_, dest=f.name)
+
+
+def cli_fields(cls: type, skip: tuple[str, ...] = ()) -> list[dataclasses.Field]:
+    """The fields of ``cls`` that :func:`add_dataclass_args` turns into flags (given the same ``skip``)."""
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("cli", True) and f.name not in skip]
 
 
 def dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:

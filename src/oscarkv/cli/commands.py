@@ -183,7 +183,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_engine_flags(args)
     gen = dataclass_from_args(GenerateConfig, args)
     if args.engine:
-        return generate_engine(args)
+        return generate_engine(args, gen)
     prompt = read_prompt(args.prompt)
     info, device = check_model(args.model, args.device)
     rots = load_checked_rotations(args.rotations, info.config, args.strict)

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from ..errors import InputError
-from .args import dataclass_from_args
+from .args import cli_fields
 from .preflight import check_model, read_prompt
 
 __all__ = ["ENGINE_SKIP", "check_engine_flags", "generate_engine", "read_requests"]
@@ -32,11 +32,7 @@ ENGINE_SKIP = (
 def _engine_flags() -> list[dataclasses.Field]:
     from ..config import EngineConfig
 
-    return [
-        f
-        for f in dataclasses.fields(EngineConfig)
-        if f.name not in ENGINE_SKIP and f.metadata.get("cli", True)
-    ]
+    return cli_fields(EngineConfig, ENGINE_SKIP)
 
 
 def check_engine_flags(args: argparse.Namespace) -> None:
@@ -83,11 +79,10 @@ def read_requests(path: str) -> list[Any]:
     return reqs
 
 
-def _sampling(args: argparse.Namespace) -> Any:
-    from ..config import GenerateConfig
+def _sampling(gen: Any) -> Any:
+    """The engine's SamplingParams for a :class:`~oscarkv.config.GenerateConfig`."""
     from ..engine import SamplingParams
 
-    gen = dataclass_from_args(GenerateConfig, args)
     kw = gen.sampling_kwargs()
     if not kw["do_sample"]:
         return SamplingParams(max_tokens=gen.max_new_tokens, temperature=0)
@@ -97,14 +92,15 @@ def _sampling(args: argparse.Namespace) -> Any:
     )
 
 
-def generate_engine(args: argparse.Namespace) -> int:
-    """Run every request of ``--prompts`` (or the one ``--prompt``) and print or write JSONL."""
+def generate_engine(args: argparse.Namespace, gen: Any) -> int:
+    """Run every request of ``--prompts`` (or the one ``--prompt``) with the sampling of ``gen``
+    (a GenerateConfig) and print or write JSONL."""
     from rich.console import Console
 
     from ..config import EngineConfig
     from ..utils.files import atomic_write_text, check_output_file
 
-    params = _sampling(args)
+    params = _sampling(gen)
     reqs = read_requests(args.prompts) if args.prompts else [("prompt", read_prompt(args.prompt))]
     if args.out:
         check_output_file(args.out, overwrite=args.overwrite)

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from ..errors import InputError
-from .args import add_dataclass_args, dataclass_from_args
+from .args import add_dataclass_args, cli_fields, dataclass_from_args
 
 __all__ = ["SERVE_ENGINE_SKIP", "add_serve_parser", "cmd_serve"]
 
@@ -32,11 +31,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..utils.files import read_text
     from .preflight import check_model
 
-    kw = {
-        f.name: getattr(args, f.name)
-        for f in dataclasses.fields(EngineConfig)
-        if f.name not in SERVE_ENGINE_SKIP and f.metadata.get("cli", True)
-    }
+    kw = {f.name: getattr(args, f.name) for f in cli_fields(EngineConfig, SERVE_ENGINE_SKIP)}
     eng = EngineConfig(model=args.model, **kw)
     if eng.kv_dtype == "int2" and eng.rotations is None:
         raise InputError(

@@ -12,11 +12,11 @@ from typing import Any
 
 from ..config.base import is_int
 from ..errors import InputError, ModelError
+from ..utils.models import quiet_length_warning
 
 __all__ = ["ROLES", "apply_chat", "encode_prompt", "eos_token_ids", "load_tokenizer"]
 
 ROLES = ("system", "user", "assistant", "tool")
-_LONG_INPUT_WARNING = "sequence-length-is-longer-than-the-specified-maximum"
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:
@@ -36,9 +36,7 @@ def load_tokenizer(model_dir: str | Path) -> Any:
         ) from None
     if len(tok) == 0:
         raise ModelError(f"model {model_dir}: its tokenizer is empty; the tokenizer files are incomplete")
-    if isinstance(getattr(tok, "deprecation_warnings", None), dict):
-        tok.deprecation_warnings[_LONG_INPUT_WARNING] = True
-    return tok
+    return quiet_length_warning(tok)
 
 
 def eos_token_ids(tokenizer: Any, config_dir: str | Path) -> tuple[int, ...]:

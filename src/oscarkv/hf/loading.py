@@ -6,13 +6,13 @@ from typing import Any
 
 from ..errors import ModelError
 from ..kernels.devices import resolve_device
+from ..utils.models import quiet_length_warning
 from .validate import ModelInfo, check_model_source
 
 __all__ = ["DTYPES", "load_model", "resolve_device"]
 
 #: ``--dtype`` names -> torch dtype attribute names ("auto": bf16 on CUDA, fp32 elsewhere)
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "auto": "auto"}
-_LONG_INPUT_WARNING = "sequence-length-is-longer-than-the-specified-maximum"
 
 
 def load_model(path: str, device: str, dtype: str, info: ModelInfo | None = None) -> tuple[Any, Any]:
@@ -40,7 +40,4 @@ def load_model(path: str, device: str, dtype: str, info: ModelInfo | None = None
         ) from None
     if getattr(tok, "vocab_size", 1) in (0, None) or len(tok) == 0:
         raise ModelError(f"model {path}: its tokenizer is empty; the tokenizer files are incomplete")
-    # we tokenize whole documents on purpose and slice them to the model's context ourselves
-    if isinstance(getattr(tok, "deprecation_warnings", None), dict):
-        tok.deprecation_warnings[_LONG_INPUT_WARNING] = True
-    return model.to(device).eval(), tok
+    return model.to(device).eval(), quiet_length_warning(tok)

@@ -21,7 +21,6 @@ from typing import IO
 from ..errors import InputError
 
 __all__ = [
-    "MODEL_MARKERS",
     "atomic_save",
     "atomic_write",
     "atomic_write_bytes",
@@ -34,8 +33,6 @@ __all__ = [
     "read_text",
 ]
 
-#: files whose presence (config.json plus one weights file) makes a directory a model directory
-MODEL_MARKERS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 _WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin", "*.gguf")
 
 

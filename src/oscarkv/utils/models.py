@@ -4,7 +4,20 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["supports_attention_interface"]
+__all__ = ["quiet_length_warning", "supports_attention_interface"]
+
+#: the key of transformers' warn-once flag for "Token indices sequence length is longer than ..."
+_LENGTH_WARNING = "sequence-length-is-longer-than-the-specified-maximum"
+
+
+def quiet_length_warning(tokenizer: Any) -> Any:
+    """Silence transformers' "Token indices sequence length is longer than the specified maximum
+    sequence length" warning on ``tokenizer`` (we tokenize whole documents and check lengths
+    ourselves, so it is noise). Tokenizers without the warn-once dict are left alone."""
+    flags = getattr(tokenizer, "deprecation_warnings", None)
+    if isinstance(flags, dict):
+        flags[_LENGTH_WARNING] = True
+    return tokenizer
 
 
 def supports_attention_interface(model: Any) -> bool:
