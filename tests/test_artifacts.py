@@ -80,6 +80,14 @@ def test_save_load_round_trip(tmp_path: Path, make_orthogonal) -> None:
     _assert_same_tensors(rs, load_rotations(file))
 
 
+def test_save_layers_sharing_tensors(tmp_path: Path, make_orthogonal) -> None:
+    """Layers built from one tensor (unit eigenvalues shared by all) save and load back."""
+    one, r = torch.ones(16), make_orthogonal(16)
+    rs = RotationSet({i: LayerRotation(r, r, one, one) for i in range(3)}, spec=QuantSpec())
+    back = load_rotations(save_rotations(rs, tmp_path / "art"))
+    _assert_same_tensors(rs, back)
+
+
 def test_load_with_spec_override(tmp_path: Path, make_orthogonal) -> None:
     save_rotations(_layer_set(make_orthogonal), tmp_path)
     spec = QuantSpec(key_bits=4, value_bits=4)

@@ -130,13 +130,18 @@ def build_metadata(rs: RotationSet) -> dict[str, Any]:
 
 
 def artifact_tensors(rs: RotationSet) -> dict[str, torch.Tensor]:
-    """The fp32 CPU tensors of ``rs`` under their artifact names."""
+    """The fp32 CPU tensors of ``rs`` under their artifact names (each its own copy: safetensors
+    refuses tensors that share memory, as layers built from one eigenvalue tensor would)."""
     tensors = {}
     for i in rs.layer_ids:
         lr = rs.layers[i]
         for kind, r, lam in (("k", lr.k, lr.k_eigenvalues), ("v", lr.v, lr.v_eigenvalues)):
-            tensors[f"layers.{i}.{kind}.rotation"] = r.detach().float().contiguous().cpu()
-            tensors[f"layers.{i}.{kind}.eigenvalues"] = lam.detach().float().contiguous().cpu()
+            tensors[f"layers.{i}.{kind}.rotation"] = (
+                r.detach().float().cpu().clone(memory_format=torch.contiguous_format)
+            )
+            tensors[f"layers.{i}.{kind}.eigenvalues"] = (
+                lam.detach().float().cpu().clone(memory_format=torch.contiguous_format)
+            )
     return tensors
 
 
