@@ -45,3 +45,24 @@ def test_a_mask_one_token_off_fails_the_check():
         q.transpose(0, 1)[None], k, v, attn_mask=off, scale=scale, enable_gqa=True
     )[0].transpose(0, 1)
     assert (rows_rel(got, want)[:-1] > effect[:-1] / 100).all()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_varlen_prefill_is_each_sequence_on_its_own(backend):
+    """Sequences side by side in the varlen layout (one without a prefix, one of a single token):
+    each one's rows pass the every-key check of its own case."""
+    from oscarkv.kernels.triton.ops import prefill_attention_varlen as sdpa_varlen
+
+    fn = {"torch": ref.prefill_attention_varlen, "triton": sdpa_varlen}[backend]
+    cases = [prefill_case(p, t, 4, 2, 64, "cpu", torch.float32) for p, t in ((0, 37), (300, 64), (9, 1))]
+    q = torch.cat([c[0][0] for c in cases])
+    k = torch.cat([x for c in cases for x in (c[0][1], c[0][3])])
+    v = torch.cat([x for c in cases for x in (c[0][2], c[0][4])])
+    lens_q = [c[0][0].shape[0] for c in cases]
+    lens_k = [c[0][1].shape[0] + c[0][3].shape[0] for c in cases]
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
+    out = fn(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), cases[0][0][5])
+    for i, (_, want, effect) in enumerate(cases):
+        err = rows_rel(out[cu_q[i] : cu_q[i + 1]], want)
+        assert (err < effect / 100).all(), (i, err.max(), effect.min())

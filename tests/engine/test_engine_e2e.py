@@ -157,6 +157,18 @@ def test_int2_engine_equals_oscarcache_greedy(models, demo_rotations, absorb: bo
         assert o.token_ids == ref, (len(p), first_diff(o.token_ids, ref))
 
 
+def test_padded_decode_steps_equal_unpadded(models, demo_rotations) -> None:
+    """Decode steps padded to a batch bucket with bucketed list lengths (what CUDA runs, eager or
+    in a graph) give the tokens of unpadded steps: padding rows write nothing and read nothing."""
+    path, _ = demo_rotations
+    ps = prompts((7, 30, 60), seed=6)  # a batch of 3, padded to 4
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in int2_llm(models, path).generate(ps, params)]
+    llm = int2_llm(models, path)
+    llm.engine.runner.pad_decode = True
+    assert [o.token_ids for o in llm.generate(ps, params)] == want
+
+
 def test_int2_chunked_prefill_equals_oscarcache_fed_the_same_chunks(models, demo_rotations) -> None:
     path, rs = demo_rotations
     p = prompts((130,), seed=13)[0]
@@ -302,6 +314,8 @@ def test_bad_engine_configs(models, demo_rotations, tmp_path: Path) -> None:
         ({"rotations": str(demo_rotations[0]), "kv_budget_gb": 1e-6}, "too small"),
         ({"kv_dtype": "bf16", "rotations": str(demo_rotations[0])}, "uses no rotations"),
         ({"kv_dtype": "int4"}, "kv_dtype"),
+        ({"kv_dtype": "bf16", "cuda_graphs": "yes"}, "cuda_graphs"),
+        ({"kv_dtype": "bf16", "cuda_graphs": "on"}, "cuda_graphs on cannot run"),
         ({"nonsense": 1}, "unknown option"),
     ]:
         with pytest.raises(OscarkvError, match=words):

@@ -134,10 +134,9 @@ def generate_engine(args: argparse.Namespace, gen: Any) -> int:
     else:
         sys.stdout.write("\n".join(lines) + "\n")
     n_out = sum(len(o.token_ids) for o in outs)
-    rep = llm.memory_report()
     Console(stderr=True).print(
         f"[dim]{len(outs)} requests, {n_out} tokens in {secs:.1f}s ({n_out / secs:.1f} tok/s incl. loading); "
-        f"KV pools {rep['total_bytes'] / 2**20:.1f} MiB ({cfg.kv_dtype})"
+        f"{llm.engine.runner.startup_report()}"
         + (f"; wrote {args.out}" if args.out else "")
         + "[/]"
     )

@@ -51,6 +51,10 @@ class EngineConfig:
     decode_reserve_pages: int = help_field("pages kept free per running request at admission", default=1)
     seed: int = help_field("seed for dummy weights and unseeded sampling", default=0)
     load_format: str = help_field("safetensors | dummy (random weights, speed runs)", default="safetensors")
+    cuda_graphs: str = help_field(
+        "capture decode steps in CUDA graphs: auto (on CUDA with the triton backend) | on | off",
+        default="auto",
+    )
     check_invariants: bool = help_field("check page accounting after every step (tests)", default=False)
     spec: QuantSpec | None = field(default=None, metadata={"help": "QuantSpec override", "cli": False})
 
@@ -64,6 +68,8 @@ class EngineConfig:
             raise field_error(n, "load_format", " | ".join(LOAD_FORMATS), self.load_format, True)
         if self.dtype not in ("auto", "bf16", "fp16", "fp32"):
             raise field_error(n, "dtype", "auto | bf16 | fp16 | fp32", self.dtype, True)
+        if self.cuda_graphs not in ("auto", "on", "off"):
+            raise field_error(n, "cuda_graphs", "auto | on | off", self.cuda_graphs, True)
         if self.backend not in ("auto", "torch", "triton"):
             raise field_error(n, "backend", "auto | torch | triton", self.backend, True)
         b = self.kv_budget_gb

@@ -9,6 +9,8 @@ BF16 mode passes ``r_k = r_v = None``: plain 16-bit pages, no rotation at all.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ..kernels import KernelOps, pool_ops
@@ -66,18 +68,40 @@ class EngineAttention:
         ops = self.ops
         q_rot, k_rot = self._rotate(q, self.r_k), self._rotate(k, self.r_k)
         v_rot = v if self.values_prerotated else self._rotate(v, self.r_v)
+        # sequences without new tokens have no query rows: the others' rows are all of q, in order
+        run = [i for i in range(len(p.cu_host) - 1) if p.cu_host[i + 1] > p.cu_host[i]]
         out = torch.zeros_like(q_rot)
-        cu = p.cu_host
-        for i in range(len(cu) - 1):  # v1: one sequence at a time, as the HF cache does
-            a, b = cu[i], cu[i + 1]
-            if a == b:
-                continue
-            pk, pv = pool_ops.gather_prefix(pools, p.pre_q.row(i), p.pre_hp.row(i), ops)
-            out[a:b] = ops.prefill_attention(q_rot[a:b], pk, pv, k_rot[a:b], v_rot[a:b], self.sm_scale)
+        if run:
+            k_all, v_all, cu_k, max_k = self._keys(k_rot, v_rot, pools, p, run)
+            lens_q = [p.cu_host[i + 1] - p.cu_host[i] for i in run]
+            cu_q = torch.tensor([0, *itertools.accumulate(lens_q)], dtype=torch.int32)
+            cu = torch.stack([cu_q, cu_k]).to(q.device, non_blocking=True)
+            out = ops.prefill_attention_varlen(
+                q_rot, k_all, v_all, cu[0], cu[1], max(lens_q), max_k, self.sm_scale
+            )
         q_rows = (k_rot[p.q_tok], v_rot[p.q_tok])
         hp_rows = (k_rot[p.hp_tok], v_rot[p.hp_tok])
         pool_ops.write_step(pools, p.demote_src, p.demote_dst, p.q_dst, q_rows, p.hp_dst, hp_rows, ops)
         return self._rotate(out, self.r_v, inverse=True)
+
+    def _keys(self, k_rot, v_rot, pools: LayerViews, p: PrefillTensors, run: list[int]):
+        """The flat keys and values of the sequences ``run`` for the varlen prefill: per sequence
+        its cached 16-bit rows, its dequantized INT2 rows, then its new rows; with ``cu_k`` (int32
+        host ``[n+1]``) and the longest key list."""
+        ops, dt = self.ops, pools.hp_k.dtype
+        hi, qi = p.pre_hp.indices.long(), p.pre_q.indices.long()
+        hk, hv = pools.hp_k[hi], pools.hp_v[hi]
+        qk = ops.dequantize(pools.k_codes[qi], pools.k_meta[qi], pools.k_fmt, dt)
+        qv = ops.dequantize(pools.v_codes[qi], pools.v_meta[qi], pools.v_fmt, dt)
+        hp_ptr, q_ptr, cu = p.pre_hp.indptr_host, p.pre_q.indptr_host, p.cu_host
+        ks, vs, lens = [], [], []
+        for i in run:
+            h0, h1, q0, q1, a, b = hp_ptr[i], hp_ptr[i + 1], q_ptr[i], q_ptr[i + 1], cu[i], cu[i + 1]
+            ks += [hk[h0:h1], qk[q0:q1], k_rot[a:b].to(dt)]
+            vs += [hv[h0:h1], qv[q0:q1], v_rot[a:b].to(dt)]
+            lens.append(h1 - h0 + q1 - q0 + b - a)
+        cu_k = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+        return torch.cat(ks), torch.cat(vs), cu_k, max(lens)
 
     def decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pools: LayerViews, p: DecodeTensors

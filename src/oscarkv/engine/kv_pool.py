@@ -124,17 +124,17 @@ def _need(budget: int, need: int, what: str) -> None:
         )
 
 
-def budget_bytes(cfg: EngineConfig, device: torch.device | str) -> int:
+def budget_bytes(cfg: EngineConfig, device: torch.device | str, reserve: int = 0) -> int:
     """The KV budget in bytes: ``kv_budget_gb`` GiB if set; else ``CPU_DEFAULT_BUDGET_GB`` on a
-    non-CUDA device, or ``memory_fraction`` × the free memory of a CUDA device (call it after the
-    weights are loaded and a warmup ran)."""
+    non-CUDA device, or ``memory_fraction`` × (the free memory of a CUDA device − ``reserve``, the
+    peak a step allocates; call it after the weights are loaded)."""
     device = torch.device(device)
     if cfg.kv_budget_gb is not None:
         return int(cfg.kv_budget_gb * GIB)
     if device.type != "cuda":
         return int(CPU_DEFAULT_BUDGET_GB * GIB)
     free, _ = torch.cuda.mem_get_info(device)
-    return int(cfg.memory_fraction * free)
+    return int(cfg.memory_fraction * max(free - reserve, 0))
 
 
 @dataclass(frozen=True)

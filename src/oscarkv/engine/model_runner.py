@@ -8,6 +8,7 @@ take the KV budget, and the kernels are resolved once (the torch reference on CP
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -22,9 +23,10 @@ from ..kernels.devices import resolve_device
 from ..quant import RowFormat
 from ..rotation import RotationSet, load_rotations
 from .attention import EngineAttention
+from .graphs import DecodeGraphs, batch_bucket, len_bucket
 from .kv_pool import KVPool, budget_bytes, plan_pools
 from .models import load_decoder
-from .planner import plan_decode, plan_prefill
+from .planner import DecodeTensors, plan_decode, plan_prefill
 from .request import Batch, SamplingParams
 from .sampler import make_generator, sample
 from .tokenizer import load_tokenizer
@@ -62,7 +64,10 @@ class ModelRunner:
         s = self.shape
         self.max_model_len = min(cfg.max_model_len or s.max_positions, s.max_positions)
         fmts = self._formats() if self.rotations is not None else None
-        budget = budget_bytes(cfg, self.device)
+        self.activation_peak = (
+            self._profile_prefill() if cfg.kv_budget_gb is None and self.device.type == "cuda" else 0
+        )
+        budget = budget_bytes(cfg, self.device, reserve=self.activation_peak)
         self.plan = plan_pools(
             cfg, self.spec if fmts else None, s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, budget
         )
@@ -78,6 +83,70 @@ class ModelRunner:
             self.attn.append(EngineAttention(i, r_k, r_vv, kf, vf, self.ops, scale, values_prerotated=absorb))
         self.generators: dict[str, torch.Generator] = {}
         self.fingerprint = self._fingerprint(config)
+        # on CUDA decode steps are padded and bucketed, so eager and graph steps run the same plans
+        self.pad_decode = self.device.type == "cuda"
+        self.graphs = self._graphs()
+
+    @torch.inference_mode()
+    def _profile_prefill(self) -> int:
+        """Bytes the largest prefill step allocates beyond what is resident: ``max_batched_tokens``
+        new tokens of one sequence whose prefix fills ``max_model_len``, with that prefix gathered
+        and dequantized (in fp32, then the model dtype) as the varlen prefill gathers it."""
+        dev, s = self.device, self.shape
+        t = min(self.cfg.max_batched_tokens, self.max_model_len)
+        p = self.max_model_len - t
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        cu = torch.tensor([[0, t], [0, p + t]], dtype=torch.int32, device=dev)
+
+        def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            deq = torch.zeros(p, s.num_kv_heads, s.head_dim, dtype=torch.float32, device=dev)
+            pk, pv = deq.to(self.dtype), deq.to(self.dtype)
+            k_all, v_all = torch.cat([pk, k]), torch.cat([pv, v])
+            q_rot = q.float().to(q.dtype)  # the rotation's fp32 round trip
+            return self.ops.prefill_attention_varlen(
+                q_rot, k_all, v_all, cu[0], cu[1], t, p + t, s.head_dim**-0.5
+            )
+
+        ids = torch.zeros(t, dtype=torch.long, device=dev)
+        self.model(ids, torch.arange(t, device=dev), attn, torch.tensor([t - 1], device=dev))
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base
+        torch.cuda.empty_cache()
+        return peak
+
+    def startup_report(self) -> str:
+        """One line on the pools: budget, pages per tier and tokens they hold."""
+        plan, ps = self.plan, self.plan.page_tokens
+        gib = 1 << 30
+        if plan.int2:
+            tiers = (
+                f"{plan.q_pages - 1} INT2 pages ({(plan.q_pages - 1) * ps} tokens), 16-bit sinks and rings "
+                f"for {plan.max_running} requests"
+            )
+        else:
+            tiers = f"{plan.hp_pages - 1} 16-bit pages ({(plan.hp_pages - 1) * ps} tokens)"
+        peak = f", prefill peak {self.activation_peak / gib:.2f} GiB reserved" if self.activation_peak else ""
+        graphs = "on" if self.graphs is not None else "off"
+        return (
+            f"KV pools {plan.total_bytes / gib:.2f} GiB ({self.cfg.kv_dtype}): {tiers}; max_running "
+            f"{plan.max_running}{peak}; CUDA graphs {graphs}; kernels {self.ops.backend.value}"
+        )
+
+    def _graphs(self) -> DecodeGraphs | None:
+        mode, why = self.cfg.cuda_graphs, None
+        if self.device.type != "cuda":
+            why = f"the device is {self.device}"
+        elif self.ops.backend.value != "triton":
+            why = f"the kernel backend is {self.ops.backend.value} (graphs need triton)"
+        if why is None and mode != "off":
+            return DecodeGraphs(self._decode_hidden, self.device, self.spec.demote_block, self.plan.int2)
+        if mode == "on" and why is not None:
+            raise InputError(
+                f"cuda_graphs on cannot run: {why}", "use cuda_graphs auto or off (--cuda-graphs)"
+            )
+        return None
 
     # ---- set-up ---------------------------------------------------------------------------
     def _rotations(self, config: dict[str, Any]) -> RotationSet | None:
@@ -139,27 +208,46 @@ class ModelRunner:
     def release(self, rid: str) -> None:
         self.generators.pop(rid, None)
 
+    def _decode_hidden(self, input_ids: torch.Tensor, p: DecodeTensors) -> torch.Tensor:
+        """The decode forward over tensors ``p`` up to the final hidden states (eager, or under a
+        graph capture; the LM head runs outside graphs, so no graph holds a logits buffer)."""
+        pool = self.pool
+
+        def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return self.attn[layer].decode(q, k, v, pool.layer(layer), p)
+
+        return self.model.hidden_states(input_ids, p.positions, attn)
+
+    def _decode(self, batch: Batch) -> torch.Tensor:
+        n = len(batch.items)
+        ids = [it.seq.tokens[it.start] for it in batch.items]
+        if not self.pad_decode:
+            p = plan_decode(batch, self.plan, self.device)
+            return self.model.logits(
+                self._decode_hidden(torch.tensor(ids, dtype=torch.long).to(self.device), p)
+            )
+        b = batch_bucket(n, self.cfg.max_running)
+        p = plan_decode(batch, self.plan, self.device, bs_pad=b, demote_block=self.spec.demote_block)
+        p = dataclasses.replace(p, lens_hint=(len_bucket(p.lens_hint[0]), len_bucket(p.lens_hint[1])))
+        input_ids = torch.tensor(ids + [0] * (b - n), dtype=torch.long).to(self.device, non_blocking=True)
+        h = self.graphs.run(input_ids, p) if self.graphs is not None else self._decode_hidden(input_ids, p)
+        return self.model.logits(h[:n])
+
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[int | None]:
         """Run ``batch``; one sampled token per item that ends its prompt (or decodes), else None."""
         dev, pool = self.device, self.pool
         if batch.is_decode:
-            p = plan_decode(batch, self.plan, dev)
-            ids = [it.seq.tokens[it.start] for it in batch.items]
-            positions, last = p.positions, None
-
-            def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                return self.attn[layer].decode(q, k, v, pool.layer(layer), p)
+            logits = self._decode(batch)
         else:
             p = plan_prefill(batch, self.plan, dev)
             ids = [t for it in batch.items for t in it.seq.tokens[it.start : it.start + it.n_new]]
-            positions, last = p.positions, p.last_idx
 
             def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 return self.attn[layer].prefill(q, k, v, pool.layer(layer), p)
 
-        input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
-        logits = self.model(input_ids, positions, attn, last)
+            input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
+            logits = self.model(input_ids, p.positions, attn, p.last_idx)
         rows = [it for it in batch.items if batch.is_decode or it.ends_prompt]
         if not rows:
             return [None] * len(batch.items)

@@ -38,6 +38,7 @@ class KernelOps:
     dequantize: Callable[..., torch.Tensor]
     decode_attention: Callable[..., torch.Tensor]
     prefill_attention: Callable[..., torch.Tensor]
+    prefill_attention_varlen: Callable[..., torch.Tensor]
     rotate_heads: Callable[..., torch.Tensor]
     rotate_new_rows: Callable[..., torch.Tensor]
 
@@ -66,6 +67,7 @@ def _torch_ops() -> KernelOps:
         ref.dequantize,
         ref.decode_attention,
         ref.prefill_attention,
+        ref.prefill_attention_varlen,
         ref.rotate_heads,
         ref.rotate_new_rows,
     )

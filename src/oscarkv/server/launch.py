@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -31,7 +32,9 @@ def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> None:
     """Load the model and serve until interrupted (uvicorn in this thread)."""
     import uvicorn
 
-    app = build_app(engine_cfg, server_cfg)
+    eng = Engine(engine_cfg)
+    print(f"oscarkv serve: {eng.runner.startup_report()}", file=sys.stderr, flush=True)
+    app = build_app(engine_cfg, server_cfg, eng)
     uvicorn.run(
         app, host=server_cfg.host, port=server_cfg.port, log_level="info", timeout_graceful_shutdown=5
     )

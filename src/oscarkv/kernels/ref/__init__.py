@@ -1,7 +1,7 @@
 """Readable PyTorch reference kernels (fp32 math): the CPU path and the test oracle."""
 
 from .decode_attention import decode_attention, merge_states, partial_attention
-from .prefill_attention import prefill_attention
+from .prefill_attention import prefill_attention, prefill_attention_varlen
 from .quantize_pack import dequantize, quantize_pack
 from .rotate import rotate_heads, rotate_new_rows
 
@@ -11,6 +11,7 @@ __all__ = [
     "merge_states",
     "partial_attention",
     "prefill_attention",
+    "prefill_attention_varlen",
     "quantize_pack",
     "rotate_heads",
     "rotate_new_rows",

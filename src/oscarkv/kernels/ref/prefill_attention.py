@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["prefill_attention"]
+__all__ = ["prefill_attention", "prefill_attention_varlen"]
 
 
 def prefill_attention(
@@ -42,3 +42,34 @@ def prefill_attention(
     s = s.masked_fill(causal, float("-inf"))
     o = torch.einsum("hgtn,nhd->thgd", s.softmax(-1), v)
     return o.reshape(t, hq, -1).to(q_rot.dtype)
+
+
+def per_sequence(attend, q_rot, k, v, cu_q, cu_k, sm_scale) -> torch.Tensor:
+    """The varlen layout of :func:`prefill_attention_varlen` run as one ``attend(q, prefix_k,
+    prefix_v, new_k, new_v, sm_scale)`` call per sequence."""
+    out = torch.empty_like(q_rot)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(cq) - 1):
+        a, b, e = cq[i], cq[i + 1], ck[i + 1]
+        m = e - (b - a)  # first new-token key
+        out[a:b] = attend(q_rot[a:b], k[ck[i] : m], v[ck[i] : m], k[m:e], v[m:e], sm_scale)
+    return out
+
+
+def prefill_attention_varlen(
+    q_rot: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Several sequences' prefill attention, flat: sequence ``i``'s queries
+    ``q_rot[cu_q[i]:cu_q[i+1]]`` (``T_i`` rows, ``[T, Hq, d]`` in all) attend to its keys
+    ``k[cu_k[i]:cu_k[i+1]]`` (``[K, Hkv, d]``), whose last ``T_i`` rows are its own new tokens:
+    the prefix fully visible, causal (bottom-right) among the new ones. ``cu_q``/``cu_k``: int32
+    ``[n+1]``; ``max_q``/``max_k`` bound the lengths (used by the fused kernel). Returns
+    ``[T, Hq, d]`` in ``q_rot.dtype``."""
+    return per_sequence(prefill_attention, q_rot, k, v, cu_q, cu_k, sm_scale)

@@ -1,27 +1,50 @@
-"""The Triton backend's :class:`~oscarkv.kernels.KernelOps` (imported only on CUDA)."""
+"""The Triton backend's :class:`~oscarkv.kernels.KernelOps` (imported only on CUDA).
+
+Prefill attention runs PyTorch's flash-attention kernel in its variable-length form: GQA without
+repeating K/V heads, and causal bottom-right aligned when a sequence has more keys than queries,
+so no ``[T, P+T]`` mask is built and one launch covers every sequence of a step. The flash
+kernel takes bf16/fp16 with head dims that are multiples of 8 up to 256; other inputs (fp32 models,
+the CPU in tests) take SDPA with an explicit bottom-right mask, one sequence at a time.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from .. import Backend, KernelOps
+from ..ref.prefill_attention import per_sequence
 from .decode import decode_attention
 from .dequantize import dequantize
 from .quantize_pack import quantize_pack
 from .rotate import rotate_heads, rotate_new_rows
 
-__all__ = ["KERNEL_OPS", "prefill_attention"]
+__all__ = ["KERNEL_OPS", "prefill_attention", "prefill_attention_varlen"]
 
 
-def prefill_attention(q_rot, prefix_k, prefix_v, new_k, new_v, sm_scale):
-    """Same contract as ``kernels.ref.prefill_attention``, through PyTorch SDPA (flash/cuDNN/
-    efficient) with a bottom-right causal mask; the prefix arrives dequantized."""
+def _flash_ok(q: torch.Tensor) -> bool:
+    return (
+        q.is_cuda
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and q.shape[-1] % 8 == 0
+        and q.shape[-1] <= 256
+    )
+
+
+def _flash(q, k, v, cu_q, cu_k, max_q, max_k, sm_scale):
+    out = torch.ops.aten._flash_attention_forward(
+        q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous(), cu_q, cu_k, max_q, max_k,
+        0.0, True, False, scale=sm_scale,
+    )  # fmt: skip
+    return out[0]
+
+
+def _sdpa_masked(q_rot, prefix_k, prefix_v, new_k, new_v, sm_scale):
     t, hq = q_rot.shape[:2]
     hkv = new_k.shape[1]
     p = prefix_k.shape[0]
     k = torch.cat([prefix_k.to(q_rot.dtype), new_k.to(q_rot.dtype)]).transpose(0, 1)[None]
     v = torch.cat([prefix_v.to(q_rot.dtype), new_v.to(q_rot.dtype)]).transpose(0, 1)[None]
-    if p == 0:  # plain causal: lets SDPA pick the flash kernel
+    if p == 0:  # plain causal
         mask, causal = None, True
     else:
         pos = torch.arange(p + t, device=q_rot.device)
@@ -38,12 +61,30 @@ def prefill_attention(q_rot, prefix_k, prefix_v, new_k, new_v, sm_scale):
     return out[0].transpose(0, 1)
 
 
+def prefill_attention(q_rot, prefix_k, prefix_v, new_k, new_v, sm_scale):
+    """Same contract as ``kernels.ref.prefill_attention`` (see the module docstring)."""
+    if not _flash_ok(q_rot):
+        return _sdpa_masked(q_rot, prefix_k, prefix_v, new_k, new_v, sm_scale)
+    t, p = q_rot.shape[0], prefix_k.shape[0]
+    cu = torch.tensor([[0, t], [0, p + t]], dtype=torch.int32).to(q_rot.device, non_blocking=True)
+    k, v = torch.cat([prefix_k.to(q_rot.dtype), new_k]), torch.cat([prefix_v.to(q_rot.dtype), new_v])
+    return _flash(q_rot, k, v, cu[0], cu[1], t, p + t, sm_scale)
+
+
+def prefill_attention_varlen(q_rot, k, v, cu_q, cu_k, max_q, max_k, sm_scale):
+    """Same contract as ``kernels.ref.prefill_attention_varlen`` (see the module docstring)."""
+    if not _flash_ok(q_rot):
+        return per_sequence(_sdpa_masked, q_rot, k, v, cu_q, cu_k, sm_scale)
+    return _flash(q_rot, k, v, cu_q, cu_k, max_q, max_k, sm_scale)
+
+
 KERNEL_OPS = KernelOps(
     Backend.TRITON,
     quantize_pack,
     dequantize,
     decode_attention,
     prefill_attention,
+    prefill_attention_varlen,
     rotate_heads,
     rotate_new_rows,
 )
