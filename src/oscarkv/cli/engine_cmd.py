@@ -136,8 +136,6 @@ def generate_engine(args: argparse.Namespace, gen: Any) -> int:
     n_out = sum(len(o.token_ids) for o in outs)
     Console(stderr=True).print(
         f"[dim]{len(outs)} requests, {n_out} tokens in {secs:.1f}s ({n_out / secs:.1f} tok/s incl. loading); "
-        f"{llm.engine.runner.startup_report()}"
-        + (f"; wrote {args.out}" if args.out else "")
-        + "[/]"
+        f"{llm.engine.runner.startup_report()}" + (f"; wrote {args.out}" if args.out else "") + "[/]"
     )
     return 0

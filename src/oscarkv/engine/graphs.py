@@ -39,8 +39,9 @@ def batch_bucket(n: int, max_batch: int) -> int:
 
 
 def len_bucket(n: int) -> int:
-    """The planned length of lists of at most ``n`` tokens: ``MIN_LEN_BUCKET``, then powers of two."""
-    return max(MIN_LEN_BUCKET, 1 << max(n - 1, 0).bit_length())
+    """The planned length of lists of at most ``n`` tokens: 0 for none (the kernel's plan for
+    16-bit lists only differs), else ``MIN_LEN_BUCKET`` and then powers of two."""
+    return 0 if n <= 0 else max(MIN_LEN_BUCKET, 1 << (n - 1).bit_length())
 
 
 @dataclass

@@ -247,11 +247,16 @@ def _plan(batch: int, hq: int, hkv: int, d: int, max_q: int, max_h: int, sms: in
         )
     mq, mh = max(max_q, 1), max(max_h, 1)
     lp = int2_loop(d, hq // hkv, hkv, batch * mq, t)
+    if max_q == 0:  # 16-bit lists only (the BF16 engine): the byte loop with its own 16-bit tile
+        lp = lp._replace(hp_block=t.bf16_block, hp_stages=t.bf16_stages, warps=t.bf16_warps)
     units = batch * (hkv // lp.hpb)
     split_q = split_size(units, mq, lp, sms, t)
     sq = math.ceil(mq / split_q)
     slots = sms * t.per_sm if lp.loop != "bytes" else 0  # the byte loop keeps hp_split and no taper
-    split_h = hp_split_size(units, sq, mh, lp.hp_block, slots, t)
+    if max_q == 0 and t.bf16_per_sm and sms:
+        split_h = wave_split(units, mh, lp.hp_block, sms * t.bf16_per_sm, t.bf16_min_split, t)
+    else:
+        split_h = hp_split_size(units, sq, mh, lp.hp_block, slots, t)
     sh = math.ceil(mh / split_h)
     total = sq + sh
     splits = taper(units, sq, sh, split_q, split_h, mq, lp.block_n, slots, t)

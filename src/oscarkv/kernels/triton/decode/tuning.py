@@ -14,12 +14,12 @@ from dataclasses import dataclass, fields
 __all__ = ["DEFAULT_TUNING", "DecodeTuning"]
 
 # fields by the check they get
-_TILES = ("words_block_n", "swap_block_n", "bytes_block_n", "hp_block", "swap_hp_block")
+_TILES = ("words_block_n", "swap_block_n", "bytes_block_n", "hp_block", "swap_hp_block", "bf16_block")
 _POWERS = ("merge_d",)
-_COUNTS = ("num_warps", "bytes_warps", "num_stages", "hp_stages", "swap_hp_stages", "merge_warps", "swap_heads",
+_COUNTS = ("num_warps", "bytes_warps", "bf16_stages", "bf16_warps", "bf16_min_split", "num_stages", "hp_stages", "swap_hp_stages", "merge_warps", "swap_heads",
            "per_sm", "hp_split", "min_split", "split_gran", "programs", "programs_few", "min_waves", "max_waves")  # fmt: skip
 _SIZES = ("small_tokens", "swap_max_tokens", "swap_pair_tokens", "group_tokens", "int8_key_bytes", "few_units",
-          "split_cost", "sms", "hp_programs")  # fmt: skip
+          "split_cost", "sms", "hp_programs", "bf16_per_sm")  # fmt: skip
 _FLAGS = ("pdl",)
 _RATES = ("taper",)
 
@@ -93,6 +93,15 @@ class DecodeTuning:
     # INT2 splits that start after the first wave are shorter by this many positions per token of
     # a 16-bit split (0: off): 1-3% at most shapes (batch 8 / 32K 0.0604 -> 0.0586 ms); 7-10 lose
     taper: float = 4.0
+    # -- lists without INT2 tokens (the BF16 engine: every token in 16-bit pages) --------------
+    # the byte loop's 16-bit tile, pipeline depth and warps, and the splits: with bf16_per_sm > 0
+    # wave-filling splits (wave_split over sms x bf16_per_sm programs, at least bf16_min_split
+    # tokens), else hp_split tokens each
+    bf16_block: int = 32
+    bf16_stages: int = 3
+    bf16_warps: int = 4
+    bf16_per_sm: int = 0
+    bf16_min_split: int = 256
     # -- merge ----------------------------------------------------------------------------------
     # the merge as a programmatic dependent launch of stage 1 (compute capability >= 9)
     pdl: bool = True
