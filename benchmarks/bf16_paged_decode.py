@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import save
 from gpu_check import bench_graph, sdpa_best
 
-from oscarkv.quant import RowFormat
 from oscarkv.kernels.triton import decode as tdec
+from oscarkv.quant import RowFormat
 
 DEV = "cuda"
 HQ, HKV, D, PS = 32, 8, 128, 16
