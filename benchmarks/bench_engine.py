@@ -9,7 +9,9 @@ full length. ``--max-running auto`` gives each side the most jobs that fit at fu
 preemption); an integer sets it for both.
 
     python benchmarks/bench_engine.py --shape qwen3-8b --workload decode --jobs 40
-    python benchmarks/bench_engine.py --shape demo --device cpu --jobs 4 --prompt-len 32 --gen-len 8  # smoke
+    python benchmarks/bench_engine.py --shape demo --device cpu --jobs 4 --prompt-len 32 --gen-len 8 \
+        --kv-budget-gb 0.02  # CPU smoke
+    python benchmarks/bench_engine.py --shape qwen3-8b --write-model /tmp/m  # for oscarkv serve
 
 Reports jobs/min, output tok/s, TTFT and TPOT p50/p90, mean and peak running requests,
 preemptions, bytes per tier and peak GPU memory, and the int2/bf16 ratios; results through
@@ -240,7 +242,7 @@ def table(res: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="decode")
@@ -255,7 +257,13 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--name", help="result name (default: bench_engine_<shape>_<workload>)")
-    args = ap.parse_args()
+    ap.add_argument("--write-model", metavar="DIR", help="only write DIR/<shape> (config, tokenizer) and DIR/<shape>-rot (rotations), for serve")
+    args = ap.parse_args(argv)
+    if args.write_model:  # DIR/<shape> (config + tokenizer) and DIR/<shape>-rot (random rotations)
+        sh, root = SHAPES[args.shape], Path(args.write_model)
+        model_dir(args.shape, root, int(sh["max_position_embeddings"]))
+        random_rotations(sh["num_hidden_layers"], sh["head_dim"], root / f"{args.shape}-rot")
+        return {}
     p, g = WORKLOADS[args.workload]
     args.prompt_len, args.gen_len = args.prompt_len or p, args.gen_len or g
     shape = SHAPES[args.shape]
@@ -299,6 +307,7 @@ def main() -> None:
     hist = [(f"{args.shape}-{args.workload}-{kv}", m, float(r[m])) for kv, r in res.items()
             for m in ("jobs_per_min", "output_tok_s", "tpot_p50_ms")]  # fmt: skip
     save(name, {"args": vars(args), "budget_bytes": budget, "results": res}, md, hist)
+    return res
 
 
 if __name__ == "__main__":

@@ -123,3 +123,21 @@ def test_gpu_lane_splits_contiguously_and_fails_on_failures_unexpected_skips_and
     assert rc == 1 and "FAILED: unexpected skip: needs a CUDA device" in text
     rc, text = lane("none", "test_d or test_e")
     assert rc == 1 and "no test passed" in text and "unexpected skip: needs a CUDA device" in text
+
+
+def test_bench_engine_runs_both_kv_dtypes_at_one_budget(bench):
+    import bench_engine
+
+    res = bench_engine.main(["--shape", "demo", "--device", "cpu", "--jobs", "3", "--prompt-len", "24",
+                             "--gen-len", "5", "--kv-budget-gb", "0.02", "--name", "smoke"])  # fmt: skip
+    saved = json.loads((bench / "smoke.json").read_text())
+    assert saved["budget_bytes"] == int(0.02 * 2**30)
+    for kv in ("int2", "bf16"):
+        r = res[kv]
+        assert r["jobs"] == 3 and r["preemptions"] == 0 and r["running_peak"] == 3
+        assert r["output_tok_s"] > 0 and r["pool_bytes"] <= saved["budget_bytes"]
+        assert saved["results"][kv]["max_running"] == r["max_running"] >= 3
+    assert res["int2"]["int2_bytes"] > 0 and res["bf16"]["int2_bytes"] == 0
+    assert "int2 / bf16" in (bench / "smoke.md").read_text()
+    assert {r["benchmark"] for r in history(bench / "history.csv")} == {"smoke"}
+    sys.modules.pop("bench_engine", None)
