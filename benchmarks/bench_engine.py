@@ -257,7 +257,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--name", help="result name (default: bench_engine_<shape>_<workload>)")
-    ap.add_argument("--write-model", metavar="DIR", help="only write DIR/<shape> (config, tokenizer) and DIR/<shape>-rot (rotations), for serve")
+    ap.add_argument(
+        "--write-model",
+        metavar="DIR",
+        help="only write DIR/<shape> (config, tokenizer) and DIR/<shape>-rot (rotations), for serve",
+    )
     args = ap.parse_args(argv)
     if args.write_model:  # DIR/<shape> (config + tokenizer) and DIR/<shape>-rot (random rotations)
         sh, root = SHAPES[args.shape], Path(args.write_model)
