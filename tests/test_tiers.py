@@ -210,7 +210,7 @@ def _fake_ops() -> KernelOps:
     def dequantize(codes, meta, fmt: RowFormat, out_dtype=torch.float32) -> torch.Tensor:
         return meta[..., 0, :1].expand(*meta.shape[:2], fmt.head_dim).to(out_dtype)
 
-    return KernelOps(Backend.TORCH, quantize_pack, dequantize, None, None, None, None)
+    return KernelOps(Backend.TORCH, quantize_pack, dequantize, None, None, None, None, None)
 
 
 @st.composite

@@ -96,11 +96,13 @@ class DecodeTuning:
     # -- lists without INT2 tokens (the BF16 engine: every token in 16-bit pages) --------------
     # the byte loop's 16-bit tile, pipeline depth and warps, and the splits: with bf16_per_sm > 0
     # wave-filling splits (wave_split over sms x bf16_per_sm programs, at least bf16_min_split
-    # tokens), else hp_split tokens each
-    bf16_block: int = 32
-    bf16_stages: int = 3
+    # tokens), else hp_split tokens each. Swept on the H200 (benchmarks/bf16_paged_decode.py):
+    # 64 / 2 / 4 with 4 programs per SM reads 16-bit pages at 0.96-0.99x cuDNN SDPA on contiguous
+    # BF16 (batch 1-32, 8K-128K); 32 / 3 with hp_split tokens per program was 0.74-0.89x
+    bf16_block: int = 64
+    bf16_stages: int = 2
     bf16_warps: int = 4
-    bf16_per_sm: int = 0
+    bf16_per_sm: int = 4
     bf16_min_split: int = 256
     # -- merge ----------------------------------------------------------------------------------
     # the merge as a programmatic dependent launch of stage 1 (compute capability >= 9)
