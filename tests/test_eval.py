@@ -500,3 +500,32 @@ def _check_reference_quality(summ: dict[str, dict]) -> None:
 def test_build_cases_names_an_unusable_filler():
     with pytest.raises(ValueError, match="pass a larger filler"):
         build_cases(CharTok(), [500], [0.5], trials=1, needles=1, filler=["x = 1", "y = 2"] * 10)
+
+
+def test_text_sequences_from_user_data(tmp_path):
+    """``--data``: windows of the user's documents (files, JSONL records), not the stdlib text;
+    too little text is a one-line error naming the flags to lower."""
+    from oscarkv.calibration.data import CorpusError
+    from oscarkv.eval.runner import text_sequences
+
+    text = "".join(chr(97 + (i * 7) % 26) for i in range(300))
+    (tmp_path / "a.txt").write_text(text)
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "zz" * 100}) + "\n")
+    tok = CharTok()
+    got = text_sequences(tok, [tmp_path / "a.txt"], 2, 100, seed=0)
+    assert got.tolist() == [tok(text[:100])["input_ids"], tok(text[100:200])["input_ids"]]
+    both = text_sequences(tok, [tmp_path], 1, 450, seed=0)
+    stream = set(both[0].tolist())
+    assert tok("z")["input_ids"][0] in stream and tok("a")["input_ids"][0] in stream
+    with pytest.raises(CorpusError, match="--context, --ppl-sequences"):
+        text_sequences(tok, [tmp_path / "a.txt"], 4, 100, seed=0)
+
+
+def test_cli_eval_data_is_checked_before_the_model_loads(tmp_path, capsys):
+    from oscarkv.cli import main
+
+    rc = main(["eval", "--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "o"), "--methods", "bf16",
+               "--data", str(tmp_path / "missing.txt")])  # fmt: skip
+    assert rc != 0
+    err = capsys.readouterr().err
+    assert "missing.txt: no such file or directory" in err and "no-model" not in err

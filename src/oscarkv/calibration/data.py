@@ -296,11 +296,13 @@ def token_sequences(
     seq_len: int,
     seed: int = 0,
     split: str = "calib",
+    lower: str = "--tokens/--holdout-tokens",
 ) -> torch.Tensor:
     """``num_sequences`` contiguous windows of ``seq_len`` tokens: LongTensor ``[n, seq_len]``.
 
     Documents are tokenized in seeded order and joined with the EOS token. Raises
-    :class:`CorpusError` when the corpus holds fewer tokens than asked.
+    :class:`CorpusError` when the corpus holds fewer tokens than asked (its hint: add data or
+    lower the flags named by ``lower``).
     """
     need = num_sequences * seq_len
     quiet_length_warning(tokenizer)
@@ -316,6 +318,6 @@ def token_sequences(
         where = "the default corpus" if not sources else ", ".join(map(str, sources))
         raise CorpusError(
             f"{where} has {len(stream)} tokens, fewer than the {need} asked "
-            f"({num_sequences} sequences x {seq_len}); add data or lower --tokens/--holdout-tokens"
+            f"({num_sequences} sequences x {seq_len}); add data or lower {lower}"
         )
     return torch.tensor(stream[:need], dtype=torch.long).view(num_sequences, seq_len)

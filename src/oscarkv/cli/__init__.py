@@ -84,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flags(p)
     p.add_argument("--rotations", help="rotation artifact for the 'oscar' method")
     p.add_argument("--out", required=True, help="output directory (results.json, results.md, PNGs)")
+    p.add_argument(
+        "--data",
+        nargs="+",
+        help="UTF-8 text files, folders or JSONL to score (default: Python stdlib eval split)",
+    )
     _overwrite(p)
     _strict(p)
     add_dataclass_args(p, EvalConfig, "evaluation")

@@ -126,6 +126,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
+    from ..calibration.data import check_sources
     from ..config import EvalConfig, SpecError
     from ..eval import run_eval, summary_markdown, write_report
     from ..eval.report import REPORT_FILES
@@ -133,6 +134,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from ..utils.files import check_output_dir
 
     cfg = dataclass_from_args(EvalConfig, args)
+    data = [str(f) for f in check_sources(args.data)]
     if not args.rotations and "oscar" in cfg.method_list:
         raise SpecError(
             "method 'oscar' needs --rotations DIR (from `oscarkv calibrate`)",
@@ -151,7 +153,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     model, tok = load_model(args.model, device, args.dtype, info=info)
     t0 = time.perf_counter()
     rows = run_eval(
-        model, tok, rots, cfg, progress=lambda m: con.print(f"[dim]{time.perf_counter() - t0:6.0f}s[/] {m}")
+        model,
+        tok,
+        rots,
+        cfg,
+        progress=lambda m: con.print(f"[dim]{time.perf_counter() - t0:6.0f}s[/] {m}"),
+        data=args.data,
     )
     settings = {
         **dataclasses.asdict(cfg.effective()),
@@ -159,7 +166,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "model": args.model,
         "rotations": args.rotations,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        # the evaluation text and needle filler are this Python's standard library
+        # the user's files (perplexity, per-layer errors), else this Python's standard library;
+        # the needle filler is always the standard library
+        "data": data or None,
         "python": platform.python_version(),
         "seconds": round(time.perf_counter() - t0, 1),
     }

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from ..calibration.data import eval_sequences
+import torch
+
+from ..calibration.data import eval_sequences, token_sequences
 from ..config import EvalConfig
 from ..rotation import RotationSet, model_head_dim
 from .methods import get_method
@@ -13,7 +17,7 @@ from .tasks.attn_error import attention_metrics, hidden_state_errors
 from .tasks.needle import build_cases, run_cases
 from .tasks.ppl import batched_sequence_nlls, perplexity
 
-__all__ = ["passkey_at_context_cases", "run_eval"]
+__all__ = ["passkey_at_context_cases", "run_eval", "text_sequences"]
 
 
 def _depths(n: int) -> list[float]:
@@ -25,11 +29,31 @@ def _lengths(cfg: EvalConfig) -> list[int]:
     return sorted({max(256, cfg.context * (i + 1) // n) for i in range(n)})
 
 
+def text_sequences(
+    tokenizer: Any, data: Sequence[str | Path] | None, num_sequences: int, seq_len: int, seed: int
+) -> torch.Tensor:
+    """Scored text ``[n, seq_len]``: one window per standard-library module of the ``eval`` split
+    (:func:`~oscarkv.calibration.data.eval_sequences`), or, with ``data`` (files, folders, JSONL),
+    contiguous windows of the user's documents joined in seeded order."""
+    if not data:
+        return eval_sequences(tokenizer, num_sequences, seq_len, seed)
+    return token_sequences(
+        tokenizer, data, num_sequences, seq_len, seed, lower="--context, --ppl-sequences or --attn-sequences"
+    )
+
+
 def run_eval(
-    model: Any, tokenizer: Any, rotations: RotationSet | None, config: EvalConfig, progress: Any = None
+    model: Any,
+    tokenizer: Any,
+    rotations: RotationSet | None,
+    config: EvalConfig,
+    progress: Any = None,
+    data: Sequence[str | Path] | None = None,
 ) -> list[dict[str, Any]]:
     """Run ``config``'s tasks for its methods; returns rows with at least ``method``, ``task``,
-    ``metric``, ``value`` and ``bits_per_element``. ``progress(msg)`` is called between steps."""
+    ``metric``, ``value`` and ``bits_per_element``. ``progress(msg)`` is called between steps.
+    ``data``: the user's text for perplexity and the per-layer errors (default: the standard
+    library's ``eval`` split)."""
     cfg = config.effective()
     say = progress or (lambda msg: None)
     mcfg = model.config.get_text_config()
@@ -53,7 +77,7 @@ def run_eval(
 
     tasks = cfg.task_list
     if "ppl" in tasks:
-        seqs = eval_sequences(tokenizer, cfg.ppl_sequences, cfg.context, cfg.seed)
+        seqs = text_sequences(tokenizer, data, cfg.ppl_sequences, cfg.context, cfg.seed)
         ctx = cfg.context - cfg.ppl_continuation
         for name, m in methods.items():
             say(f"ppl: {name}")
@@ -111,7 +135,7 @@ def run_eval(
                 )
     if "attn-error" in tasks:
         say("attn-error")
-        seqs = eval_sequences(tokenizer, cfg.attn_sequences, min(cfg.context, 2048), cfg.seed + 1)
+        seqs = text_sequences(tokenizer, data, cfg.attn_sequences, min(cfg.context, 2048), cfg.seed + 1)
         am = attention_metrics(model, methods, seqs)
         hs = hidden_state_errors(model, {k: v for k, v in methods.items() if k != "bf16"}, seqs)
         for name in methods:
