@@ -201,9 +201,11 @@ def bench_one(
     )
     cfg = dataclasses.replace(base, max_running=mr)
     eng = Engine(cfg)
-    # warm-up: one request of the workload's prompt compiles the kernels, captures the decode graph
-    # of its context bucket (captures are lazy) and fills the allocator's cache
-    eng.add_request(prompts[0], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    # warm-up: one request of the workload's prompt length compiles the kernels, captures the
+    # decode graph of its context bucket (captures are lazy) and fills the allocator's cache; its
+    # tokens reversed, so that no job's prompt hits the prefix cache
+    warm = prompts[0][::-1]
+    eng.add_request(warm, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     while eng.has_unfinished():
         eng.step()
     eng.stats.update(steps=0, preemptions=0)
