@@ -19,7 +19,9 @@ __all__ = [
 ]
 
 ALL_EVAL_METHODS = "bf16,oscar,naive-int2,quarot-int2,clip-only,hadamard-int2,kivi2,turboquant-k3v3,int4"
-EVAL_TASKS = ("ppl", "passkey", "niah", "attn-error")
+EVAL_TASKS = ("ppl", "passkey", "niah", "attn-error", "chat-retrieval")
+#: the tasks run when --tasks is not given (chat-retrieval needs a chat template)
+DEFAULT_EVAL_TASKS = ("ppl", "passkey", "niah", "attn-error")
 #: ``EvalConfig.context`` when unset, without and with ``quick``
 DEFAULT_CONTEXT = 3072
 QUICK_CONTEXT = 1024
@@ -32,7 +34,7 @@ class EvalConfig:
 
     methods: str = help_field("comma-separated methods: " + ALL_EVAL_METHODS, default=ALL_EVAL_METHODS)
     tasks: str = help_field(
-        "comma-separated tasks: ppl, passkey, niah, attn-error", default=",".join(EVAL_TASKS)
+        "comma-separated tasks: " + ", ".join(EVAL_TASKS), default=",".join(DEFAULT_EVAL_TASKS)
     )
     context: int | None = help_field(
         "longest context in tokens (ppl sequence length, largest needle prompt); "
@@ -52,6 +54,10 @@ class EvalConfig:
         "extra passkey prompts at the full context (accuracy n; 0 = none)", default=100
     )
     niah_needles: int = help_field("needles per prompt in the niah task", default=4)
+    retrieval_prompts: int = help_field(
+        "chat-retrieval prompts at the full context (accuracy n)", default=100
+    )
+    retrieval_keys: int = help_field("key/value needles per chat-retrieval prompt", default=4)
     batch_size: int = help_field(
         "ppl sequences / needle prompts run together (equal lengths, no padding)", default=16
     )
@@ -95,7 +101,8 @@ class EvalConfig:
                 name, "context", "a positive integer (or None for the default)", self.context, True
             )
         for f in ("ppl_sequences", "ppl_continuation", "ppl_chunk", "needle_trials", "needle_depths",
-                  "needle_lengths", "niah_needles", "batch_size", "attn_sequences"):  # fmt: skip
+                  "needle_lengths", "niah_needles", "batch_size", "attn_sequences", "retrieval_prompts",
+                  "retrieval_keys"):  # fmt: skip
             v = getattr(self, f)
             if not is_int(v) or v < 1:
                 raise field_error(name, f, "a positive integer", v, True)
@@ -137,7 +144,7 @@ class EvalConfig:
         return dataclasses.replace(
             self, context=self._context(), ppl_sequences=1, ppl_continuation=QUICK_PPL_CONTINUATION,
             ppl_chunk=64, needle_trials=1, needle_depths=2, needle_lengths=1,
-            passkey_at_context=min(self.passkey_at_context, 1), niah_needles=2, attn_sequences=1, quick=False,
+            passkey_at_context=min(self.passkey_at_context, 1), niah_needles=2, retrieval_prompts=2, attn_sequences=1, quick=False,
         )  # fmt: skip
 
     def check_model_positions(self, max_positions: int | None) -> None:

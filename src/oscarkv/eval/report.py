@@ -80,12 +80,15 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     methods = list(dict.fromkeys(r["method"] for r in rows))
     ppl_rows = {r["method"]: r for r in rows if r["task"] == "ppl"}
     ppl = {m: r["value"] for m, r in ppl_rows.items()}
-    hits = {
-        r["method"]: r["hits"]
-        for r in rows
-        if r["task"] == "passkey" and r["metric"] == "accuracy_at_context" and r.get("hits")
+    hits_by = {
+        task: {
+            r["method"]: r["hits"]
+            for r in rows
+            if r["task"] == task and r["metric"] == "accuracy_at_context" and r.get("hits")
+        }
+        for task in ("passkey", "chat-retrieval")
     }
-    ref_hits = hits.get("bf16")
+    hits = hits_by["passkey"]
     out = []
     for m in methods:
         mine = [r for r in rows if r["method"] == m]
@@ -108,10 +111,11 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if at:
                 s[f"{task}_at_context"] = at[0]["value"]
                 s[f"{task}_n"] = at[0]["n"]
-                if task == "passkey" and ref_hits and at[0].get("hits") and m != "bf16":
-                    s["passkey_vs_bf16"], s["passkey_vs_bf16_se"] = _pair(
-                        paired_difference(at[0]["hits"], ref_hits)
-                    )
+                _vs_bf16(s, "passkey", m, hits)
+        at = [r for r in mine if r["task"] == "chat-retrieval"]
+        if at:
+            s["retrieval_at_context"], s["retrieval_n"] = at[0]["value"], at[0]["n"]
+            _vs_bf16(s, "retrieval", m, hits_by["chat-retrieval"])
         for metric in ("attn_kl", "attn_out_err", "hidden_err"):
             vals = [r["value"] for r in mine if r["task"] == "attn-error" and r["metric"] == metric]
             if vals:
@@ -128,6 +132,12 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _vs_bf16(s: dict[str, Any], key: str, method: str, hits: dict[str, list[int]]) -> None:
+    """``s[key + "_vs_bf16"]`` (and ``_se``): the paired per-prompt hit difference to BF16."""
+    if method != "bf16" and "bf16" in hits and method in hits:
+        s[f"{key}_vs_bf16"], s[f"{key}_vs_bf16_se"] = _pair(paired_difference(hits[method], hits["bf16"]))
+
+
 # a (value format, SE format) pair: a paired difference, with its standard error in key + "_se"
 PAIRED = ("{:+.3f}", "{:.3f}")
 PAIRED_LOG = ("{:+.4f}", "{:.4f}")
@@ -142,6 +152,8 @@ COLUMNS: list[tuple[str, str, str | tuple[str, str]]] = [
     ("passkey_vs_bf16", "Δ vs BF16 (± SE)", PAIRED),
     ("passkey_grid", "passkey grid", "{:.2f}"),
     ("niah_grid", "multi-needle grid", "{:.2f}"),
+    ("retrieval_at_context", "chat retrieval @ctx", "{:.2f}"),
+    ("retrieval_vs_bf16", "Δ vs BF16 (± SE)", PAIRED),
     ("attn_kl", "attn KL", "{:.2e}"),
     ("attn_out_err", "attn out err", "{:.2e}"),
     ("hidden_err", "hidden err", "{:.2e}"),
@@ -199,6 +211,9 @@ def summary_markdown(rows: list[dict[str, Any]], settings: dict[str, Any] | None
             )
         if n:
             notes += f"; passkey @ctx over n = {n} prompts (Δ: paired difference on the same prompts)"
+        rn = next((s.get("retrieval_n") for s in summ if s.get("retrieval_n")), None)
+        if rn:
+            notes += f"; chat retrieval over n = {rn} prompts (Δ: paired difference on the same prompts)"
         lines.append("")
         lines.append(f"_{notes}; attn/hidden errors are means over layers (relative; KL in nats)._")
     section = oscar_vs_baselines_markdown(summ)

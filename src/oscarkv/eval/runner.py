@@ -9,13 +9,14 @@ from typing import Any
 
 import torch
 
-from ..calibration.data import eval_sequences, token_sequences
+from ..calibration.data import eval_sequences, iter_documents, token_sequences
 from ..config import EvalConfig
 from ..rotation import RotationSet, model_head_dim
 from .methods import get_method
 from .tasks.attn_error import attention_metrics, hidden_state_errors
-from .tasks.needle import build_cases, run_cases
+from .tasks.needle import build_cases, filler_lines, run_cases
 from .tasks.ppl import batched_sequence_nlls, perplexity
+from .tasks.retrieval import build_retrieval_cases, run_retrieval
 
 __all__ = ["passkey_at_context_cases", "run_eval", "text_sequences"]
 
@@ -133,6 +134,16 @@ def run_eval(
                     needles=needles,
                     hits=[int(x) for x in ok],  # per prompt, same prompts for every method
                 )
+    if "chat-retrieval" in tasks:
+        lines = filler_lines() if not data else _user_lines(data, tokenizer)
+        cases = build_retrieval_cases(
+            tokenizer, cfg.context, cfg.retrieval_prompts, cfg.retrieval_keys, lines, seed=cfg.seed + 11
+        )
+        for name, m in methods.items():
+            say(f"chat-retrieval: {name} ({len(cases)} prompts)")
+            ok = run_retrieval(model, tokenizer, m, cases, cfg.batch_size)
+            row(name, "chat-retrieval", "accuracy_at_context", sum(ok) / len(ok), context_len=cfg.context,
+                n=len(ok), needles=cfg.retrieval_keys, hits=[int(x) for x in ok])  # fmt: skip
     if "attn-error" in tasks:
         say("attn-error")
         seqs = text_sequences(tokenizer, data, cfg.attn_sequences, min(cfg.context, 2048), cfg.seed + 1)
@@ -145,6 +156,16 @@ def run_eval(
             for layer, v in hs.get(name, {}).items():
                 row(name, "attn-error", "hidden_err", v, layer=layer, context_len=seqs.shape[1])
     return rows
+
+
+def _user_lines(data: Sequence[str | Path], tokenizer: Any, limit: int = 20000) -> list[str]:
+    """Up to ``limit`` non-empty lines of the user's documents, in their seeded order."""
+    out: list[str] = []
+    for doc in iter_documents(data, tokenizer):
+        out += [ln.rstrip() for ln in doc.splitlines() if ln.strip()]
+        if len(out) >= limit:
+            break
+    return out[:limit]
 
 
 def passkey_at_context_cases(tokenizer: Any, cfg: EvalConfig) -> list[Any]:
