@@ -10,13 +10,14 @@ from typing import Any
 import torch
 
 from ..config import CLIP_GRID_K, CLIP_GRID_V, CalibrationConfig, QuantSpec
-from ..rotation import LayerRotation, Provenance, RotationSet, config_fingerprint
+from ..rotation import LayerRotation, Provenance, RotationSet, config_fingerprint, rotated_offset
 from ..version import __version__
 from .capture import UnsupportedModelError, attention_geometry, capture_attention, check_supported
 from .data import token_sequences
 from .error import ClipSearch
 from .fit import fit_layer, fixed_layer
 from .loss_search import LossClipSearch
+from .offset_select import OffsetSelect
 from .select import RotationSelect
 from .stats import LayerStats
 
@@ -107,7 +108,8 @@ def calibrate(
     spec.group_for(d)
     model.eval()
     needs = LayerStats.needs_for(cfg.method, cfg.v_target)
-    n_cal = cfg.num_sequences if needs else 0
+    gather = needs | ({"mean"} if cfg.offsets != "none" else set())
+    n_cal = cfg.num_sequences if gather else 0
     n_all = n_cal + cfg.num_holdout_sequences
     ids = (
         token_sequences(tokenizer, data, n_all, cfg.seq_len, cfg.seed)
@@ -118,8 +120,9 @@ def calibrate(
     hold = list(ids[n_cal:])
 
     rots: dict[int, LayerRotation] = {}
-    if needs:
-        stats = {i: LayerStats(geo["num_heads"], hkv, d, needs) for i in layers}
+    means: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    if gather:
+        stats = {i: LayerStats(geo["num_heads"], hkv, d, gather, skip=spec.sink_tokens) for i in layers}
         _run(
             model,
             _batches(cal, cfg.batch_size),
@@ -129,7 +132,12 @@ def calibrate(
             progress,
         )
         for i in layers:
-            rots[i] = fit_layer(*stats[i].targets(cfg.method, cfg.v_target), cfg.granularity)
+            if needs:
+                rots[i] = fit_layer(*stats[i].targets(cfg.method, cfg.v_target), cfg.granularity)
+            else:
+                rots[i] = fixed_layer(cfg.method, d, hkv, cfg.granularity)
+            if "mean" in gather:
+                means[i] = stats[i].means()
             stats[i] = None  # type: ignore[assignment]  # free the K/V buffers early
     else:
         rots = {i: fixed_layer(cfg.method, d, hkv, cfg.granularity) for i in layers}
@@ -139,6 +147,16 @@ def calibrate(
         sel = RotationSelect(rots, spec, d, cfg.granularity)
         _run(model, _batches(hold, cfg.batch_size), _qkv(sel.update), layers, "rotation selection", progress)
         rots, selection = sel.apply()
+
+    # the offsets in the basis of the final rotations (the clip searches below score rows without them)
+    for i, (mk, mv) in means.items():
+        rots[i].k_offset = rotated_offset(mk, rots[i].k)
+        rots[i].v_offset = rotated_offset(mv, rots[i].v) if cfg.offsets != "k" else None
+    offset_choice: dict[str, dict[str, Any]] = {}
+    if cfg.offsets == "auto":
+        osel = OffsetSelect(rots, spec, d)
+        _run(model, _batches(hold, cfg.batch_size), _qkv(osel.update), layers, "offset selection", progress)
+        rots, offset_choice = osel.apply()
 
     search: dict[int, dict[str, float]] = {}
     loss_report: dict[str, Any] = {}
@@ -168,6 +186,7 @@ def calibrate(
         "data": [str(p) for p in data] if data else "python-stdlib",
         "clip_search": {str(k): v for k, v in search.items()} if search else "off",
         "rotation_select": selection or "off",
+        "offsets": {"mode": "auto", "choice": offset_choice} if offset_choice else cfg.offsets,
         **({"clip_loss": loss_report} if loss_report else {}),
         "holdout_tokens": sum(s.numel() for s in hold),
     }

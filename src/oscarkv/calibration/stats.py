@@ -27,10 +27,14 @@ def _gram(x: torch.Tensor) -> torch.Tensor:
 class LayerStats:
     """Accumulates one attention layer's statistics over calibration batches."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, needs: set[str]):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, needs: set[str], skip: int = 0):
         self.h, self.hkv, self.d = num_heads, num_kv_heads, head_dim
         self.g = num_heads // num_kv_heads
-        self.needs = needs  # subset of {"qq", "kv_buffer", "oo", "kk_vv"}
+        self.needs = needs  # subset of {"qq", "kv_buffer", "oo", "kk_vv", "mean"}
+        self.skip = skip  # "mean": the first positions of each sequence left out (the sink)
+        self.mean_n = 0
+        self.k_sum: torch.Tensor | None = None
+        self.v_sum: torch.Tensor | None = None
         self.tokens = 0
         self.qq: torch.Tensor | None = None
         self.oo: torch.Tensor | None = None
@@ -63,6 +67,11 @@ class LayerStats:
         if "kk_vv" in self.needs:
             self.kk = self._add(self.kk, _gram(k))
             self.vv = self._add(self.vv, _gram(v))
+        if "mean" in self.needs and k.shape[2] > self.skip:
+            ks, vs = k[:, :, self.skip :].to(torch.float64), v[:, :, self.skip :].to(torch.float64)
+            self.mean_n += ks.shape[0] * ks.shape[2]
+            self.k_sum = self._add(self.k_sum, ks.sum((0, 2)))
+            self.v_sum = self._add(self.v_sum, vs.sum((0, 2)))
         if "kv_buffer" in self.needs:
             # [B, H_kv, T, d] -> [B*T, H_kv, d] on the CPU, model dtype
             self.k_buf.append(k.detach().transpose(1, 2).reshape(-1, self.hkv, self.d).cpu())
@@ -103,6 +112,15 @@ class LayerStats:
         else:
             cv = self.c_v_oscar()
         return ck, cv.to(ck.device)
+
+    def means(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-KV-head mean key and value ``[H_kv, d]`` (float64, original basis) over the
+        positions past ``skip``."""
+        if self.k_sum is None or self.v_sum is None or not self.mean_n:
+            raise RuntimeError(
+                f"no key/value means were accumulated (sequences no longer than the {self.skip} skipped positions?)"
+            )
+        return self.k_sum / self.mean_n, self.v_sum / self.mean_n
 
     @staticmethod
     def needs_for(method: str, v_target: str) -> set[str]:

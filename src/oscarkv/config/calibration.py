@@ -6,11 +6,20 @@ from dataclasses import dataclass
 
 from .base import check_positions, field_error, help_field, is_int
 
-__all__ = ["CAL_METHODS", "CLIP_GRID_K", "CLIP_GRID_V", "CLIP_OBJECTIVES", "V_TARGETS", "CalibrationConfig"]
+__all__ = [
+    "CAL_METHODS",
+    "CLIP_GRID_K",
+    "CLIP_GRID_V",
+    "CLIP_OBJECTIVES",
+    "OFFSETS",
+    "V_TARGETS",
+    "CalibrationConfig",
+]
 
 CAL_METHODS = ("oscar", "hadamard", "identity", "ktk_vtv")
 V_TARGETS = ("oscar", "softmax")
 CLIP_OBJECTIVES = ("attn", "nll", "kl")
+OFFSETS = ("auto", "kv", "k", "none")
 CLIP_GRID_K = (0.0, 0.86, 0.88, 0.9, 0.92, 0.94, 0.96, 0.98)
 CLIP_GRID_V = (0.0, 0.82, 0.84, 0.86, 0.88, 0.9, 0.92, 0.94, 0.96)
 
@@ -50,8 +59,14 @@ class CalibrationConfig:
         default=False,
     )
     holdout_tokens: int = help_field(
-        "held-out tokens (beyond --tokens) for the clip search and the rotation selection",
+        "held-out tokens (beyond --tokens) for the clip search, the rotation selection and offsets auto",
         default=4096,
+    )
+    offsets: str = help_field(
+        "static channel offsets (calibrated means, rotated basis) subtracted from every stored key "
+        "and value, exact for attention: auto (kept per KV head where they lower the held-out "
+        "attention error) | kv | k | none (OSCAR as published)",
+        default="auto",
     )
     batch_size: int = help_field("sequences per forward pass", default=1)
     seed: int = help_field("seed for corpus sampling", default=0)
@@ -70,7 +85,8 @@ class CalibrationConfig:
             if not isinstance(getattr(self, f), bool):
                 raise field_error(name, f, "True or False", getattr(self, f), True)
         for f, allowed in (("granularity", ("layer", "kv_head")), ("method", CAL_METHODS),
-                           ("v_target", V_TARGETS), ("clip_objective", CLIP_OBJECTIVES)):  # fmt: skip
+                           ("v_target", V_TARGETS), ("clip_objective", CLIP_OBJECTIVES),
+                           ("offsets", OFFSETS)):  # fmt: skip
             v = getattr(self, f)
             if not isinstance(v, str) or v not in allowed:
                 raise field_error(name, f, " | ".join(allowed), v, True)
@@ -84,6 +100,10 @@ class CalibrationConfig:
                 "clip_per_layer",
                 "used only with --clip-search --clip-objective nll|kl (drop --clip-per-layer, or add those)",
                 self.clip_per_layer,
+            )
+        if self.offsets == "auto" and self.holdout_tokens < 1:
+            raise field_error(
+                name, "holdout_tokens", "> 0 when offsets is auto (or pass --offsets kv|k|none)", 0
             )
         if self.rotation_select and self.holdout_tokens < 1:
             raise field_error(
@@ -99,7 +119,7 @@ class CalibrationConfig:
 
     @property
     def num_holdout_sequences(self) -> int:
-        held = self.clip_search or self.rotation_select
+        held = self.clip_search or self.rotation_select or self.offsets == "auto"
         return -(-self.holdout_tokens // self.seq_len) if held else 0
 
     def check_model_positions(self, max_positions: int | None) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from ..kernels import KernelOps, pool_ops
 from ..quant import RowFormat
-from ..rotation import rotate_heads
+from ..rotation import LayerShift, rotate_heads
 from .kv_pool import LayerViews
 from .planner import DecodeTensors, PrefillTensors
 
@@ -29,6 +29,7 @@ class EngineAttention:
         r_k, r_v: float32 ``[d, d]`` or ``[Hkv, d, d]`` rotations on the pools' device, or both
             ``None`` (BF16 mode). ``r_v`` is needed even when absorbed: it rotates outputs back.
         values_prerotated: ``R_V`` is folded into ``v_proj`` (new values arrive rotated).
+        shift: the layer's static channel offsets (``None``: none).
         k_fmt, v_fmt: the layer's INT2 formats (per-layer clips); sm_scale: softmax scale.
     """
 
@@ -42,6 +43,7 @@ class EngineAttention:
         ops: KernelOps,
         sm_scale: float,
         values_prerotated: bool = False,
+        shift: LayerShift | None = None,
     ):
         if (r_k is None) != (r_v is None):
             raise ValueError("EngineAttention: r_k and r_v are both given (int2) or both None (bf16)")
@@ -51,6 +53,7 @@ class EngineAttention:
         self.r_v = None if r_v is None else r_v.float()
         self.k_fmt, self.v_fmt, self.ops, self.sm_scale = k_fmt, v_fmt, ops, sm_scale
         self.values_prerotated = values_prerotated
+        self.shift = shift
 
     def _rotate(self, x: torch.Tensor, r: torch.Tensor | None, inverse: bool = False) -> torch.Tensor:
         """Rows ``x [T, H, d]`` rotated by ``r`` in float32, rounded once to ``x.dtype``."""
@@ -65,6 +68,14 @@ class EngineAttention:
         """New tokens of all sequences, flat: ``q [T, Hq, d]``, ``k, v [T, Hkv, d]`` (model dtype,
         RoPE applied) -> ``[T, Hq, d]``. Each sequence attends to its pre-step prefix (fully
         visible) and causally to its own new tokens; then the step's writes are applied."""
+        if self.shift is not None:
+            k, v = self.shift.inputs(k, v, head_axis=-2)
+            return self.shift.output(self._prefill(q, k, v, pools, p), head_axis=-2)
+        return self._prefill(q, k, v, pools, p)
+
+    def _prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pools: LayerViews, p: PrefillTensors
+    ) -> torch.Tensor:
         ops = self.ops
         q_rot, k_rot = self._rotate(q, self.r_k), self._rotate(k, self.r_k)
         v_rot = v if self.values_prerotated else self._rotate(v, self.r_v)
@@ -110,6 +121,14 @@ class EngineAttention:
 
         Demotions first (they free ring rows), then the new K/V rows go to ``decode_dst``
         (``-1``: skipped), then attention over the post-step lists and the output rotation."""
+        if self.shift is not None:
+            k, v = self.shift.inputs(k, v, head_axis=-2)
+            return self.shift.output(self._decode(q, k, v, pools, p), head_axis=-2)
+        return self._decode(q, k, v, pools, p)
+
+    def _decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pools: LayerViews, p: DecodeTensors
+    ) -> torch.Tensor:
         ops = self.ops
         pool_ops.demote(pools, p.demote_src, p.demote_dst, ops)
         if self.r_k is None:

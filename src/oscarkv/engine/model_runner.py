@@ -21,7 +21,7 @@ from ..errors import InputError
 from ..kernels import resolve
 from ..kernels.devices import resolve_device
 from ..quant import RowFormat
-from ..rotation import RotationSet, load_rotations
+from ..rotation import LayerShift, RotationSet, load_rotations
 from .attention import EngineAttention
 from .graphs import DecodeGraphs, batch_bucket, len_bucket
 from .kv_pool import KVPool, budget_bytes, plan_pools
@@ -76,11 +76,14 @@ class ModelRunner:
         self.attn = []
         for i in range(s.num_layers):
             kf, vf = fmts[i] if fmts else self.pool.fmts[i]
-            r_k = r_vv = None
+            r_k = r_vv = shift = None
             if self.rotations is not None:
                 lr = self.rotations.layers[i]
                 r_k, r_vv = lr.k.to(self.device, torch.float32), lr.v.to(self.device, torch.float32)
-            self.attn.append(EngineAttention(i, r_k, r_vv, kf, vf, self.ops, scale, values_prerotated=absorb))
+                shift = LayerShift.build(lr, s.num_heads, absorb, self.device, self.dtype)
+            self.attn.append(
+                EngineAttention(i, r_k, r_vv, kf, vf, self.ops, scale, values_prerotated=absorb, shift=shift)
+            )
         self.generators: dict[str, torch.Generator] = {}
         self.fingerprint = self._fingerprint(config)
         # on CUDA decode steps are padded and bucketed, so eager and graph steps run the same plans
@@ -195,6 +198,8 @@ class ModelRunner:
                 lr = self.rotations.layers[i]
                 h.update(lr.k.float().cpu().numpy().tobytes())
                 h.update(lr.v.float().cpu().numpy().tobytes())
+                for off in (lr.k_offset, lr.v_offset):
+                    h.update(b"-" if off is None else off.float().cpu().numpy().tobytes())
         return h.digest()
 
     # ---- one step -------------------------------------------------------------------------

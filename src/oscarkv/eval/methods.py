@@ -146,9 +146,10 @@ class CacheMethod:
         kf, vf = self._formats(layer, k.shape[-1])
         sink, recent = self.spec.sink_tokens, self.spec.recent_tokens
         out = []
-        for x, r, f in ((k, lr.k, kf), (v, lr.v, vf)):
-            x_rot = rotate_heads(x.float(), r.float())
-            out.append(rotate_heads(fake_quant_middle(x_rot, f, sink, recent), r.float(), inverse=True))
+        for x, r, f, off in ((k, lr.k, kf, lr.k_offset), (v, lr.v, vf, lr.v_offset)):
+            c = 0.0 if off is None else off.float().to(x.device)[None, :, None, :]
+            x_rot = rotate_heads(x.float(), r.float()) - c  # every tier stores x − c; read back + c
+            out.append(rotate_heads(fake_quant_middle(x_rot, f, sink, recent) + c, r.float(), inverse=True))
         return out[0], out[1]
 
 

@@ -20,7 +20,7 @@ from ..config import QuantSpec
 from ..errors import ModelError
 from ..kernels import Backend, KernelOps, resolve
 from ..quant import RowFormat
-from ..rotation import RotationSet, attention_layer_ids, rotate_heads
+from ..rotation import LayerRotation, LayerShift, RotationSet, attention_layer_ids, rotate_heads
 from ..utils.models import supports_attention_interface
 from . import attention as attn
 from .absorb import ABSORBED_ATTR, absorb_value_rotation, v_fingerprint
@@ -42,10 +42,13 @@ class OscarCacheLayer(DynamicLayer):
         r_v: torch.Tensor,
         k_fmt: RowFormat,
         v_fmt: RowFormat,
+        rotation: LayerRotation | None = None,
     ):
         super().__init__()
         self.owner, self.layer_idx = owner, layer_idx
         self.r_k, self.r_v = r_k, r_v
+        self.rotation = rotation  # its static offsets, applied from the first attend on
+        self.shift: LayerShift | None = None
         self.k_fmt, self.v_fmt = k_fmt, v_fmt
         self.pools: LayerPools | None = None
         self.seen = 0
@@ -118,6 +121,17 @@ class OscarCacheLayer(DynamicLayer):
         plan = owner.plan(past, t, mask, bsz, query.device)
         self.pools.health.note_entry(key, value)
         scale = scaling if scaling is not None else 1.0 / math.sqrt(d)
+        if past == 0 and self.rotation is not None:
+            self.shift = LayerShift.build(
+                self.rotation, query.shape[1], owner.values_prerotated, key.device, key.dtype
+            )
+        if self.shift is not None:
+            key, value = self.shift.inputs(key, value, head_axis=1)
+            return self.shift.output(self._attend(plan, query, key, value, scale, ops), head_axis=2)
+        return self._attend(plan, query, key, value, scale, ops)
+
+    def _attend(self, plan: StepPlan, query, key, value, scale: float, ops: KernelOps) -> torch.Tensor:
+        owner = self.owner
         if plan.is_decode:
             return self._decode(plan, query[:, :, 0], key[:, :, 0], value[:, :, 0], scale, ops)[:, None]
         # Rotations run in float32 and round once to the model dtype. With 16-bit R (and 16-bit
@@ -221,7 +235,7 @@ class OscarCache(Cache):
             lr = rotations.layers[i]
             kf = RowFormat.from_spec(self.spec, d, "k", kc, quantizer)
             vf = RowFormat.from_spec(self.spec, d, "v", vc, quantizer)
-            layers.append(OscarCacheLayer(self, i, lr.k.float(), lr.v.float(), kf, vf))
+            layers.append(OscarCacheLayer(self, i, lr.k.float(), lr.v.float(), kf, vf, lr))
         super().__init__(layers=layers)
         self.table: SlotTable | None = None
         self._plan_key: tuple[int, int] | None = None

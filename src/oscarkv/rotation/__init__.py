@@ -11,6 +11,7 @@ from .compose import (
     is_power_of_two,
 )
 from .io import ARTIFACT_NAME, load_oscar_files, load_rotations, save_oscar_files, save_rotations
+from .offsets import LayerShift, rotated_offset
 from .rotation_set import (
     GRANULARITIES,
     ORTHO_TOL,
@@ -29,6 +30,7 @@ __all__ = [
     "GRANULARITIES",
     "ORTHO_TOL",
     "LayerRotation",
+    "LayerShift",
     "Provenance",
     "RotationFileError",
     "RotationSet",
@@ -45,6 +47,7 @@ __all__ = [
     "load_rotations",
     "model_head_dim",
     "rotate_heads",
+    "rotated_offset",
     "save_oscar_files",
     "save_rotations",
 ]

@@ -50,6 +50,8 @@ FORMAT = "oscarkv.rotations"
 FORMAT_VERSION = 1
 REQUIRED = ("format", "format_version", "granularity", "layer_ids", "head_dim", "clips", "spec", "provenance")
 TENSOR_NAMES = ("k.rotation", "v.rotation", "k.eigenvalues", "v.eigenvalues")
+#: tensors a layer may hold (static channel offsets, rotated basis)
+OPTIONAL_TENSOR_NAMES = ("k.offset", "v.offset")
 OVERWRITE_HINT = "pass overwrite=True (--overwrite on the command line) to replace it, or choose another path"
 REMAKE = "re-create the artifact with `oscarkv calibrate` (it was damaged or edited by hand)"
 _LAYER_TENSOR = re.compile(r"layers\.(\d+)\.")
@@ -91,8 +93,9 @@ class ArtifactMeta:
                         REMAKE,
                     )
             kc, vc = self.clips.get(i, (None, None))
-            layers[i] = LayerRotation(k, v, lk, lv, kc, vc)
-        known = {f"layers.{i}.{n}" for i in self.layer_ids for n in TENSOR_NAMES}
+            ko, vo = (tensors.get(f"layers.{i}.{n}") for n in OPTIONAL_TENSOR_NAMES)
+            layers[i] = LayerRotation(k, v, lk, lv, kc, vc, ko, vo)
+        known = {f"layers.{i}.{n}" for i in self.layer_ids for n in TENSOR_NAMES + OPTIONAL_TENSOR_NAMES}
         extra_layers, extra = set(), []
         for name in sorted(set(tensors) - known):
             m = _LAYER_TENSOR.match(name)
@@ -142,6 +145,11 @@ def artifact_tensors(rs: RotationSet) -> dict[str, torch.Tensor]:
             tensors[f"layers.{i}.{kind}.eigenvalues"] = (
                 lam.detach().float().cpu().clone(memory_format=torch.contiguous_format)
             )
+            off = lr.k_offset if kind == "k" else lr.v_offset
+            if off is not None:
+                tensors[f"layers.{i}.{kind}.offset"] = (
+                    off.detach().float().cpu().clone(memory_format=torch.contiguous_format)
+                )
     return tensors
 
 

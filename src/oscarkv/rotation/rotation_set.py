@@ -150,7 +150,9 @@ def config_fingerprint(config: Any) -> str:
 class LayerRotation:
     """One attention layer. Rotations are fp32 ``[d, d]`` (granularity ``layer``) or
     ``[H_kv, d, d]`` (``kv_head``); eigenvalues ``[d]`` / ``[H_kv, d]``, ascending as from eigh.
-    ``k_clip`` / ``v_clip`` override the spec's global ratios when not ``None``."""
+    ``k_clip`` / ``v_clip`` override the spec's global ratios when not ``None``. ``k_offset`` /
+    ``v_offset`` (fp32 ``[H_kv, d]``, rotated basis, or ``None``) are static channel offsets that
+    every stored key / value has subtracted (see :mod:`.offsets`)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -158,6 +160,8 @@ class LayerRotation:
     v_eigenvalues: torch.Tensor
     k_clip: float | None = None
     v_clip: float | None = None
+    k_offset: torch.Tensor | None = None
+    v_offset: torch.Tensor | None = None
 
 
 @dataclass
@@ -252,6 +256,23 @@ class RotationSet:
             for name, c in (("k_clip", lr.k_clip), ("v_clip", lr.v_clip)):
                 if not valid_clip(c):
                     raise err(f"layer {i} {name} is invalid", CLIP_RANGE, repr(c), CLIP_FIX)
+            for name, off in (("k_offset", lr.k_offset), ("v_offset", lr.v_offset)):
+                if off is None:
+                    continue
+                if not isinstance(off, torch.Tensor) or off.dim() != 2 or off.shape[-1] != d:
+                    found = tuple(off.shape) if isinstance(off, torch.Tensor) else _kind(off)
+                    raise err(f"layer {i} {name} has the wrong shape", f"[H_kv, {d}]", str(found), RERUN)
+                if heads is not None and off.shape[0] != heads:
+                    raise err(
+                        f"layer {i} {name} has the wrong shape",
+                        f"[{heads}, {d}]",
+                        str(tuple(off.shape)),
+                        RERUN,
+                    )
+                if not torch.isfinite(off).all():
+                    raise err(
+                        f"layer {i} {name} contains NaN or inf", "finite values", "non-finite entries", RERUN
+                    )
         if model_config is not None:
             self._check_model(model_config, source)
             self._check_fingerprint(model_config, source, strict, stacklevel)
@@ -322,10 +343,17 @@ class RotationSet:
                 + (f" (missing {missing})" if missing else "")
                 + (f" (extra {extra})" if extra else ""),
             )
-        if self.granularity == "kv_head":
-            kv = _config_int(_text_config(config, source), "num_key_value_heads", source)
-            if kv != self.num_kv_heads:
-                raise err("KV head count does not match the model", f"{kv}", f"{self.num_kv_heads}")
+        kv = _config_int(_text_config(config, source), "num_key_value_heads", source, need=False)
+        kv = kv or _config_int(_text_config(config, source), "num_attention_heads", source)
+        if self.granularity == "kv_head" and kv != self.num_kv_heads:
+            raise err("KV head count does not match the model", f"{kv}", f"{self.num_kv_heads}")
+        for i in self.layer_ids:
+            for name in ("k_offset", "v_offset"):
+                off = getattr(self.layers[i], name)
+                if off is not None and off.shape[0] != kv:
+                    raise err(
+                        f"layer {i} {name} does not match the model's KV heads", f"{kv}", f"{off.shape[0]}"
+                    )
 
 
 def _ortho_error(r: torch.Tensor) -> float:
