@@ -33,7 +33,9 @@ def _without(rs: RotationSet) -> RotationSet:
     return RotationSet(layers, rs.spec, rs.granularity, rs.provenance)
 
 
-def test_calibration_measures_offsets_in_the_rotated_basis(rotations: RotationSet, tmp_path: Path) -> None:
+def test_calibration_measures_offsets_in_the_rotated_basis(
+    rotations: RotationSet, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     cfg = load_model(DEMO, "cpu", "fp32")[0].config
     hkv = cfg.num_key_value_heads
     for lr in rotations.layers.values():
@@ -43,6 +45,11 @@ def test_calibration_measures_offsets_in_the_rotated_basis(rotations: RotationSe
     # the demo model's keys carry a channel mean far above its values'
     assert rotations.layers[0].k_offset.norm() > 5 * rotations.layers[0].v_offset.norm()
     back = load_rotations(save_rotations(rotations, tmp_path))
+    from oscarkv.cli import main
+
+    assert main(["info", str(tmp_path)]) == 0
+    n = len(rotations.layer_ids) * hkv
+    assert f"kv: K in {n} of {n}, V in {n} of {n}" in capsys.readouterr().out
     for i, lr in rotations.layers.items():
         assert torch.equal(back.layers[i].k_offset, lr.k_offset)
         assert torch.equal(back.layers[i].v_offset, lr.v_offset)

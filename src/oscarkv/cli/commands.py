@@ -46,11 +46,20 @@ def cmd_info(args: argparse.Namespace) -> int:
     bpe = [f"{n // 1024}K: {spec.bits_per_element(n, rs.head_dim):.3f}" for n in (4096, 32768, 131072)]
     t.add_row("bits/element", f"tier {spec.bits_per_element(None, rs.head_dim):.3f}; " + ", ".join(bpe))
     if p.recipe:
-        skip = ("clip_search", "rotation_select")
+        skip = ("clip_search", "rotation_select", "offsets")
         t.add_row("recipe", ", ".join(f"{k}={v}" for k, v in p.recipe.items() if k not in skip))
         sel = p.recipe.get("rotation_select")
         if isinstance(sel, dict):
             t.add_row("rotation selection", "; ".join(f"{i}: K {c['k']}, V {c['v']}" for i, c in sel.items()))
+    offs = {kind: [getattr(lr, f"{kind}_offset") for lr in rs.layers.values()] for kind in ("k", "v")}
+    kept = {
+        kind: sum(int((o.abs().sum(-1) > 0).sum()) for o in os if o is not None) for kind, os in offs.items()
+    }
+    hkv = rs.num_kv_heads or next((o.shape[0] for os in offs.values() for o in os if o is not None), None)
+    mode = p.recipe.get("offsets", "none") if p.recipe else "none"
+    mode = "auto" if isinstance(mode, dict) else mode
+    of = f" of {len(rs.layer_ids) * hkv}" if hkv else ""
+    t.add_row("channel offsets", f"{mode}: K in {kept['k']}{of}, V in {kept['v']}{of} (layer, KV head) pairs")
     if p.config_hash:
         t.add_row("model config hash", p.config_hash)
     if p.library_version:
