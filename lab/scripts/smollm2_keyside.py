@@ -463,8 +463,9 @@ def main():
             res["variants"][var.name] = r
             base = res["variants"].get("bf16", {}).get("ppl")
             ratio = f"{r['ppl'] / base:.4f}x" if base else ""
+            rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
             log(f"{var.name:34s} ppl {r['ppl']:.4f} {ratio} kl {r['kl_per_tok']:.4f} "
-                f"bits@128K {r['bits']['at_128k']:.3f} ({r['seconds']}s)")  # fmt: skip
+                f"bits@128K {r['bits']['at_128k']:.3f} ({r['seconds']}s, rss {rss:.1f} GiB)")  # fmt: skip
             save()
 
         def ppl(name):
@@ -494,12 +495,20 @@ def main():
         run(replace(base, name=f"K2V2 +koff{sfx} no-kclip", k_clip=0.0))
         run(replace(base, name=f"K2V2 {'+voff ' if sfx else ''}K per-channel/64tok", k_off="none",
                     kquant="perchannel", ktok_group=64, note="KIVI-style keys in the rotated basis"))  # fmt: skip
+        # value-side floor and the koff/voff split at high key bits
+        run(V("K4V2 +koff", kbits=4, k_off="static"))
+        run(V("K16V2", kbits=None, note="exact keys: the value-side floor"))
+        run(V("K16V2 +voff", kbits=None, v_off="static"))
+        run(replace(base, name=f"K2V2 +koff{sfx} kclip0.92", k_clip=0.92))
+        run(replace(base, name=f"K2V2 +koff{sfx} sym +kscale a0.5", kquant="symmetric", k_alpha=0.5))
         n = args.n_mixed
         if "sens_kl" in res:
             hi = top("sens_kl", n)
             res["mixed_layers_kl"] = hi
             run(replace(base, name=f"K4x{n}/K2 (KL rank) +koff{sfx}", layer_kbits={i: 4 for i in hi}))
             run(replace(base, name=f"K3x{n}/K2 (KL rank) +koff{sfx}", layer_kbits={i: 3 for i in hi}))
+            for m in (3, 5):
+                run(replace(base, name=f"K4x{m}/K2 (KL rank) +koff{sfx}", layer_kbits={i: 4 for i in hi[:m]}))
         hi_a = top("sens_attn", n)
         res["mixed_layers_attn"] = hi_a
         run(replace(base, name=f"K4x{n}/K2 (attn rank) +koff{sfx}", layer_kbits={i: 4 for i in hi_a}))
