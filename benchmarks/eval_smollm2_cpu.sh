@@ -1,7 +1,7 @@
 #!/bin/bash
 # SmolLM2-135M-Instruct on the CPU: calibrate with offsets auto / none, then `oscarkv eval` ppl for
 # bf16, both artifacts' oscar and turboquant-k3v3 at 2K context (real OscarCache path).
-# usage: bash lab/scripts/smollm2_offsets_eval.sh MODEL_DIR OUT_DIR
+# usage: bash benchmarks/eval_smollm2_cpu.sh MODEL_DIR OUT_DIR
 set -eu
 M=$1; O=$2; mkdir -p "$O"
 for off in auto none; do
