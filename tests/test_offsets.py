@@ -147,10 +147,17 @@ def _attn_err(model, tok, methods: dict, n: int = 2) -> dict[str, float]:
 def test_auto_keeps_offsets_only_where_the_held_out_error_drops() -> None:
     model, tok = load_model(DEMO, "cpu", "fp32")
     rs = calibrate(model, tok, CalibrationConfig(tokens=1024, seq_len=512, holdout_tokens=1024))
-    choice = rs.provenance.recipe["offsets"]["choice"]
+    rec = rs.provenance.recipe["offsets"]["choice"]
+    choice = rec["heads"]
     assert set(choice) == {str(i) for i in rs.layer_ids}
+    # the per-head choice stands only where it lowers the held-out NLL; else no offsets at all
+    assert rec["kept"] == (rec["nll_with"] < rec["nll_without"])
+    if not rec["kept"]:
+        assert all(lr.k_offset is None and lr.v_offset is None for lr in rs.layers.values())
     for i, c in choice.items():
         assert c["err_chosen"] <= min(c["err_none"], c["err_both"]) + 1e-12
+        if not rec["kept"]:
+            continue
         lr = rs.layers[int(i)]
         for kind in ("k", "v"):
             off = getattr(lr, f"{kind}_offset")

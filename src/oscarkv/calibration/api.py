@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -16,7 +17,7 @@ from .capture import UnsupportedModelError, attention_geometry, capture_attentio
 from .data import token_sequences
 from .error import ClipSearch
 from .fit import fit_layer, fixed_layer
-from .loss_search import LossClipSearch
+from .loss_search import LossClipSearch, held_out_nll
 from .offset_select import OffsetSelect
 from .select import RotationSelect
 from .stats import LayerStats
@@ -156,7 +157,14 @@ def calibrate(
     if cfg.offsets == "auto":
         osel = OffsetSelect(rots, spec, d)
         _run(model, _batches(hold, cfg.batch_size), _qkv(osel.update), layers, "offset selection", progress)
-        rots, offset_choice = osel.apply()
+        picked, heads = osel.apply()
+        # the per-head choice stands only if it also lowers the held-out NLL of the whole model
+        bare = {i: dataclasses.replace(lr, k_offset=None, v_offset=None) for i, lr in rots.items()}
+        nll = {name: held_out_nll(model, r, spec, d, _batches(hold, cfg.batch_size))
+               for name, r in (("with", picked), ("without", bare))}  # fmt: skip
+        rots = picked if nll["with"] < nll["without"] else bare
+        offset_choice = {"heads": heads, "nll_with": nll["with"], "nll_without": nll["without"],
+                         "kept": nll["with"] < nll["without"]}  # fmt: skip
 
     search: dict[int, dict[str, float]] = {}
     loss_report: dict[str, Any] = {}

@@ -24,7 +24,7 @@ from ..quant import RowFormat, fake_quantize_rows
 from ..rotation import LayerRotation, rotate_heads
 from .capture import route_attention
 
-__all__ = ["LossClipSearch", "coordinate_search", "windowed_fake_quant_attention"]
+__all__ = ["LossClipSearch", "coordinate_search", "held_out_nll", "windowed_fake_quant_attention"]
 
 LOSS_IMPL = "oscarkv_loss_search"
 _HOOK = "_oscarkv_loss_search"
@@ -53,7 +53,10 @@ def windowed_fake_quant_attention(
     rk, rv = rot.k.float(), rot.v.float()
     qr = rotate_heads(q.float(), rk).reshape(b, hkv, g * tq, d)  # query heads grouped per KV head
     kr, vr = rotate_heads(k.float(), rk), rotate_heads(v.float(), rv)
-    kq, vq = fake_quantize_rows(kr, kf), fake_quantize_rows(vr, vf)
+    # the quantized tier stores rows minus the layer's channel offsets (read back plus them)
+    ck = 0.0 if rot.k_offset is None else rot.k_offset.float().to(q.device)[None, :, None, :]
+    cv = 0.0 if rot.v_offset is None else rot.v_offset.float().to(q.device)[None, :, None, :]
+    kq, vq = fake_quantize_rows(kr - ck, kf) + ck, fake_quantize_rows(vr - cv, vf) + cv
     i = torch.arange(t - tq, t, device=q.device).repeat(g)[:, None]
     j = torch.arange(t, device=q.device)[None, :]
     exact = (j < sink) | (i - j < recent)
@@ -119,6 +122,25 @@ def _neighbours(grid: tuple[float, ...], value: float) -> tuple[float, ...]:
     """``value``'s neighbours in the sorted ``grid`` (the per-layer pass moves one step)."""
     i = grid.index(value)
     return grid[max(i - 1, 0) : i + 2]
+
+
+def held_out_nll(
+    model: Any,
+    rotations: dict[int, LayerRotation],
+    spec: QuantSpec,
+    head_dim: int,
+    batches: Sequence[torch.Tensor],
+) -> float:
+    """Mean held-out suffix NLL of the fake-quantized model with ``rotations`` (their clips, else
+    the spec's; their offsets) on ``batches`` (each ``[B, T]``)."""
+    ls = LossClipSearch(model, rotations, spec, head_dim, (spec.k_clip,), (spec.v_clip,), "nll")
+    for b in batches:
+        ls.add(b)
+    clips = {
+        i: (spec.k_clip if lr.k_clip is None else lr.k_clip, spec.v_clip if lr.v_clip is None else lr.v_clip)
+        for i, lr in rotations.items()
+    }
+    return ls.loss(clips)
 
 
 class LossClipSearch:

@@ -65,7 +65,7 @@ class CalibrationConfig:
     offsets: str = help_field(
         "static channel offsets (calibrated means, rotated basis) subtracted from every stored key "
         "and value, exact for attention: auto (kept per KV head where they lower the held-out "
-        "attention error) | kv | k | none (OSCAR as published)",
+        "attention error, if that lowers the held-out NLL) | kv | k | none (OSCAR as published)",
         default="auto",
     )
     batch_size: int = help_field("sequences per forward pass", default=1)
