@@ -43,7 +43,7 @@ from oscarkv.calibration.capture import capture_attention, route_attention
 from oscarkv.calibration.data import eval_sequences, token_sequences
 from oscarkv.config import CalibrationConfig, QuantSpec
 from oscarkv.quant import RowFormat, fake_quantize_rows
-from oscarkv.quant.quantizer import quantize_asymmetric, dequantize_affine
+from oscarkv.quant.quantizer import dequantize_affine, quantize_asymmetric
 from oscarkv.rotation import load_rotations, rotate_heads, save_rotations
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -206,7 +206,9 @@ class Router:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         if self.var is None or self.var.exact_sdpa:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+            return sdpa_attention_forward(
+                module, query, key, value, attention_mask, scaling=scaling, **kwargs
+            )
         i = int(module.layer_idx)
         return fake_attention(query, key, value, scaling, self.var, self.layers[i], i), None
 
@@ -225,10 +227,12 @@ class Scorer:
             for j in range(0, len(seqs), batch):
                 s = seqs[j : j + batch]
                 cache = DynamicCache()
-                first = model(input_ids=s[:, :ctx], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+                first = model(
+                    input_ids=s[:, :ctx], past_key_values=cache, use_cache=True, logits_to_keep=1
+                ).logits
                 self.batches.append({"seq": s, "cache": cache, "first": first.float()})
         self.ref = None  # exact log-probs (fp16) per batch, for KL
-        self.ref = [self._logprobs(bt) .half() for bt in self.batches]
+        self.ref = [self._logprobs(bt).half() for bt in self.batches]
 
     def _logprobs(self, bt) -> torch.Tensor:
         s, cache = bt["seq"], bt["cache"]
@@ -245,7 +249,7 @@ class Scorer:
         self.router.var = var
         nll, kl, n, per_seq = 0.0, 0.0, 0, []
         try:
-            for bt, ref in zip(self.batches, self.ref):
+            for bt, ref in zip(self.batches, self.ref, strict=True):
                 lp = self._logprobs(bt)
                 tgt = bt["seq"][:, self.ctx :]
                 tok = -lp.gather(-1, tgt[..., None])[..., 0].double()
@@ -256,8 +260,13 @@ class Scorer:
                 n += tgt.numel()
         finally:
             self.router.var = None
-        return {"ppl": math.exp(nll / n), "nll_per_tok": nll / n, "kl_per_tok": kl / n, "tokens": n,
-                "seq_nll": per_seq}
+        return {
+            "ppl": math.exp(nll / n),
+            "nll_per_tok": nll / n,
+            "kl_per_tok": kl / n,
+            "tokens": n,
+            "seq_nll": per_seq,
+        }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,7 +307,13 @@ def kv_stats(model, windows, rs, hkv, g, d):
         sl = slice(SINK, None)
         kk = k[:, :, sl].double()
         vv = v[:, :, sl].double()
-        qq = q[:, :, sl].double().reshape(q.shape[0], hkv, g, -1, d).transpose(2, 3).reshape(q.shape[0], hkv, -1, d)
+        qq = (
+            q[:, :, sl]
+            .double()
+            .reshape(q.shape[0], hkv, g, -1, d)
+            .transpose(2, 3)
+            .reshape(q.shape[0], hkv, -1, d)
+        )
         for name, x in (("k", kk), ("v", vv), ("q", qq)):
             a[name + "_n"] = a.get(name + "_n", 0) + x.shape[0] * x.shape[2]
             a[name + "_s"] = a.get(name + "_s", 0) + x.sum((0, 2))
@@ -392,14 +407,20 @@ def main():
     st = kv_stats(model, cal, rs, hkv, g, d)
     router = Router()
     router.layers = {
-        i: LayerData(rs.layers[i].k, rs.layers[i].v, st[i]["kmean"], st[i]["kstd"], st[i]["vmean"], st[i]["qrms"])
+        i: LayerData(
+            rs.layers[i].k, rs.layers[i].v, st[i]["kmean"], st[i]["kstd"], st[i]["vmean"], st[i]["qrms"]
+        )
         for i in layers
     }
     # how big is the key mean relative to the key spread? (rotated basis, per layer)
     res["stats"] = {
         str(i): {
-            "k_mean_energy_frac": float((st[i]["kmean"] ** 2).sum() / ((st[i]["kmean"] ** 2) + st[i]["kstd"] ** 2).sum()),
-            "v_mean_energy_frac": float((st[i]["vmean"] ** 2).sum() / ((st[i]["vmean"] ** 2) + st[i]["vstd"] ** 2).sum()),
+            "k_mean_energy_frac": float(
+                (st[i]["kmean"] ** 2).sum() / ((st[i]["kmean"] ** 2) + st[i]["kstd"] ** 2).sum()
+            ),
+            "v_mean_energy_frac": float(
+                (st[i]["vmean"] ** 2).sum() / ((st[i]["vmean"] ** 2) + st[i]["vstd"] ** 2).sum()
+            ),
             "k_std_max_over_median": float((st[i]["kstd"].amax(-1) / st[i]["kstd"].median(-1).values).mean()),
         }
         for i in layers
@@ -421,10 +442,15 @@ def main():
         probe = Variant("k2-probe", kbits=2, vbits=None, k_off="static")
         if "sens_attn" not in res:
             log("attention-error sensitivity ...")
-            res["sens_attn"] = {str(k): v for k, v in attn_sensitivity(model, router, hold, args.score - 1, probe, layers).items()}
+            res["sens_attn"] = {
+                str(k): v
+                for k, v in attn_sensitivity(model, router, hold, args.score - 1, probe, layers).items()
+            }
             res["sens_attn_k4"] = {
                 str(k): v
-                for k, v in attn_sensitivity(model, router, hold, args.score - 1, replace(probe, kbits=4), layers).items()
+                for k, v in attn_sensitivity(
+                    model, router, hold, args.score - 1, replace(probe, kbits=4), layers
+                ).items()
             }
             save()
         if "sens_kl" not in res and not args.no_kl_sensitivity:
@@ -463,7 +489,7 @@ def main():
             res["variants"][var.name] = r
             base = res["variants"].get("bf16", {}).get("ppl")
             ratio = f"{r['ppl'] / base:.4f}x" if base else ""
-            rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+            rss = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
             log(f"{var.name:34s} ppl {r['ppl']:.4f} {ratio} kl {r['kl_per_tok']:.4f} "
                 f"bits@128K {r['bits']['at_128k']:.3f} ({r['seconds']}s, rss {rss:.1f} GiB)")  # fmt: skip
             save()
@@ -473,7 +499,14 @@ def main():
 
         V = Variant
         run(V("bf16", kbits=None, vbits=None, exact_sdpa=True))
-        run(V("bf16-via-fakeq-path", kbits=None, vbits=None, note="sanity: exact K/V through the patched attention"))
+        run(
+            V(
+                "bf16-via-fakeq-path",
+                kbits=None,
+                vbits=None,
+                note="sanity: exact K/V through the patched attention",
+            )
+        )
         run(V("K2V2 (published)"))
         run(V("K4V2", kbits=4))
         run(V("K3V2", kbits=3))
