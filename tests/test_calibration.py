@@ -591,7 +591,7 @@ def test_hadamard_and_identity_methods(models, tok, corpus):
     h = hadamard_ref(D)
     torch.testing.assert_close(h @ h.T, torch.eye(D, dtype=torch.float64))
     for method, expected in (("hadamard", h), ("identity", torch.eye(D, dtype=torch.float64))):
-        cfg = CalibrationConfig(tokens=256, seq_len=128, method=method, clip_search=False)
+        cfg = CalibrationConfig(tokens=256, seq_len=128, method=method, clip_search=False, offsets="none")
         rs = calibrate(models["llama"], tok, cfg, SPEC, data=corpus)
         assert rs.layer_ids == list(range(N_LAYERS))
         assert rs.provenance.recipe["tokens"] == 0  # data-free: no statistics pass
@@ -977,7 +977,7 @@ def test_hybrid_model_full_attention_layers_are_calibrated(tok, corpus):
 def test_corpus_too_small_names_both_counts(models, tok, tmp_path):
     small = tmp_path / "small.txt"
     small.write_text("x" * 50)  # 50 characters + one EOS = 51 tokens
-    cfg = CalibrationConfig(tokens=256, seq_len=128, clip_search=False)
+    cfg = CalibrationConfig(tokens=256, seq_len=128, clip_search=False, offsets="none")
     with pytest.raises(CorpusError, match="has 51 tokens, fewer than the 256 asked") as e:
         calibrate(models["llama"], tok, cfg, SPEC, data=[small])
     msg = str(e.value)
@@ -1026,7 +1026,8 @@ def test_calibration_config_errors_name_the_field(field, value):
 def test_clip_search_needs_holdout():
     with pytest.raises(SpecError, match="holdout_tokens"):
         CalibrationConfig(holdout_tokens=0, clip_search=True)
-    assert CalibrationConfig(holdout_tokens=0).num_holdout_sequences == 0  # the search is off by default
+    # the search is off by default
+    assert CalibrationConfig(holdout_tokens=0, offsets="none").num_holdout_sequences == 0
     cfg = CalibrationConfig(tokens=300, seq_len=128, holdout_tokens=129, clip_search=True)
     assert (cfg.num_sequences, cfg.num_holdout_sequences) == (3, 2)
 
@@ -1034,7 +1035,7 @@ def test_clip_search_needs_holdout():
 def test_rotation_select_needs_holdout_and_is_off_by_default():
     assert CalibrationConfig().rotation_select is False
     with pytest.raises(SpecError, match=r"holdout_tokens.*rotation_select"):
-        CalibrationConfig(holdout_tokens=0, rotation_select=True)
+        CalibrationConfig(holdout_tokens=0, rotation_select=True, offsets="none")
     cfg = CalibrationConfig(tokens=300, seq_len=128, holdout_tokens=129, rotation_select=True)
     assert cfg.num_holdout_sequences == 2
 
@@ -1162,7 +1163,7 @@ def test_cli_corpus_error_is_exit_code_2(saved_model, tmp_path, capsys):
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("the of")
     argv = ["calibrate", "--model", str(model_dir), "--out", str(tmp_path / "o"), "--data", str(tiny)]
-    assert main([*argv, *CLI_SMALL, "--no-clip-search"]) == 2
+    assert main([*argv, *CLI_SMALL, "--no-clip-search", "--offsets", "none"]) == 2
     assert "fewer than the 256 asked" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 

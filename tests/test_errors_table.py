@@ -783,7 +783,18 @@ def test_calibrate_refuses_then_overwrites_only_its_own_files(
     world: World, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "cal"
-    argv = [*cal(world, out=out), "--tokens", "256", "--seq-len", "128", "--holdout-tokens", "0", "--quiet"]
+    argv = [
+        *cal(world, out=out),
+        "--tokens",
+        "256",
+        "--seq-len",
+        "128",
+        "--holdout-tokens",
+        "0",
+        "--offsets",
+        "none",
+        "--quiet",
+    ]
     assert main(argv) == 0
     first = capsys.readouterr()
     assert "Token indices" not in first.err + first.out  # transformers' long-input warning is silenced

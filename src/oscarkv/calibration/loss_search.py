@@ -124,23 +124,34 @@ def _neighbours(grid: tuple[float, ...], value: float) -> tuple[float, ...]:
     return grid[max(i - 1, 0) : i + 2]
 
 
+@torch.inference_mode()
 def held_out_nll(
     model: Any,
     rotations: dict[int, LayerRotation],
     spec: QuantSpec,
     head_dim: int,
     batches: Sequence[torch.Tensor],
+    n_score: int = 1024,
 ) -> float:
-    """Mean held-out suffix NLL of the fake-quantized model with ``rotations`` (their clips, else
-    the spec's; their offsets) on ``batches`` (each ``[B, T]``)."""
+    """Mean next-token NLL of the last ``n_score`` tokens of each of ``batches`` (``[B, T]``), one
+    forward each with every attention layer fake-quantized as the cache stores it (``rotations``'
+    clips, else the spec's; their offsets). No cache is kept, so hybrid models work too."""
     ls = LossClipSearch(model, rotations, spec, head_dim, (spec.k_clip,), (spec.v_clip,), "nll")
-    for b in batches:
-        ls.add(b)
-    clips = {
+    ls.clips = {
         i: (spec.k_clip if lr.k_clip is None else lr.k_clip, spec.v_clip if lr.v_clip is None else lr.v_clip)
         for i, lr in rotations.items()
     }
-    return ls.loss(clips)
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for b in batches:
+        ids = b.to(device)
+        n = min(n_score, ids.shape[1] - 1)
+        with _patched(model, ls):
+            logits = model(input_ids=ids, use_cache=False).logits[:, -n - 1 : -1]
+        lp = logits.float().log_softmax(-1)
+        total -= float(lp.gather(-1, ids[:, -n:, None]).sum())
+        count += ids[:, -n:].numel()
+    return total / max(count, 1)
 
 
 class LossClipSearch:
