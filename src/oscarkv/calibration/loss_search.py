@@ -77,6 +77,15 @@ def _loss_forward(module: Any, query, key, value, attention_mask, **kwargs):
     scale = kwargs.get("scaling") or 1.0 / math.sqrt(query.shape[-1])
     rot = search.rotations[int(module.layer_idx)]
     sp = search.spec
+    t, n = query.shape[2], search.score_last
+    if n is not None and t > n:  # an uncached pass: the prefix attends exactly, as when prefilled
+        head, _ = sdpa_attention_forward(
+            module, query[:, :, : t - n], key[:, :, : t - n], value[:, :, : t - n], None, **kwargs
+        )
+        tail = windowed_fake_quant_attention(
+            query[:, :, t - n :], key, value, rot, *fmts, sp.sink_tokens, sp.recent_tokens, scale
+        )
+        return torch.cat([head, tail], 1), None
     out = windowed_fake_quant_attention(
         query, key, value, rot, *fmts, sp.sink_tokens, sp.recent_tokens, scale
     )
@@ -134,8 +143,9 @@ def held_out_nll(
     n_score: int = 1024,
 ) -> float:
     """Mean next-token NLL of the last ``n_score`` tokens of each of ``batches`` (``[B, T]``), one
-    forward each with every attention layer fake-quantized as the cache stores it (``rotations``'
-    clips, else the spec's; their offsets). No cache is kept, so hybrid models work too."""
+    forward each: the prefix attends exactly (as a prefill does), the suffix through every layer
+    fake-quantized as the cache stores it (``rotations``' clips, else the spec's; their offsets) —
+    the protocol of :meth:`LossClipSearch.loss` without a kept cache, so hybrid models work too."""
     ls = LossClipSearch(model, rotations, spec, head_dim, (spec.k_clip,), (spec.v_clip,), "nll")
     ls.clips = {
         i: (spec.k_clip if lr.k_clip is None else lr.k_clip, spec.v_clip if lr.v_clip is None else lr.v_clip)
@@ -146,6 +156,7 @@ def held_out_nll(
     for b in batches:
         ids = b.to(device)
         n = min(n_score, ids.shape[1] - 1)
+        ls.score_last = n + 1  # the prefix exact (as prefilled), the scored suffix through the "cache"
         with _patched(model, ls):
             logits = model(input_ids=ids, use_cache=False).logits[:, -n - 1 : -1]
         lp = logits.float().log_softmax(-1)
@@ -178,6 +189,7 @@ class LossClipSearch:
         self.vf = RowFormat.from_spec(spec, head_dim, "v")
         self.layers = sorted(rotations)
         self.clips: Clips | None = None  # None: exact attention
+        self.score_last: int | None = None  # uncached passes: only the last positions fake-quantized
         self._batches: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
         self._memo: dict[tuple, float] = {}
 
