@@ -66,6 +66,7 @@ class Variant:
     v_off: str = "none"  # none | static
     k_alpha: float = 0.0  # divide rotated keys by std^alpha, multiply queries by it
     k_clip: float = 0.96
+    k_clip_hi: float | None = None  # key clip for layers stored with >= 3 bits (None: k_clip)
     v_clip: float = 0.92
     rotate: bool = True
     layer_kbits: dict[int, int | None] = field(default_factory=dict)  # per-layer override
@@ -121,7 +122,8 @@ def fq_perchannel(x: torch.Tensor, bits: int, tok_group: int) -> torch.Tensor:
 def quant_keys(kt: torch.Tensor, var: Variant, bits: int) -> torch.Tensor:
     if var.kquant == "perchannel":
         return fq_perchannel(kt, bits, var.ktok_group)
-    return fq_rows(kt, bits, var.kgroup, var.k_clip, var.kquant)
+    clip = var.k_clip_hi if (bits >= 3 and var.k_clip_hi is not None) else var.k_clip
+    return fq_rows(kt, bits, var.kgroup, clip, var.kquant)
 
 
 def per_head(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -217,6 +219,7 @@ class Router:
 # scoring: exact shared prefix, variant-specific scored pass
 # ----------------------------------------------------------------------------------------------
 class Scorer:
+    @torch.inference_mode()
     def __init__(self, model, router: Router, seqs: torch.Tensor, ctx: int, batch: int):
         from transformers import DynamicCache
 
@@ -542,6 +545,19 @@ def main():
             run(replace(base, name=f"K3x{n}/K2 (KL rank) +koff{sfx}", layer_kbits={i: 3 for i in hi}))
             for m in (3, 5):
                 run(replace(base, name=f"K4x{m}/K2 (KL rank) +koff{sfx}", layer_kbits={i: 4 for i in hi[:m]}))
+        # second round: key clipping at >= 3 bits once the offset is removed, and cheaper mixes
+        run(replace(base, name=f"K3V2 +koff{sfx} no-kclip", kbits=3, k_clip=0.0))
+        run(V("K4V2 +koff no-kclip", kbits=4, k_off="static", k_clip=0.0))
+        better = ppl(f"K3V2 +koff{sfx} no-kclip") < ppl(f"K3V2 +koff{sfx}")
+        hic = {"k_clip_hi": 0.0} if better else {}
+        tag = " hi-noclip" if better else ""
+        if "sens_kl" in res:
+            hi = top("sens_kl", n)
+            run(replace(base, name=f"K3x3/K2 (KL rank) +koff{sfx}{tag}", layer_kbits={i: 3 for i in hi[:3]}, **hic))
+            run(replace(base, name=f"K3x3/K2 (KL rank) +koff{sfx}{tag} +kscale a0.5", k_alpha=0.5,
+                        layer_kbits={i: 3 for i in hi[:3]}, **hic))  # fmt: skip
+            if better:
+                run(replace(base, name=f"K3x10/K2 (KL rank) +koff{sfx}{tag}", layer_kbits={i: 3 for i in hi}, **hic))
         hi_a = top("sens_attn", n)
         res["mixed_layers_attn"] = hi_a
         run(replace(base, name=f"K4x{n}/K2 (attn rank) +koff{sfx}", layer_kbits={i: 4 for i in hi_a}))
