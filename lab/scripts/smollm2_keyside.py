@@ -553,11 +553,22 @@ def main():
         tag = " hi-noclip" if better else ""
         if "sens_kl" in res:
             hi = top("sens_kl", n)
-            run(replace(base, name=f"K3x3/K2 (KL rank) +koff{sfx}{tag}", layer_kbits={i: 3 for i in hi[:3]}, **hic))
+            run(
+                replace(
+                    base, name=f"K3x3/K2 (KL rank) +koff{sfx}{tag}", layer_kbits={i: 3 for i in hi[:3]}, **hic
+                )
+            )
             run(replace(base, name=f"K3x3/K2 (KL rank) +koff{sfx}{tag} +kscale a0.5", k_alpha=0.5,
                         layer_kbits={i: 3 for i in hi[:3]}, **hic))  # fmt: skip
             if better:
-                run(replace(base, name=f"K3x10/K2 (KL rank) +koff{sfx}{tag}", layer_kbits={i: 3 for i in hi}, **hic))
+                run(
+                    replace(
+                        base,
+                        name=f"K3x10/K2 (KL rank) +koff{sfx}{tag}",
+                        layer_kbits={i: 3 for i in hi},
+                        **hic,
+                    )
+                )
         hi_a = top("sens_attn", n)
         res["mixed_layers_attn"] = hi_a
         run(replace(base, name=f"K4x{n}/K2 (attn rank) +koff{sfx}", layer_kbits={i: 4 for i in hi_a}))
