@@ -147,6 +147,7 @@ def run_jobs(eng: Engine, prompts: list[list[int]], gen: int, device: str) -> di
     rids = [eng.add_request(p, params) for p in prompts]
     done: dict[str, Any] = {}
     running: list[int] = []
+    decode_ms: list[float] = []  # wall time of the steps that ran decode tokens only
     total = len(prompts) * gen
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} tok"),
                   TimeElapsedColumn(), transient=True) as bar:  # fmt: skip
@@ -154,9 +155,12 @@ def run_jobs(eng: Engine, prompts: list[list[int]], gen: int, device: str) -> di
         produced = 0
         while eng.has_unfinished():
             running.append(len(eng.scheduler.running))
+            pre, t = eng.stats["prefill_tokens"], time.perf_counter()
             for out in eng.step():
                 if out.finished:
                     done[out.rid] = out
+            if eng.stats["prefill_tokens"] == pre:
+                decode_ms.append(1e3 * (time.perf_counter() - t))
             n = sum(len(s.out) for s in eng.scheduler.running) + sum(len(o.token_ids) for o in done.values())
             bar.advance(task, n - produced)
             produced = n
@@ -177,6 +181,8 @@ def run_jobs(eng: Engine, prompts: list[list[int]], gen: int, device: str) -> di
         "ttft_p90_s": pct(ttft, 90),
         "tpot_p50_ms": 1e3 * pct(tpot, 50),
         "tpot_p90_ms": 1e3 * pct(tpot, 90),
+        "decode_step_p50_ms": pct(decode_ms, 50),
+        "decode_steps": len(decode_ms),
         "running_mean": statistics.fmean(busy) if busy else 0.0,
         "running_peak": max(running, default=0),
         "steps": eng.stats["steps"],
@@ -224,6 +230,7 @@ def bench_one(
 ROWS = (("jobs/min", "jobs_per_min", "{:.2f}"), ("output tok/s", "output_tok_s", "{:.0f}"),
         ("TTFT p50 / p90 s", ("ttft_p50_s", "ttft_p90_s"), "{:.2f}"),
         ("TPOT p50 / p90 ms", ("tpot_p50_ms", "tpot_p90_ms"), "{:.1f}"),
+        ("decode-only step p50 ms", "decode_step_p50_ms", "{:.1f}"), ("decode-only steps", "decode_steps", "{}"),
         ("running mean / peak", ("running_mean", "running_peak"), "{:.1f}"),
         ("max_running", "max_running", "{}"), ("preemptions", "preemptions", "{}"), ("steps", "steps", "{}"),
         ("KV pools GiB", "pool_bytes", "gib"), ("  INT2 pages GiB", "int2_bytes", "gib"),

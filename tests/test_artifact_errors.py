@@ -200,7 +200,7 @@ def test_bad_granularity(art: Path, g: Any) -> None:
 
 
 def test_newer_format_version(art: Path) -> None:
-    e = _load_error(art, "format version 2 is newer", lambda m, t: m.update(format_version=2))
+    e = _load_error(art, "format version 3 is newer", lambda m, t: m.update(format_version=3))
     assert "upgrade oscarkv" in e.hint
 
 

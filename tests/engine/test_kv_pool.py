@@ -124,7 +124,25 @@ def test_kv_pool_refuses_mismatched_formats():
     plan = plan_pools(cfg, spec, 2, 2, 32, torch.float32, 1 << 18)
     f2 = RowFormat.from_spec(spec, 32, "k")
     f4 = RowFormat(32, bits=4, group=32)
-    with pytest.raises(ValueError, match="differ"):
-        KVPool(plan, 2, 2, 32, torch.float32, [(f2, f2), (f4, f2)], "cpu")
+    with pytest.raises(ValueError, match="differ only in the key bits"):
+        KVPool(plan, 2, 2, 32, torch.float32, [(f2, f2), (f2, f4)], "cpu")
     with pytest.raises(ValueError, match="k_fmt, v_fmt"):
         KVPool(plan, 2, 2, 32, torch.float32, None, "cpu")
+
+
+def test_kv_pool_per_layer_key_bits():
+    """Layers with 4-bit keys get wider key-code rows; the INT2 page cost counts each layer's."""
+    spec = QuantSpec(sink_tokens=8, recent_tokens=8, demote_block=4)
+    cfg = EngineConfig(kv_dtype="int2", page_tokens=4, max_running=2)
+    f2, fv = RowFormat.from_spec(spec, 32, "k"), RowFormat.from_spec(spec, 32, "v")
+    f4 = RowFormat.from_spec(spec, 32, "k", bits=4)
+    fmts = [(f2, fv), (f4, fv)]
+    uniform = plan_pools(cfg, spec, 2, 2, 32, torch.float32, 1 << 18)
+    mixed = plan_pools(cfg, spec, 2, 2, 32, torch.float32, 1 << 18, fmts)
+    assert mixed.q_page_bytes - uniform.q_page_bytes == 4 * 2 * (16 - 8)  # ps · heads · extra bytes
+    assert mixed.q_pages < uniform.q_pages
+    pool = KVPool(mixed, 2, 2, 32, torch.float32, fmts, "cpu")
+    assert pool.layer(0).k_codes.shape[-1] == 8 and pool.layer(1).k_codes.shape[-1] == 16
+    assert pool.layer(1).k_fmt.bits == 4 and pool.layer(1).k_codes.is_contiguous()
+    r = pool.memory_report(tokens_quantized=10)
+    assert r["int2_bytes_per_token"] == 2 * ((8 + 16) + 2 * 8 + 4 * 4)  # heads · (K codes, V codes, 4 metas)

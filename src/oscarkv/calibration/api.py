@@ -17,6 +17,7 @@ from .capture import UnsupportedModelError, attention_geometry, capture_attentio
 from .data import token_sequences
 from .error import ClipSearch
 from .fit import fit_layer, fixed_layer
+from .key_bits import high_layer_count, select_key_bits
 from .loss_search import LossClipSearch, held_out_nll
 from .offset_select import OffsetSelect
 from .select import RotationSelect
@@ -107,6 +108,8 @@ def calibrate(
     geo = attention_geometry(model)
     layers, d, hkv = geo["layer_ids"], geo["head_dim"], geo["num_kv_heads"]
     spec.group_for(d)
+    if cfg.bits_per_element is not None:  # an impossible budget fails before any forward pass
+        high_layer_count(spec, d, len(layers), cfg.bits_per_element, cfg.budget_context, cfg.high_key_bits)
     model.eval()
     needs = LayerStats.needs_for(cfg.method, cfg.v_target)
     gather = needs | ({"mean"} if cfg.offsets != "none" else set())
@@ -183,6 +186,13 @@ def calibrate(
         for i, r in search.items():
             rots[i].k_clip, rots[i].v_clip = r["k_clip"], r["v_clip"]
 
+    key_bits: dict[str, Any] = {}
+    if cfg.bits_per_element is not None:  # last: it ranks the layers as they will be stored
+        rots, key_bits = select_key_bits(
+            model, rots, spec, d, _batches(hold, cfg.batch_size), cfg.bits_per_element,
+            cfg.budget_context, cfg.high_key_bits,
+        )  # fmt: skip
+
     name = getattr(model.config, "_name_or_path", "") or type(model).__name__
     recipe = {
         "method": cfg.method,
@@ -196,6 +206,7 @@ def calibrate(
         "rotation_select": selection or "off",
         "offsets": {"mode": "auto", "choice": offset_choice} if offset_choice else cfg.offsets,
         **({"clip_loss": loss_report} if loss_report else {}),
+        **({"key_bits": key_bits} if key_bits else {}),
         "holdout_tokens": sum(s.numel() for s in hold),
     }
     prov = Provenance(

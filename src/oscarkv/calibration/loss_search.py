@@ -194,10 +194,11 @@ class LossClipSearch:
         self._memo: dict[tuple, float] = {}
 
     def formats(self, layer: int) -> tuple[RowFormat, RowFormat] | None:
-        if self.clips is None:
+        if self.clips is None or layer not in self.clips:  # exact attention
             return None
         kc, vc = self.clips[layer]
-        return replace(self.kf, clip=kc), replace(self.vf, clip=vc)
+        kb = self.rotations[layer].key_bits
+        return replace(self.kf, clip=kc, bits=self.kf.bits if kb is None else kb), replace(self.vf, clip=vc)
 
     @torch.inference_mode()
     def add(self, ids: torch.Tensor) -> None:

@@ -46,10 +46,7 @@ class OffsetSelect:
     def update(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Add one held-out batch (post-RoPE ``q [B, H_q, T, d]``, ``k``/``v [B, H_kv, T, d]``)."""
         lr, spec = self.rotations[layer], self.spec
-        kc = spec.k_clip if lr.k_clip is None else lr.k_clip
-        vc = spec.v_clip if lr.v_clip is None else lr.v_clip
-        kf = RowFormat.from_spec(spec, self.d, "k", kc)
-        vf = RowFormat.from_spec(spec, self.d, "v", vc)
+        kf, vf = lr.formats(spec, self.d)
         we = WindowedError(q, k, v, lr, spec.sink_tokens, spec.recent_tokens, self.n_queries)
         k_hats, v_hats = self._hats(we.k_rot, lr.k_offset, kf), self._hats(we.v_rot, lr.v_offset, vf)
         e = torch.stack([torch.stack([we.head_errors(kh, vh) for vh in v_hats]) for kh in k_hats])

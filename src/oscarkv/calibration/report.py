@@ -6,7 +6,6 @@ from typing import Any
 
 import torch
 
-from ..quant import RowFormat
 from ..rotation import RotationSet
 from .capture import capture_attention
 from .error import WindowedError
@@ -28,9 +27,7 @@ def attention_errors(
 
     def cb(layer: int, q, k, v, o) -> None:
         for name, rs in rotsets.items():
-            kc, vc = rs.clips(layer)
-            kf = RowFormat.from_spec(rs.spec, rs.head_dim, "k", kc)
-            vf = RowFormat.from_spec(rs.spec, rs.head_dim, "v", vc)
+            kf, vf = rs.formats(layer)
             we = WindowedError(
                 q, k, v, rs.layers[layer], rs.spec.sink_tokens, rs.spec.recent_tokens, n_queries
             )

@@ -83,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _model_flags(p)
     p.add_argument("--rotations", help="rotation artifact for the 'oscar' method")
+    p.add_argument(
+        "--recipe",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="another rotation artifact, evaluated as method oscar:NAME on the same sequences (repeatable)",
+    )
     p.add_argument("--out", required=True, help="output directory (results.json, results.md, PNGs)")
     p.add_argument(
         "--data",

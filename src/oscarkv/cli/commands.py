@@ -43,10 +43,18 @@ def cmd_info(args: argparse.Namespace) -> int:
     clips = {i: rs.clips(i) for i in rs.layer_ids}
     if any(rs.layers[i].k_clip is not None or rs.layers[i].v_clip is not None for i in clips):
         t.add_row("per-layer clips", "; ".join(f"{i}: {k:.3f}/{v:.3f}" for i, (k, v) in clips.items()))
-    bpe = [f"{n // 1024}K: {spec.bits_per_element(n, rs.head_dim):.3f}" for n in (4096, 32768, 131072)]
-    t.add_row("bits/element", f"tier {spec.bits_per_element(None, rs.head_dim):.3f}; " + ", ".join(bpe))
+    high = {i: rs.key_bits(i) for i in rs.layer_ids if rs.key_bits(i) != spec.key_bits}
+    if high:
+        by_bits = {b: [i for i in high if high[i] == b] for b in sorted(set(high.values()))}
+        t.add_row(
+            "per-layer key bits",
+            "; ".join(f"{b}-bit in {len(ls)} layers {ls}" for b, ls in by_bits.items())
+            + f"; {spec.key_bits}-bit elsewhere",
+        )
+    bpe = [f"{n // 1024}K: {rs.bits_per_element(n):.3f}" for n in (4096, 32768, 131072)]
+    t.add_row("bits/element", f"tier {rs.bits_per_element(None):.3f}; " + ", ".join(bpe))
     if p.recipe:
-        skip = ("clip_search", "rotation_select", "offsets")
+        skip = ("clip_search", "rotation_select", "offsets", "key_bits")
         t.add_row("recipe", ", ".join(f"{k}={v}" for k, v in p.recipe.items() if k not in skip))
         sel = p.recipe.get("rotation_select")
         if isinstance(sel, dict):
@@ -154,10 +162,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
             f"--rotations is only used by the 'oscar' method, which --methods {cfg.methods} leaves out",
             "add oscar to --methods, or drop --rotations",
         )
+    recipe_dirs = _recipe_dirs(args.recipe)
     out = check_output_dir(args.out, REPORT_FILES, overwrite=args.overwrite)
     info, device = check_model(args.model, args.device)
     cfg.check_model_positions(info.max_positions)
     rots = load_checked_rotations(args.rotations, info.config, args.strict) if args.rotations else None
+    recipes = {n: load_checked_rotations(p, info.config, args.strict) for n, p in recipe_dirs.items()}
     con = Console()
     model, tok = load_model(args.model, device, args.dtype, info=info)
     t0 = time.perf_counter()
@@ -168,12 +178,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
         cfg,
         progress=lambda m: con.print(f"[dim]{time.perf_counter() - t0:6.0f}s[/] {m}"),
         data=args.data,
+        recipes=recipes,
     )
     settings = {
         **dataclasses.asdict(cfg.effective()),
         "quick": cfg.quick,
         "model": args.model,
         "rotations": args.rotations,
+        "recipes": recipe_dirs or None,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         # the user's files (perplexity, per-layer errors), else this Python's standard library;
         # the needle filler is always the standard library
@@ -185,6 +197,29 @@ def cmd_eval(args: argparse.Namespace) -> int:
     con.print(summary_markdown(rows, settings))
     con.print("wrote " + ", ".join(str(f) for f in files))
     return 0
+
+
+def _recipe_dirs(specs: list[str]) -> dict[str, str]:
+    """``--recipe NAME=DIR`` values as ``{NAME: DIR}``; a clear error for a malformed or repeated one."""
+    from ..errors import InputError
+
+    out: dict[str, str] = {}
+    for s in specs:
+        name, sep, path = s.partition("=")
+        if (
+            not sep
+            or not name
+            or not path
+            or not name.replace("-", "").replace("_", "").replace(".", "").isalnum()
+        ):
+            raise InputError(
+                f"--recipe {s!r}: expected NAME=DIR with a name of letters, digits, '-', '_' or '.'",
+                "e.g. --recipe k4x13=rot-3bit",
+            )
+        if name in out:
+            raise InputError(f"--recipe names {name!r} twice", "give each artifact its own name")
+        out[name] = path
+    return out
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

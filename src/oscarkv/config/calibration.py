@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from .base import check_positions, field_error, help_field, is_int
+from .base import check_positions, field_error, help_field, is_int, is_num
 
 __all__ = [
     "CAL_METHODS",
@@ -68,6 +69,14 @@ class CalibrationConfig:
         "attention error, if that lowers the held-out NLL) | kv | k | none (OSCAR as published)",
         default="auto",
     )
+    bits_per_element: float | None = help_field(
+        "a bit budget per cached K/V element at --budget-context tokens (windows and metadata "
+        "counted): the layers whose held-out loss suffers most from low-bit keys store keys in "
+        "--high-key-bits, as many as fit; default: the spec's widths in every layer",
+        default=None,
+    )
+    high_key_bits: int = help_field("key bits of the layers raised by --bits-per-element: 3 or 4", default=4)
+    budget_context: int = help_field("context length at which --bits-per-element is counted", default=131072)
     batch_size: int = help_field("sequences per forward pass", default=1)
     seed: int = help_field("seed for corpus sampling", default=0)
 
@@ -105,6 +114,17 @@ class CalibrationConfig:
             raise field_error(
                 name, "holdout_tokens", "> 0 when offsets is auto (or pass --offsets kv|k|none)", 0
             )
+        bpe = self.bits_per_element
+        if bpe is not None and (not is_num(bpe) or not math.isfinite(bpe) or bpe <= 0):
+            raise field_error(name, "bits_per_element", "None or a positive number", bpe, True)
+        if not is_int(self.high_key_bits) or self.high_key_bits not in (3, 4):
+            raise field_error(name, "high_key_bits", "3 or 4", self.high_key_bits, True)
+        if not is_int(self.budget_context) or self.budget_context < 1:
+            raise field_error(name, "budget_context", "a positive integer", self.budget_context, True)
+        if bpe is not None and self.holdout_tokens < 1:
+            raise field_error(
+                name, "holdout_tokens", "> 0 when bits_per_element is set (the layers are ranked on them)", 0
+            )
         if self.rotation_select and self.holdout_tokens < 1:
             raise field_error(
                 name,
@@ -120,6 +140,7 @@ class CalibrationConfig:
     @property
     def num_holdout_sequences(self) -> int:
         held = self.clip_search or self.rotation_select or self.offsets == "auto"
+        held = held or self.bits_per_element is not None
         return -(-self.holdout_tokens // self.seq_len) if held else 0
 
     def check_model_positions(self, max_positions: int | None) -> None:

@@ -4,7 +4,8 @@ Every tensor kind is allocated once as ``[L, N, ...]``; :meth:`KVPool.layer` han
 contiguous ``[l]`` views the kernels read (``kernels.pool_ops.FlatPools``). Row ids are flat:
 
 * INT2 pool, ``N = q_pages·ps`` rows: codes uint8 ``[N, Hkv, packed]``, meta ``[N, Hkv, G, 2]``
-  (the spec's meta dtype), for K and V. Page 0 is ``DUMMY_Q``.
+  (the spec's meta dtype), for K and V. Page 0 is ``DUMMY_Q``. The key codes are one tensor per
+  layer (``k_codes[l]``): layers may store keys in different widths (per-layer key bits).
 * 16-bit pool, model dtype ``[Nh, Hkv, d]`` for K and V: pages ``0 .. hp_pages-1`` (page 0 =
   ``DUMMY_H``, then sink pages; page ``p`` = rows ``p·ps .. p·ps+ps-1``), then one ring slab of
   ``ring_cap`` rows per request slot from row ``ring0 = hp_pages·ps``.
@@ -81,8 +82,11 @@ def plan_pools(
     head_dim: int,
     dtype: torch.dtype,
     budget_bytes: int,
+    layer_fmts: Sequence[tuple[RowFormat, RowFormat]] | None = None,
 ) -> PoolPlan:
-    """Split ``budget_bytes`` over the pools (§5.2). ``kv_heads`` are this rank's KV heads.
+    """Split ``budget_bytes`` over the pools (§5.2). ``kv_heads`` are this rank's KV heads;
+    ``layer_fmts``: every layer's ``(k_fmt, v_fmt)`` when they differ (per-layer key bits; else
+    the spec's formats, the same for every layer).
 
     INT2 mode: the 16-bit part is fixed, ``(1 + max_running·sink_pages·2)`` pages plus
     ``max_running`` ring slabs; the INT2 pages take the rest. BF16 mode: all 16-bit pages.
@@ -98,8 +102,12 @@ def plan_pools(
     if spec is None:
         raise InputError("int2 KV pools need a QuantSpec (from the rotations or EngineConfig.spec)")
     cfg.check_spec(spec)
-    fk, fv = RowFormat.from_spec(spec, head_dim, "k"), RowFormat.from_spec(spec, head_dim, "v")
-    q_page = ps * layers * _int2_row_bytes(fk, fv, kv_heads)
+    if layer_fmts is None:
+        uniform = (RowFormat.from_spec(spec, head_dim, "k"), RowFormat.from_spec(spec, head_dim, "v"))
+        layer_fmts = [uniform] * layers
+    if len(layer_fmts) != layers:
+        raise ValueError(f"plan_pools: {len(layer_fmts)} layer formats for {layers} layers")
+    q_page = ps * sum(_int2_row_bytes(fk, fv, kv_heads) for fk, fv in layer_fmts)
     sink_pages = spec.sink_tokens // ps
     hp_pages = 1 + mr * sink_pages * 2
     ring = window_limit(spec)
@@ -175,10 +183,10 @@ class KVPool:
             fmts = [(RowFormat(head_dim, group=head_dim),) * 2] * layers
         if len(fmts) != layers:
             raise ValueError(f"KVPool: {len(fmts)} layer formats for {layers} layers")
-        for side in (0, 1):
-            shapes = {(f[side].packed_dim, f[side].groups, f[side].meta_dtype) for f in fmts}
-            if len(shapes) != 1:
-                raise ValueError(f"KVPool: the layers' formats differ in packed size or groups: {shapes}")
+        kshapes = {(f[0].groups, f[0].meta_dtype) for f in fmts}
+        vshapes = {(f[1].packed_dim, f[1].groups, f[1].meta_dtype) for f in fmts}
+        if len(kshapes) != 1 or len(vshapes) != 1:
+            raise ValueError("KVPool: the layers' formats may differ only in the key bits")
         self.plan, self.fmts = plan, list(fmts)
         self.layers, self.kv_heads, self.head_dim, self.dtype = layers, kv_heads, head_dim, dtype
         self.device = torch.device(device)
@@ -188,7 +196,9 @@ class KVPool:
         def zeros(*shape: int, dt: torch.dtype) -> torch.Tensor:
             return torch.zeros(layers, *shape, dtype=dt, device=self.device)
 
-        self.k_codes = zeros(nq, h, fk.packed_dim, dt=torch.uint8)
+        self.k_codes = [
+            torch.zeros(nq, h, f.packed_dim, dtype=torch.uint8, device=self.device) for f, _ in self.fmts
+        ]
         self.v_codes = zeros(nq, h, fv.packed_dim, dt=torch.uint8)
         self.k_meta = zeros(nq, h, fk.groups, 2, dt=_META[fk.meta_dtype])
         self.v_meta = zeros(nq, h, fv.groups, 2, dt=_META[fv.meta_dtype])
@@ -203,8 +213,9 @@ class KVPool:
             k_fmt, v_fmt,
         )  # fmt: skip
 
-    def _int2_tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.k_codes, self.v_codes, self.k_meta, self.v_meta
+    def _int2_tensors(self) -> list[torch.Tensor]:
+        """The INT2 tensors, each with the layers as dim 0 (a key-code tensor is ``[1, N, ...]``)."""
+        return [t[None] for t in self.k_codes] + [self.v_codes, self.k_meta, self.v_meta]
 
     def memory_report(self, tokens_quantized: int = 0, tokens_hp: int = 0) -> dict[str, Any]:
         """Allocated bytes per tier (from the tensors), per-token bytes (all layers, K and V), and

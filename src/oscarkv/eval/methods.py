@@ -115,6 +115,8 @@ class CacheMethod:
         self.quantizer = None if recipe.quantizer == "asymmetric" else recipe.quantizer
 
     def bits_per_element(self, context_len: int, head_dim: int) -> float:
+        if self.override_spec is None:  # the artifact's per-layer key bits
+            return self.rotations.bits_per_element(context_len)
         return self.spec.bits_per_element(context_len, head_dim)
 
     def make_cache(self, model: Any) -> Any:
@@ -131,13 +133,11 @@ class CacheMethod:
         )
 
     def _formats(self, layer: int, d: int) -> tuple[RowFormat, RowFormat]:
-        kc, vc = (
-            self.rotations.clips(layer)
-            if self.override_spec is None
-            else (self.spec.k_clip, self.spec.v_clip)
-        )
+        own = self.override_spec is None  # the artifact's per-layer clips and key bits
+        kc, vc = self.rotations.clips(layer) if own else (self.spec.k_clip, self.spec.v_clip)
+        kb = self.rotations.key_bits(layer) if own else None
         return (
-            RowFormat.from_spec(self.spec, d, "k", kc, self.quantizer),
+            RowFormat.from_spec(self.spec, d, "k", kc, self.quantizer, bits=kb),
             RowFormat.from_spec(self.spec, d, "v", vc, self.quantizer),
         )
 

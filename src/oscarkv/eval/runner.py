@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,16 +50,20 @@ def run_eval(
     config: EvalConfig,
     progress: Any = None,
     data: Sequence[str | Path] | None = None,
+    recipes: Mapping[str, RotationSet] | None = None,
 ) -> list[dict[str, Any]]:
     """Run ``config``'s tasks for its methods; returns rows with at least ``method``, ``task``,
     ``metric``, ``value`` and ``bits_per_element``. ``progress(msg)`` is called between steps.
     ``data``: the user's text for perplexity and the per-layer errors (default: the standard
-    library's ``eval`` split)."""
+    library's ``eval`` split). ``recipes``: more rotation artifacts, each evaluated as the method
+    ``oscar:NAME`` (the 'oscar' method's storage with that artifact's clips, offsets and key bits)."""
     cfg = config.effective()
     say = progress or (lambda msg: None)
     mcfg = model.config.get_text_config()
     d = model_head_dim(mcfg)
     methods = {m: get_method(m, rotations, mcfg) for m in cfg.method_list}
+    for name, rs in (recipes or {}).items():
+        methods[f"oscar:{name}"] = get_method("oscar", rs, mcfg)
     rows: list[dict[str, Any]] = []
 
     def row(method: str, task: str, metric: str, value: float, **extra: Any) -> None:

@@ -233,7 +233,8 @@ class OscarCache(Cache):
                 raise ValueError(f"rotations have no layer {i}; OscarCache needs every attention layer")
             kc, vc = rotations.clips(i) if spec is None else (self.spec.k_clip, self.spec.v_clip)
             lr = rotations.layers[i]
-            kf = RowFormat.from_spec(self.spec, d, "k", kc, quantizer)
+            kb = rotations.key_bits(i) if spec is None else None  # an explicit spec applies everywhere
+            kf = RowFormat.from_spec(self.spec, d, "k", kc, quantizer, bits=kb)
             vf = RowFormat.from_spec(self.spec, d, "v", vc, quantizer)
             layers.append(OscarCacheLayer(self, i, lr.k.float(), lr.v.float(), kf, vf, lr))
         super().__init__(layers=layers)

@@ -66,12 +66,15 @@ class RowFormat:
         kind: str,
         clip: float | None = None,
         quantizer: str | None = None,
+        bits: int | None = None,
     ):
         """``kind`` is ``"k"`` or ``"v"``; ``clip`` overrides the spec's (per-layer clips),
-        ``quantizer`` the spec's codebook (the evaluation baselines use it)."""
+        ``quantizer`` the spec's codebook (the evaluation baselines use it), ``bits`` the spec's
+        width (per-layer key bits)."""
         if kind not in ("k", "v"):
             raise ValueError(f"kind must be 'k' or 'v'; got {kind!r}")
-        bits = spec.key_bits if kind == "k" else spec.value_bits
+        if bits is None:
+            bits = spec.key_bits if kind == "k" else spec.value_bits
         default_clip = spec.k_clip if kind == "k" else spec.v_clip
         if quantizer is None:
             quantizer = "lloyd_max" if spec.codebook == "lloyd_max" else "asymmetric"

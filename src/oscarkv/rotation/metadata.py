@@ -47,7 +47,8 @@ __all__ = [
 ]
 
 FORMAT = "oscarkv.rotations"
-FORMAT_VERSION = 1
+#: version 2 adds per-layer key bits (``key_bits``); files without them are still written as 1
+FORMAT_VERSION = 2
 REQUIRED = ("format", "format_version", "granularity", "layer_ids", "head_dim", "clips", "spec", "provenance")
 TENSOR_NAMES = ("k.rotation", "v.rotation", "k.eigenvalues", "v.eigenvalues")
 #: tensors a layer may hold (static channel offsets, rotated basis)
@@ -67,6 +68,7 @@ class ArtifactMeta:
     clips: dict[int, tuple[float | None, float | None]]
     spec: QuantSpec
     provenance: Provenance
+    key_bits: dict[int, int] = field(default_factory=dict)
     ignored: list[str] = field(default_factory=list)  # unknown keys, dropped
 
     def layers(self, tensors: dict[str, torch.Tensor], src: str) -> tuple[dict[int, LayerRotation], str]:
@@ -94,7 +96,7 @@ class ArtifactMeta:
                     )
             kc, vc = self.clips.get(i, (None, None))
             ko, vo = (tensors.get(f"layers.{i}.{n}") for n in OPTIONAL_TENSOR_NAMES)
-            layers[i] = LayerRotation(k, v, lk, lv, kc, vc, ko, vo)
+            layers[i] = LayerRotation(k, v, lk, lv, kc, vc, ko, vo, self.key_bits.get(i))
         known = {f"layers.{i}.{n}" for i in self.layer_ids for n in TENSOR_NAMES + OPTIONAL_TENSOR_NAMES}
         extra_layers, extra = set(), []
         for name in sorted(set(tensors) - known):
@@ -120,13 +122,15 @@ def build_metadata(rs: RotationSet) -> dict[str, Any]:
     for i in rs.layer_ids:
         lr = rs.layers[i]
         clips[str(i)] = [None if c is None else float(c) for c in (lr.k_clip, lr.v_clip)]
+    key_bits = {str(i): int(rs.layers[i].key_bits) for i in rs.layer_ids if rs.layers[i].key_bits is not None}
     return {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION if key_bits else 1,
         "granularity": rs.granularity,
         "layer_ids": [int(i) for i in rs.layer_ids],
         "head_dim": rs.head_dim,
         "clips": clips,
+        **({"key_bits": key_bits} if key_bits else {}),
         "spec": rs.spec.to_dict(),
         "provenance": dataclasses.asdict(rs.provenance),
     }
@@ -249,7 +253,7 @@ def parse_metadata(text: str | None, src: str) -> ArtifactMeta:
             f"only {sorted(meta)}",
             REMAKE,
         )
-    ignored = sorted(k for k in meta if k not in REQUIRED)
+    ignored = sorted(k for k in meta if k not in (*REQUIRED, "key_bits"))
     version = meta["format_version"]
     if meta["format"] != FORMAT:
         raise _bad(src, "format", repr(FORMAT), meta["format"])
@@ -261,8 +265,8 @@ def parse_metadata(text: str | None, src: str) -> ArtifactMeta:
             str(version),
             "upgrade oscarkv (pip install -U oscarkv), or re-create the artifact with this version",
         )
-    if version != FORMAT_VERSION or not _is_int(version):
-        raise _bad(src, "format_version", str(FORMAT_VERSION), version)
+    if not _is_int(version) or version not in (1, FORMAT_VERSION):
+        raise _bad(src, "format_version", f"1 or {FORMAT_VERSION}", version)
     if meta["granularity"] not in GRANULARITIES:
         raise _bad(src, "granularity", " or ".join(map(repr, GRANULARITIES)), meta["granularity"])
     layer_ids = _layer_ids(meta["layer_ids"], src)
@@ -274,6 +278,7 @@ def parse_metadata(text: str | None, src: str) -> ArtifactMeta:
         layer_ids=layer_ids,
         head_dim=head_dim,
         clips=_clips(meta["clips"], layer_ids, src, ignored),
+        key_bits=_key_bits(meta.get("key_bits", {}), layer_ids, src, ignored),
         spec=_spec(meta["spec"], src, ignored),
         provenance=_provenance(meta["provenance"], src, ignored),
         ignored=ignored,
@@ -309,6 +314,21 @@ def _clips(raw: object, layer_ids: list[int], src: str, ignored: list[str]) -> d
             if not valid_clip(c):
                 raise _bad(src, f"clips.{key}.{name}", "null or a finite number in [0, 1]", c)
         out[int(key)] = tuple(None if c is None else float(c) for c in pair)
+    return out
+
+
+def _key_bits(raw: object, layer_ids: list[int], src: str, ignored: list[str]) -> dict[int, int]:
+    """Per-layer key widths; whether the spec allows them is checked with the assembled set."""
+    if not isinstance(raw, dict):
+        raise _bad(src, "key_bits", 'a JSON object {"<layer id>": 2, 3 or 4}', raw)
+    out = {}
+    for key, b in raw.items():
+        if not (key.isascii() and key.isdigit() and int(key) in layer_ids):
+            ignored.append(f"key_bits.{key}")
+            continue
+        if not _is_int(b) or b not in (2, 3, 4):
+            raise _bad(src, f"key_bits.{key}", "2, 3 or 4", b)
+        out[int(key)] = int(b)
     return out
 
 

@@ -18,6 +18,7 @@ import torch
 
 from ..config import QuantSpec, SpecError
 from ..errors import ArtifactMismatchWarning, OscarkvError
+from ..quant import RowFormat
 
 __all__ = [
     "GRANULARITIES",
@@ -64,6 +65,19 @@ def valid_clip(c: object) -> bool:
     if c is None or isinstance(c, bool) or not isinstance(c, numbers.Real):
         return c is None
     return math.isfinite(float(c)) and 0.0 <= float(c) <= 1.0
+
+
+def valid_key_bits(b: object, spec: QuantSpec) -> bool:
+    """Whether ``b`` is a usable per-layer key width under ``spec`` (2, 3 or 4; 2 with Lloyd-Max)."""
+    return _is_int(b) and b in (2,) + (() if spec.codebook == "lloyd_max" else (3, 4))
+
+
+def key_bits_want(spec: QuantSpec) -> str:
+    return (
+        "None or 2 (the Lloyd-Max codebook is INT2 only)"
+        if spec.codebook == "lloyd_max"
+        else "None, 2, 3 or 4"
+    )
 
 
 CONFIG_HINT = "pass model.config (or AutoConfig.from_pretrained(model_dir)), or config.json as a dict"
@@ -152,7 +166,8 @@ class LayerRotation:
     ``[H_kv, d, d]`` (``kv_head``); eigenvalues ``[d]`` / ``[H_kv, d]``, ascending as from eigh.
     ``k_clip`` / ``v_clip`` override the spec's global ratios when not ``None``. ``k_offset`` /
     ``v_offset`` (fp32 ``[H_kv, d]``, rotated basis, or ``None``) are static channel offsets that
-    every stored key / value has subtracted (see :mod:`.offsets`)."""
+    every stored key / value has subtracted (see :mod:`.offsets`). ``key_bits`` overrides the
+    spec's key bits for this layer (mixed key precision, chosen by calibration under a bit budget)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -162,6 +177,16 @@ class LayerRotation:
     v_clip: float | None = None
     k_offset: torch.Tensor | None = None
     v_offset: torch.Tensor | None = None
+    key_bits: int | None = None
+
+    def formats(self, spec: QuantSpec, head_dim: int) -> tuple[RowFormat, RowFormat]:
+        """The layer's stored K and V row formats: ``spec`` with this layer's clips and key bits."""
+        kc = spec.k_clip if self.k_clip is None else self.k_clip
+        vc = spec.v_clip if self.v_clip is None else self.v_clip
+        return (
+            RowFormat.from_spec(spec, head_dim, "k", kc, bits=self.key_bits),
+            RowFormat.from_spec(spec, head_dim, "v", vc),
+        )
 
 
 @dataclass
@@ -214,6 +239,27 @@ class RotationSet:
             self.spec.v_clip if lr.v_clip is None else lr.v_clip,
         )
 
+    def key_bits(self, layer: int) -> int:
+        """Bits per key element of ``layer``'s quantized tier (per-layer override or the spec's)."""
+        b = self.layers[layer].key_bits
+        return self.spec.key_bits if b is None else b
+
+    def formats(self, layer: int) -> tuple[RowFormat, RowFormat]:
+        """``layer``'s stored K and V row formats (its clips and key bits over the spec)."""
+        return self.layers[layer].formats(self.spec, self.head_dim)
+
+    def bits_per_element(self, context_len: int | None = None) -> float:
+        """Effective bits per cached K/V element at ``context_len`` tokens, averaged over the layers
+        (they hold equal numbers of elements); ``None``: the quantized tier alone (see
+        :meth:`QuantSpec.bits_per_element`)."""
+        bits = [
+            dataclasses.replace(self.spec, key_bits=self.key_bits(i)).bits_per_element(
+                context_len, self.head_dim
+            )
+            for i in self.layer_ids
+        ]
+        return sum(bits) / len(bits)
+
     def orthogonality_errors(self) -> dict[int, float]:
         """Per layer: max over K, V (and heads) of ``max |RᵀR − I|``, computed in float64."""
         return {i: max(_ortho_error(lr.k), _ortho_error(lr.v)) for i, lr in self.layers.items()}
@@ -256,6 +302,10 @@ class RotationSet:
             for name, c in (("k_clip", lr.k_clip), ("v_clip", lr.v_clip)):
                 if not valid_clip(c):
                     raise err(f"layer {i} {name} is invalid", CLIP_RANGE, repr(c), CLIP_FIX)
+            if lr.key_bits is not None and not valid_key_bits(lr.key_bits, self.spec):
+                raise err(
+                    f"layer {i} key_bits is invalid", key_bits_want(self.spec), repr(lr.key_bits), RERUN
+                )
             for name, off in (("k_offset", lr.k_offset), ("v_offset", lr.v_offset)):
                 if off is None:
                     continue

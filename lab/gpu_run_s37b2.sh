@@ -1,0 +1,30 @@
+#!/bin/bash
+# Device call 2 of 2 (straight after `cp .gl/a/p1 /tmp/p1`): join and convert SmolLM2, run the GPU
+# tests of the 4-bit key and norm kernels and the engine, the logit noise floor, the bf16 engine at
+# batch 16 / 8K, then the SmolLM2 evaluation of every recipe on one set of sequences.
+set -u
+export PYTHONPATH=$PWD/src
+echo "$COMMIT" > benchmarks/results/.commit
+sync_out() { mkdir -p "$OUT/results"; cp -r benchmarks/results/. "$OUT/results/"; }
+step() { echo "== $1 ($(date +%T))"; }
+step "smollm2"
+cat /tmp/p1 .gl/b/p2 > /tmp/smol.gguf && echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/smol.gguf" | sha256sum -c --quiet && echo sha-ok
+pip install -q --no-deps --no-index .gl/b/gguf-0.19.0-py3-none-any.whl .gl/b/accelerate-1.16.0-py3-none-any.whl 2>&1 | tail -1
+(timeout 120 python .gl/b/convert_gguf.py /tmp smol.gguf /tmp/smollm2 > $OUT/convert.log 2>&1; echo "convert rc=$?") &
+CONV=$!
+step "gpu tests"
+timeout 170 python -m pytest -q -p no:cacheprovider tests/test_kernels_k4.py tests/test_norm_kernels.py tests/engine/test_engine_gpu.py -x -s 2>&1 | grep -v "^$" | tail -12
+wait $CONV
+step "logit noise floor"
+timeout 100 python lab/scripts/logit_noise_floor.py 2>&1 | grep -v Warning | tail -6
+step "b16 8K engine"
+timeout 60 python benchmarks/bench_engine.py --shape qwen3-8b --kv-dtypes bf16 --prompt-len 8192 --gen-len 128 --jobs 16 --max-running 16 --kv-budget-gb 24 --name bench_engine_qwen3-8b_b16_8k 2>&1 | grep -i "tpot\|decode-only\|wall" ; sync_out
+step "smollm2 eval: ppl, every method, 4K x 24"
+R=.gl/rot
+timeout 200 python -m oscarkv eval --model /tmp/smollm2 --rotations $R/rot-pub --recipe auto=$R/rot-auto \
+  --recipe b26=$R/rot-b26 --recipe b30=$R/rot-b30 --methods bf16,oscar,hadamard-int2,turboquant-k3v3,kivi2,quarot-int2,naive-int2 \
+  --tasks ppl --context 4096 --ppl-sequences 24 --out $OUT/eval_smollm2_ppl 2>&1 | tail -16
+step "smollm2 eval: chat retrieval 4K"
+timeout 150 python -m oscarkv eval --model /tmp/smollm2 --rotations $R/rot-pub --recipe b30=$R/rot-b30 --recipe b26=$R/rot-b26 \
+  --methods bf16,oscar --tasks chat-retrieval --context 4096 --retrieval-prompts 60 --out $OUT/eval_smollm2_retrieval 2>&1 | tail -10
+step done

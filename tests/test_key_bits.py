@@ -1,0 +1,184 @@
+"""Per-layer key bits: the bit-budget recipe of calibration, the artifact, `oscarkv info`, and every
+path that stores keys (OscarCache, the engine, eval) reading each layer's width."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import random_rotation_set
+from oscarkv import LLM, OscarCache, QuantSpec, SamplingParams, calibrate, save_rotations
+from oscarkv.calibration.key_bits import high_layer_count
+from oscarkv.config import CalibrationConfig, SpecError
+from oscarkv.demo import demo_model_path
+from oscarkv.errors import InputError
+from oscarkv.hf.loading import load_model
+from oscarkv.rotation import RotationFileError, RotationSet, load_rotations
+
+DEMO = str(demo_model_path())
+SPEC = QuantSpec(sink_tokens=16, recent_tokens=32, demote_block=8)
+
+
+def test_high_layer_count_fills_the_budget() -> None:
+    spec = QuantSpec()  # K2 V2, fp16 (scale, zero): at head dim 64 the INT2 tier is 2.5 bits
+    lo = spec.bits_per_element(131072, 64)
+    hi = dataclasses.replace(spec, key_bits=4).bits_per_element(131072, 64)
+    assert hi - lo == pytest.approx((131072 - 320) / 131072)  # sink 64 + recent 256 stay 16-bit
+    assert high_layer_count(spec, 64, 30, 3.0, 131072, 4) == 14  # (3.0 - 2.533) / 0.998 · 30 = 14.04
+    assert high_layer_count(spec, 64, 30, lo, 131072, 4) == 0
+    assert high_layer_count(spec, 64, 30, 99.0, 131072, 4) == 30
+    with pytest.raises(SpecError, match=r"below the 2\.533 bits per element"):
+        high_layer_count(spec, 64, 30, 2.5, 131072, 4)
+
+
+def test_bit_budget_config_is_checked() -> None:
+    for kw, what in (
+        ({"bits_per_element": -1.0}, "bits_per_element"),
+        ({"bits_per_element": float("nan")}, "bits_per_element"),
+        ({"high_key_bits": 5}, "high_key_bits"),
+        ({"budget_context": 0}, "budget_context"),
+        ({"bits_per_element": 3.0, "holdout_tokens": 0, "offsets": "none"}, "holdout_tokens"),
+    ):
+        with pytest.raises(SpecError, match=what):
+            CalibrationConfig(**kw)
+    model, tok = load_model(DEMO, "cpu", "fp32")
+    with pytest.raises(SpecError, match="2.0 is below the") as e:  # before any forward pass
+        calibrate(model, tok, CalibrationConfig(tokens=512, seq_len=512, bits_per_element=2.0))
+    assert "raise --bits-per-element" in e.value.hint
+
+
+@pytest.fixture(scope="module")
+def budgeted() -> RotationSet:
+    model, tok = load_model(DEMO, "cpu", "fp32")
+    # head dim 128: K2 2.28, K4 3.28 bits at 128K; 2.8 bits fit two of the four layers
+    cfg = CalibrationConfig(
+        tokens=512, seq_len=512, holdout_tokens=1024, offsets="none", bits_per_element=2.8
+    )
+    return calibrate(model, tok, cfg)
+
+
+def test_calibration_raises_the_keys_of_the_worst_layers(budgeted: RotationSet) -> None:
+    rec = budgeted.provenance.recipe["key_bits"]
+    high = [i for i in budgeted.layer_ids if budgeted.key_bits(i) == 4]
+    assert high == rec["layers"] and len(high) == 2
+    assert all(budgeted.key_bits(i) == 2 for i in budgeted.layer_ids if i not in high)
+    alone = rec["nll_alone"]  # the layers ranked by the held-out NLL with only their K/V quantized
+    assert high == sorted(int(i) for i in sorted(alone, key=lambda i: -alone[i])[:2])
+    assert budgeted.bits_per_element(131072) <= 2.8
+    nll = rec["nll"]
+    assert nll["clipped"] < nll["spec_bits"] and nll["unclipped"] < nll["spec_bits"]
+    want_clip = 0.0 if rec["high_key_clip"] == "off" else budgeted.spec.k_clip
+    assert all(budgeted.clips(i)[0] == want_clip for i in high)
+
+
+def test_key_bits_round_trip_and_info(
+    budgeted: RotationSet, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    save_rotations(budgeted, tmp_path)
+    back = load_rotations(tmp_path)
+    assert [back.key_bits(i) for i in back.layer_ids] == [budgeted.key_bits(i) for i in budgeted.layer_ids]
+    assert back.formats(budgeted.provenance.recipe["key_bits"]["layers"][0])[0].bits == 4
+    from oscarkv.cli import main
+
+    assert main(["info", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "4-bit in 2 layers" in out and "2-bit elsewhere" in out
+    assert f"128K: {budgeted.bits_per_element(131072):.3f}" in out
+    plain = random_rotation_set(4, 128, SPEC)
+    save_rotations(plain, tmp_path / "plain")
+    from safetensors import safe_open
+
+    for d, version in ((tmp_path, 2), (tmp_path / "plain", 1)):
+        with safe_open(str(d / "rotations.safetensors"), "pt") as f:
+            assert json.loads(f.metadata()["oscarkv"])["format_version"] == version
+
+
+def test_bad_key_bits_are_refused(tmp_path: Path) -> None:
+    rs = random_rotation_set(2, 32, SPEC)
+    rs.layers[1].key_bits = 5
+    with pytest.raises(RotationFileError, match="layer 1 key_bits is invalid"):
+        rs.validate()
+    rs.layers[1].key_bits = 4
+    lloyd = rs.with_spec(dataclasses.replace(SPEC, codebook="lloyd_max"))
+    with pytest.raises(RotationFileError, match="Lloyd-Max codebook is INT2 only"):
+        lloyd.validate()
+    save_rotations(rs, tmp_path)
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    f = tmp_path / "rotations.safetensors"
+    with safe_open(str(f), "pt") as h:
+        meta, tensors = h.metadata(), {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118
+    m = json.loads(meta["oscarkv"])
+    m["key_bits"]["1"] = 7
+    save_file(tensors, str(f), metadata={**meta, "oscarkv": json.dumps(m)})
+    with pytest.raises(RotationFileError, match=r"'key_bits\.1' is invalid; expected 2, 3 or 4"):
+        load_rotations(tmp_path)
+
+
+def _mixed(tmp_path: Path) -> tuple[Path, RotationSet]:
+    rs = random_rotation_set(4, 128, SPEC)
+    for i in (1, 3):
+        rs.layers[i].key_bits = 4
+    save_rotations(rs, tmp_path)
+    return tmp_path, rs
+
+
+def test_engine_with_mixed_key_bits_equals_oscarcache(tmp_path: Path) -> None:
+    """The artifact's per-layer widths reach the engine's pools and OscarCache alike: greedy tokens
+    agree past the windows (INT2 history in every layer, 4-bit keys in two)."""
+    path, rs = _mixed(tmp_path)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        llm = LLM(DEMO, rotations=str(path), device="cpu", page_tokens=8, check_invariants=True)
+        views = [llm.engine.runner.pool.layer(i) for i in range(4)]
+        assert [v.k_codes.shape[-1] for v in views] == [32, 64, 32, 64]
+        assert [v.k_fmt.bits for v in views] == [2, 4, 2, 4]
+        g = torch.Generator().manual_seed(4)
+        prompts = [torch.randint(3, 2048, (k,), generator=g).tolist() for k in (60, 120)]
+        params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(DEMO, dtype=torch.float32).eval()
+        for p, o in zip(prompts, llm.generate(prompts, params), strict=True):
+            cache = OscarCache.from_rotations(model, rs, backend="torch")
+            assert [layer.k_fmt.bits for layer in cache.layers] == [2, 4, 2, 4]
+            x = torch.tensor([p])
+            with torch.no_grad():
+                ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=30, min_new_tokens=30,
+                                     do_sample=False, pad_token_id=0, past_key_values=cache)  # fmt: skip
+            assert o.token_ids == ref[0, len(p) :].tolist()
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_an_explicit_spec_overrides_the_artifact_widths(tmp_path: Path) -> None:
+    path, rs = _mixed(tmp_path)
+    llm = LLM(DEMO, rotations=str(path), device="cpu", spec=SPEC)
+    assert all(llm.engine.runner.pool.layer(i).k_fmt.bits == 2 for i in range(4))
+    model, _ = load_model(DEMO, "cpu", "fp32")
+    cache = OscarCache.from_rotations(model, rs, spec=SPEC, backend="torch")
+    assert all(layer.k_fmt.bits == 2 for layer in cache.layers)
+
+
+def test_eval_counts_the_artifact_widths_and_takes_named_recipes(tmp_path: Path) -> None:
+    from oscarkv.cli.commands import _recipe_dirs
+    from oscarkv.eval.methods import get_method
+
+    _, rs = _mixed(tmp_path)
+    m = get_method("oscar", rs, load_model(DEMO, "cpu", "fp32")[0].config)
+    assert m.bits_per_element(131072, 128) == pytest.approx(rs.bits_per_element(131072))
+    assert m.bits_per_element(131072, 128) > SPEC.bits_per_element(131072, 128) + 0.4
+    assert _recipe_dirs(["k4=a", "b.2=c"]) == {"k4": "a", "b.2": "c"}
+    for bad, what in (
+        (["noequals"], "expected NAME=DIR"),
+        (["a=x", "a=y"], "twice"),
+        (["a b=x"], "NAME=DIR"),
+    ):
+        with pytest.raises(InputError, match=what):
+            _recipe_dirs(bad)
