@@ -56,11 +56,17 @@ class ModelRunner:
         self.spec = cfg.spec or (self.rotations.spec if self.rotations is not None else QuantSpec())
         absorb = self.rotations is not None and cfg.absorb_v
         r_v = {i: lr.v for i, lr in self.rotations.layers.items()} if absorb else None
+        self.ops = resolve(cfg.backend, self.device)
         self.model, self.shape = load_decoder(
-            cfg.model, self.dtype, self.device, r_v=r_v, load_format=cfg.load_format, seed=cfg.seed
+            cfg.model,
+            self.dtype,
+            self.device,
+            r_v=r_v,
+            load_format=cfg.load_format,
+            seed=cfg.seed,
+            ops=self.ops,
         )
         self.tokenizer = load_tokenizer(cfg.model)
-        self.ops = resolve(cfg.backend, self.device)
         s = self.shape
         self.max_model_len = min(cfg.max_model_len or s.max_positions, s.max_positions)
         fmts = self._formats() if self.rotations is not None else None
@@ -69,7 +75,14 @@ class ModelRunner:
         )
         budget = budget_bytes(cfg, self.device, reserve=self.activation_peak)
         self.plan = plan_pools(
-            cfg, self.spec if fmts else None, s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, budget
+            cfg,
+            self.spec if fmts else None,
+            s.num_layers,
+            s.num_kv_heads,
+            s.head_dim,
+            self.dtype,
+            budget,
+            fmts,
         )
         self.pool = KVPool(self.plan, s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, fmts, self.device)
         scale = s.head_dim**-0.5
@@ -177,13 +190,11 @@ class ModelRunner:
     def _formats(self) -> list[tuple[RowFormat, RowFormat]]:
         rs, d = self.rotations, self.shape.head_dim
         assert rs is not None
-        out = []
-        for i in range(self.shape.num_layers):
-            kc, vc = rs.clips(i) if self.cfg.spec is None else (self.spec.k_clip, self.spec.v_clip)
-            out.append(
-                (RowFormat.from_spec(self.spec, d, "k", kc), RowFormat.from_spec(self.spec, d, "v", vc))
-            )
-        return out
+        if self.cfg.spec is None:  # the artifact's per-layer clips and key bits
+            return [rs.formats(i) for i in range(self.shape.num_layers)]
+        return [(RowFormat.from_spec(self.spec, d, "k"), RowFormat.from_spec(self.spec, d, "v"))] * (
+            self.shape.num_layers
+        )
 
     def _fingerprint(self, config: dict[str, Any]) -> bytes:
         """Seeds the prefix cache's page hashes: the model config, the rotations and the dtype."""

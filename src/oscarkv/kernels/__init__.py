@@ -11,10 +11,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..errors import OscarkvError
+from .ref import norm as _ref_norm
 
 __all__ = ["Backend", "BackendError", "KernelOps", "resolve", "triton_unavailable_reason"]
 
@@ -31,7 +33,8 @@ class BackendError(OscarkvError, RuntimeError):
 
 @dataclass(frozen=True)
 class KernelOps:
-    """The resolved ops (see ``kernels/ref`` for signatures and shapes)."""
+    """The resolved ops (see ``kernels/ref`` for signatures and shapes); the decoder's norm and
+    activation ops default to the torch twins."""
 
     backend: Backend
     quantize_pack: Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -41,6 +44,8 @@ class KernelOps:
     prefill_attention_varlen: Callable[..., torch.Tensor]
     rotate_heads: Callable[..., torch.Tensor]
     rotate_new_rows: Callable[..., torch.Tensor]
+    rms_norm: Callable[..., Any] = _ref_norm.rms_norm
+    silu_and_mul: Callable[..., torch.Tensor] = _ref_norm.silu_and_mul
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:
@@ -70,6 +75,8 @@ def _torch_ops() -> KernelOps:
         ref.prefill_attention_varlen,
         ref.rotate_heads,
         ref.rotate_new_rows,
+        ref.rms_norm,
+        ref.silu_and_mul,
     )
 
 

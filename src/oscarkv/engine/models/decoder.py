@@ -2,7 +2,9 @@
 
 A batch is flat: ``input_ids [T]`` with ``positions [T]``, any number of ragged sequences side by
 side. Everything but attention is per token; attention is the caller's :class:`AttentionFn`, which
-knows which rows belong to which sequence and holds the KV cache.
+knows which rows belong to which sequence and holds the KV cache. Norms and the MLP activation run
+the resolved :class:`~oscarkv.kernels.KernelOps`; each residual add rides in the next norm's call
+(``x, residual = norm(x, residual)``), as HF's ``h + x`` followed by ``norm(h)``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from ...kernels import Backend, KernelOps, resolve
 from .layers import (
     SUPPORTED_MODEL_TYPES,
     MergedLinear,
@@ -99,7 +102,14 @@ class Attention(nn.Module):
     """Fused ``qkv_proj``, optional per-head q/k norms, RoPE, the caller's attention, ``o_proj``."""
 
     def __init__(
-        self, layer: int, shape: ModelShape, flags: dict[str, bool], *, dtype: torch.dtype, device: Any
+        self,
+        layer: int,
+        shape: ModelShape,
+        flags: dict[str, bool],
+        ops: KernelOps,
+        *,
+        dtype: torch.dtype,
+        device: Any,
     ):
         super().__init__()
         self.layer = layer
@@ -108,8 +118,8 @@ class Attention(nn.Module):
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
         self.qkv_proj = MergedLinear(shape.hidden, (hq * d, hkv * d, hkv * d), flags["qkv_bias"], **kw)
         self.o_proj = nn.Linear(hq * d, shape.hidden, bias=flags["o_bias"], **kw)
-        self.q_norm = RMSNorm(d, shape.rms_eps, **kw) if flags["qk_norm"] else None
-        self.k_norm = RMSNorm(d, shape.rms_eps, **kw) if flags["qk_norm"] else None
+        self.q_norm = RMSNorm(d, shape.rms_eps, op=ops.rms_norm, **kw) if flags["qk_norm"] else None
+        self.k_norm = RMSNorm(d, shape.rms_eps, op=ops.rms_norm, **kw) if flags["qk_norm"] else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn
@@ -127,31 +137,47 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """``down(silu(gate(x)) · up(x))`` with ``gate|up`` fused."""
 
-    def __init__(self, hidden: int, inter: int, bias: bool, *, dtype: torch.dtype, device: Any):
+    def __init__(
+        self, hidden: int, inter: int, bias: bool, ops: KernelOps, *, dtype: torch.dtype, device: Any
+    ):
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden, (inter, inter), bias, dtype=dtype, device=device)
         self.down_proj = nn.Linear(inter, hidden, bias=bias, dtype=dtype, device=device)
-        self.act = SiluAndMul()
+        self.act = SiluAndMul(ops.silu_and_mul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``h += attn(norm(h))``; ``h += mlp(norm(h))``."""
+    """Pre-norm block: ``h += attn(norm(h))``; ``h += mlp(norm(h))``, each add fused into the norm after it."""
 
-    def __init__(self, layer: int, shape: ModelShape, inter: int, flags: dict[str, bool], **kw: Any):
+    def __init__(
+        self, layer: int, shape: ModelShape, inter: int, flags: dict[str, bool], ops: KernelOps, **kw: Any
+    ):
         super().__init__()
-        self.input_layernorm = RMSNorm(shape.hidden, shape.rms_eps, **kw)
-        self.self_attn = Attention(layer, shape, flags, **kw)
-        self.post_attention_layernorm = RMSNorm(shape.hidden, shape.rms_eps, **kw)
-        self.mlp = MLP(shape.hidden, inter, flags["mlp_bias"], **kw)
+        self.input_layernorm = RMSNorm(shape.hidden, shape.rms_eps, op=ops.rms_norm, **kw)
+        self.self_attn = Attention(layer, shape, flags, ops, **kw)
+        self.post_attention_layernorm = RMSNorm(shape.hidden, shape.rms_eps, op=ops.rms_norm, **kw)
+        self.mlp = MLP(shape.hidden, inter, flags["mlp_bias"], ops, **kw)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionFn,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, residual)`` -> ``(mlp out, residual)``: the stream ``h`` is ``x + residual`` (just ``x``
+        when ``residual`` is None, the first layer), added up in the next norm."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, attn)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class Decoder(nn.Module):
@@ -159,39 +185,59 @@ class Decoder(nn.Module):
 
     Built from a checked HF text config (:func:`check_config`) and its :class:`ModelShape`;
     parameters are created on ``device`` in ``dtype``. With tied embeddings there is no
-    ``lm_head`` module and the logits use ``embed_tokens.weight``.
+    ``lm_head`` module and the logits use ``embed_tokens.weight``. ``ops`` supplies the norm and
+    activation kernels (default: the torch twins).
     """
 
-    def __init__(self, config: Any, shape: ModelShape, *, dtype: torch.dtype, device: Any):
+    def __init__(
+        self,
+        config: Any,
+        shape: ModelShape,
+        *,
+        dtype: torch.dtype,
+        device: Any,
+        ops: KernelOps | None = None,
+    ):
         super().__init__()
         self.shape = shape
+        ops = ops if ops is not None else resolve(Backend.TORCH, "cpu")
         flags = arch_flags(config, shape.model_type)
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
         self.embed_tokens = nn.Embedding(shape.vocab, shape.hidden, **kw)
         inter = int(config.intermediate_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(i, shape, inter, flags, **kw) for i in range(shape.num_layers)
+            DecoderLayer(i, shape, inter, flags, ops, **kw) for i in range(shape.num_layers)
         )
-        self.norm = RMSNorm(shape.hidden, shape.rms_eps, **kw)
+        self.norm = RMSNorm(shape.hidden, shape.rms_eps, op=ops.rms_norm, **kw)
         self.lm_head = (
             None if shape.tie_embeddings else nn.Linear(shape.hidden, shape.vocab, bias=False, **kw)
         )
         self.rotary = RotaryEmbedding(config, shape.head_dim, shape.max_positions, **kw)
 
+    def _stream(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The last layer's ``(x, residual)``: the pre-norm hidden states are their sum."""
+        x, residual = self.embed_tokens(input_ids), None
+        cos, sin = self.rotary(positions)
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, attn)
+        return x, residual
+
+    def _final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
+
     def hidden_states(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn
     ) -> torch.Tensor:
-        """``input_ids``/``positions`` int64 ``[T]`` -> final hidden states ``[T, hidden]`` (before the norm)."""
-        h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions)
-        for layer in self.layers:
-            h = layer(h, cos, sin, attn)
-        return h
+        """``input_ids``/``positions`` int64 ``[T]`` -> final hidden states ``[T, hidden]`` (after
+        the final norm, which takes the last residual add)."""
+        return self._final_norm(*self._stream(input_ids, positions, attn))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """``[n, hidden]`` pre-norm hidden states -> fp32 logits ``[n, vocab]`` (LM head in the model dtype)."""
+        """``[n, hidden]`` final (normed) hidden states -> fp32 logits ``[n, vocab]`` (LM head in the model dtype)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(self.norm(h), weight).float()
+        return nn.functional.linear(h, weight).float()
 
     def forward(
         self,
@@ -201,5 +247,7 @@ class Decoder(nn.Module):
         last_idx: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """fp32 logits ``[n, vocab]`` for the rows ``last_idx`` (int64 ``[n]``) of the flat batch, or all ``T`` rows."""
-        h = self.hidden_states(input_ids, positions, attn)
-        return self.logits(h if last_idx is None else h[last_idx])
+        x, residual = self._stream(input_ids, positions, attn)
+        if last_idx is not None:
+            x, residual = x[last_idx], None if residual is None else residual[last_idx]
+        return self.logits(self._final_norm(x, residual))

@@ -6,14 +6,14 @@ dtypes), so fp32 logits agree with HF to float rounding and bf16 ones to a bf16 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...errors import ModelError
+from ...kernels.ref import norm as ref_norm
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -39,26 +39,42 @@ UNSUPPORTED_ROPE = ("dynamic", "longrope")
 
 
 class RMSNorm(nn.Module):
-    """``weight · x / rms(x)`` over the last dim; statistics in fp32, output in ``x``'s dtype (HF)."""
+    """``weight · x / rms(x)`` over the last dim; statistics in fp32, output in ``x``'s dtype (HF).
 
-    def __init__(self, dim: int, eps: float, *, dtype: torch.dtype | None = None, device: Any = None):
+    ``op`` is the backend's ``rms_norm`` (``kernels.ref.rms_norm``'s contract); ``forward(x,
+    residual)`` adds the residual first and returns ``(normed, x + residual)``.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        eps: float,
+        *,
+        op: Callable[..., Any] = ref_norm.rms_norm,
+        dtype: torch.dtype | None = None,
+        device: Any = None,
+    ):
         super().__init__()
         self.eps = eps
+        self.op = op
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self.op(x, self.weight, self.eps, residual)
 
 
 class SiluAndMul(nn.Module):
-    """``[T, 2I] -> [T, I]``: ``silu(gate) · up`` for the fused ``gate|up`` projection."""
+    """``[T, 2I] -> [T, I]``: ``silu(gate) · up`` for the fused ``gate|up`` projection (``op``: the
+    backend's ``silu_and_mul``)."""
+
+    def __init__(self, op: Callable[[torch.Tensor], torch.Tensor] = ref_norm.silu_and_mul):
+        super().__init__()
+        self.op = op
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return self.op(x)
 
 
 class MergedLinear(nn.Linear):

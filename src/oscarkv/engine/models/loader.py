@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ...kernels import KernelOps
 from ...rotation import absorb_value_weight
 from .decoder import Decoder, ModelShape, model_shape
 from .layers import SUPPORTED_MODEL_TYPES, MergedLinear, check_config, model_error, text_config
@@ -32,12 +33,14 @@ def load_decoder(
     r_v: dict[int, torch.Tensor] | None = None,
     load_format: str = "safetensors",
     seed: int = 0,
+    ops: KernelOps | None = None,
 ) -> tuple[Decoder, ModelShape]:
     """Build the decoder of ``model_dir`` in ``dtype`` on ``device`` and fill its weights.
 
     ``r_v`` maps layer -> fp32 ``[d, d]`` or ``[Hkv, d, d]``; those layers' ``v_proj`` then emits
     ``v·R_V`` (folded in fp32 after rounding to ``dtype``, as ``hf.absorb_value_rotation``).
     ``load_format="dummy"`` reads no weights: N(0, 0.02) from a ``seed``-ed generator, norms 1.
+    ``ops``: the kernels the decoder's norms and activation run (default: the torch twins).
     Returns ``(decoder in eval mode without grads, shape)``; raises ``ModelError`` (one line).
     """
     from transformers import AutoConfig, GenerationConfig
@@ -62,7 +65,7 @@ def load_decoder(
     shape = model_shape(config, gen, where)
     rots = _check_r_v(r_v, shape, where)
     files = _checkpoint_files(Path(model_dir)) if load_format == "safetensors" else []
-    model = Decoder(text_config(config), shape, dtype=dtype, device=device)
+    model = Decoder(text_config(config), shape, dtype=dtype, device=device, ops=ops)
     with torch.no_grad():
         if load_format == "dummy":
             _fill_dummy(model, seed, rots)

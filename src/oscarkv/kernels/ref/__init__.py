@@ -1,6 +1,7 @@
 """Readable PyTorch reference kernels (fp32 math): the CPU path and the test oracle."""
 
 from .decode_attention import decode_attention, merge_states, partial_attention
+from .norm import rms_norm, silu_and_mul
 from .prefill_attention import prefill_attention, prefill_attention_varlen
 from .quantize_pack import dequantize, quantize_pack
 from .rotate import rotate_heads, rotate_new_rows
@@ -13,6 +14,8 @@ __all__ = [
     "prefill_attention",
     "prefill_attention_varlen",
     "quantize_pack",
+    "rms_norm",
     "rotate_heads",
     "rotate_new_rows",
+    "silu_and_mul",
 ]

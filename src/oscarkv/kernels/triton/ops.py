@@ -15,6 +15,7 @@ from .. import Backend, KernelOps
 from ..ref.prefill_attention import per_sequence
 from .decode import decode_attention
 from .dequantize import dequantize
+from .norm import rms_norm, silu_and_mul
 from .quantize_pack import quantize_pack
 from .rotate import rotate_heads, rotate_new_rows
 
@@ -87,4 +88,6 @@ KERNEL_OPS = KernelOps(
     prefill_attention_varlen,
     rotate_heads,
     rotate_new_rows,
+    rms_norm,
+    silu_and_mul,
 )

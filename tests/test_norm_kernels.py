@@ -1,0 +1,295 @@
+"""RMSNorm (with the fused residual add) and SiLU-and-mul: the torch twins against the eager math
+they replace, the Triton kernels against the twins.
+
+The ``triton_vs_twin`` tests run under Triton's CPU interpreter, in a fresh process that
+``test_triton_kernels_under_the_interpreter`` starts with ``TRITON_INTERPRET=1`` (the switch must
+be set before any kernel is defined); the ``gpu`` ones on a CUDA device. The interpreter casts fp32
+to bf16 by truncation where the GPU rounds to nearest even, so that lane patches the cast to round.
+Tolerances: the new residual is bit-exact; 16-bit outputs within two steps of their dtype (rtol
+2^-6 bf16, 2^-9 fp16: a step where the fp32 value before a rounding point lands across a rounding
+boundary, as ``exp``/``rsqrt`` rounding and summation order move it, and a step at the output),
+fp32 within rtol 1e-5.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import tiny_lm_config
+from oscarkv.engine.models.decoder import Decoder, model_shape
+from oscarkv.kernels import Backend, KernelOps, ref, resolve
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+EPS = 1e-6
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+RTOL = {torch.bfloat16: 2**-6, torch.float16: 2**-9, torch.float32: 1e-5}
+interpreted = pytest.mark.skipif(not INTERPRET, reason="run by test_triton_kernels_under_the_interpreter")
+
+
+def eager_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The engine's ``RMSNorm.forward`` before the kernels (HF's ``LlamaRMSNorm``)."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def eager_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def inputs(rows: int, n: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0):
+    """``(x, residual, weight)``: ``x`` about 3x the residual's scale, as an attention output is."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, n, generator=g) * 3).to(dtype).to(device)
+    res = torch.randn(rows, n, generator=g).to(dtype).to(device)
+    w = (torch.rand(n, generator=g) + 0.5).to(dtype).to(device)
+    return x, res, w
+
+
+def assert_steps(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=RTOL[want.dtype], atol=1e-6)
+
+
+# ---- the twins against today's eager math -----------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [64, 576])
+def test_twin_is_the_eager_rms_norm_bit_for_bit(dtype: torch.dtype, n: int) -> None:
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    x, res, w = inputs(7, n, dtype)
+    assert torch.equal(ref.rms_norm(x, w, EPS), eager_rms_norm(x, w, EPS))
+    out, new_res = ref.rms_norm(x, w, EPS, res)
+    h = res + x  # the decoder's h = h + attn(...)
+    assert torch.equal(new_res, h) and torch.equal(out, eager_rms_norm(h, w, EPS))
+    hf = Qwen3RMSNorm(n, eps=EPS).to(dtype)
+    hf.weight.data.copy_(w)
+    with torch.no_grad():
+        assert torch.equal(ref.rms_norm(x, w, EPS), hf(x))
+    heads = x.view(7, -1, 32)[:, 1::2]  # strided per-head rows
+    assert torch.equal(ref.rms_norm(heads, w[:32], EPS), eager_rms_norm(heads, w[:32], EPS))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_twin_is_the_eager_silu_and_mul_bit_for_bit(dtype: torch.dtype) -> None:
+    x = (torch.randn(5, 2 * 288) * 4).to(dtype)
+    assert torch.equal(ref.silu_and_mul(x), eager_silu_and_mul(x))
+
+
+def test_kernel_ops_carry_the_norm_ops() -> None:
+    ops = resolve(Backend.TORCH, "cpu")
+    assert ops.rms_norm is ref.rms_norm and ops.silu_and_mul is ref.silu_and_mul
+    bare = KernelOps(Backend.TORCH, *[None] * 7)  # callers that predate the norm ops
+    assert bare.rms_norm is ref.rms_norm and bare.silu_and_mul is ref.silu_and_mul
+
+
+def causal_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    rep = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(rep, dim=1).transpose(0, 1) for t in (k, v))
+    return F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True).transpose(0, 1)
+
+
+def tiny_decoder(kind: str, dtype: torch.dtype, ops: KernelOps | None = None) -> Decoder:
+    cfg = tiny_lm_config(kind, vocab=101, layers=2, heads=4, kv_heads=2, head_dim=32)
+    dec = Decoder(cfg, model_shape(cfg), dtype=dtype, device="cpu", ops=ops).eval()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in dec.named_parameters():
+            init = (
+                torch.rand(p.shape, generator=g) + 0.5
+                if "norm" in name
+                else torch.randn(p.shape, generator=g) * 0.1
+            )
+            p.copy_(init)
+    return dec
+
+
+def unfused_logits(
+    dec: Decoder, ids: torch.Tensor, pos: torch.Tensor, last: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The decoder's forward as it was: separate residual adds, eager norms and activation."""
+    h = dec.embed_tokens(ids)
+    cos, sin = dec.rotary(pos)
+    for layer in dec.layers:
+        a = layer.input_layernorm
+        h = h + layer.self_attn(eager_rms_norm(h, a.weight, a.eps), cos, sin, causal_attention)
+        p, mlp = layer.post_attention_layernorm, layer.mlp
+        h = h + mlp.down_proj(eager_silu_and_mul(mlp.gate_up_proj(eager_rms_norm(h, p.weight, p.eps))))
+    weight = dec.embed_tokens.weight if dec.lm_head is None else dec.lm_head.weight
+    h = h if last is None else h[last]
+    return F.linear(eager_rms_norm(h, dec.norm.weight, dec.norm.eps), weight).float()
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_decoder_equals_the_unfused_one_bit_for_bit(kind: str, dtype: torch.dtype) -> None:
+    dec = tiny_decoder(kind, dtype)
+    ids, pos = torch.randint(0, 101, (9,)), torch.arange(9)
+    last = torch.tensor([2, 8])
+    with torch.no_grad():
+        want = unfused_logits(dec, ids, pos)
+        assert torch.equal(dec(ids, pos, causal_attention), want)
+        assert torch.equal(dec(ids, pos, causal_attention, last), unfused_logits(dec, ids, pos, last))
+        assert torch.equal(dec.logits(dec.hidden_states(ids, pos, causal_attention)), want)
+
+
+# ---- Triton against the twins, under the interpreter ---------------------------------------------
+@pytest.mark.skipif(INTERPRET, reason="this is the interpreter lane itself")
+def test_triton_kernels_under_the_interpreter() -> None:
+    import triton  # noqa: F401  (a dev install has triton: its absence is a failure here, not a skip)
+
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "triton_vs_twin"]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run(
+        cmd, capture_output=True, text=True, env=env, timeout=1200, cwd=Path(__file__).parents[1]
+    )
+    out = res.stdout + res.stderr
+    last = out.strip().splitlines()[-1] if out.strip() else ""
+    assert res.returncode == 0 and " passed" in last and "skipped" not in last, out[-4000:]
+
+
+@pytest.fixture
+def rounding_cast(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interpreter's fp32 -> bf16 cast rounded to nearest even, as the GPU's ``cvt.rn``."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    plain = interpreter.InterpreterBuilder.cast_impl
+
+    def cast(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            f32 = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+            bits = f32.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            return interpreter.TensorHandle(bits, dst_type.scalar)
+        return plain(self, src, dst_type)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast)
+
+
+def check_rms_norm(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None) -> None:
+    from oscarkv.kernels.triton import norm
+
+    if res is None:
+        assert_steps(norm.rms_norm(x, w, EPS), ref.rms_norm(x, w, EPS))
+        return
+    out, new_res = norm.rms_norm(x, w, EPS, res)
+    want, want_res = ref.rms_norm(x, w, EPS, res)
+    assert torch.equal(new_res, want_res)
+    assert_steps(out, want)
+
+
+@interpreted
+@pytest.mark.usefixtures("rounding_cast")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 33])
+@pytest.mark.parametrize("n", [64, 576, 4096])
+@pytest.mark.parametrize("fused", [False, True])
+def test_triton_vs_twin_rms_norm(n: int, rows: int, dtype: torch.dtype, fused: bool) -> None:
+    x, res, w = inputs(rows, n, dtype, seed=n + rows)
+    check_rms_norm(x, w, res if fused else None)
+
+
+@interpreted
+@pytest.mark.usefixtures("rounding_cast")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_vs_twin_rms_norm_strided_rows(dtype: torch.dtype) -> None:
+    t, hq, hkv, d = 5, 4, 2, 64
+    qkv, _, w = inputs(t, (hq + 2 * hkv) * d, dtype)
+    q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)  # as Attention's per-head q/k norms see them
+    check_rms_norm(q.view(t, hq, d), w[:d], None)
+    check_rms_norm(k.view(t, hkv, d), w[d : 2 * d], None)
+    wide, wide_res, _ = inputs(t, 3 * d, dtype, seed=1)
+    check_rms_norm(wide[:, d : 2 * d], w[:d], wide_res[:, :d])  # 2D views with row strides
+
+
+@interpreted
+@pytest.mark.usefixtures("rounding_cast")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", [576, 4096])
+def test_triton_vs_twin_rms_norm_two_passes(
+    monkeypatch: pytest.MonkeyPatch, n: int, dtype: torch.dtype
+) -> None:
+    from oscarkv.kernels.triton import norm
+
+    monkeypatch.setattr(norm, "MAX_BLOCK", 256)  # rows longer than a block: statistics, then scale
+    x, res, w = inputs(3, n, dtype)
+    check_rms_norm(x, w, None)
+    check_rms_norm(x, w, res)
+
+
+@interpreted
+@pytest.mark.usefixtures("rounding_cast")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 33])
+@pytest.mark.parametrize("inter", [32, 288, 2048])
+def test_triton_vs_twin_silu_and_mul(inter: int, rows: int, dtype: torch.dtype) -> None:
+    from oscarkv.kernels.triton import norm
+
+    x = (torch.randn(rows, 2 * inter) * 4).to(dtype)
+    assert_steps(norm.silu_and_mul(x), ref.silu_and_mul(x))
+    wide = (torch.randn(rows, 2 * inter + 16) * 4).to(dtype)[:, 16:]  # a row stride
+    assert_steps(norm.silu_and_mul(wide), ref.silu_and_mul(wide))
+
+
+@interpreted
+@pytest.mark.usefixtures("rounding_cast")
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_vs_twin_decoder(kind: str, dtype: torch.dtype) -> None:
+    from oscarkv.kernels.triton import norm
+
+    ops = dataclasses.replace(
+        resolve(Backend.TORCH, "cpu"), rms_norm=norm.rms_norm, silu_and_mul=norm.silu_and_mul
+    )
+    want_dec = tiny_decoder(kind, dtype)
+    dec = tiny_decoder(kind, dtype, ops)
+    ids, pos = torch.randint(0, 101, (9,)), torch.arange(9)
+    with torch.no_grad():
+        got, want = dec(ids, pos, causal_attention), want_dec(ids, pos, causal_attention)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4 if dtype == torch.float32 else 2e-2)
+
+
+# ---- Triton against the twins, on a GPU -----------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 24, 33, 4096])
+@pytest.mark.parametrize("n", [64, 128, 576, 4096, 5120, 8192, 20000])
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_rms_norm(n: int, rows: int, dtype: torch.dtype, fused: bool) -> None:
+    x, res, w = inputs(rows, n, dtype, "cuda", seed=n + rows)
+    check_rms_norm(x, w, res if fused else None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_rms_norm_qwen3_8b_heads(dtype: torch.dtype) -> None:
+    t, hq, hkv, d = 24, 32, 8, 128
+    qkv, _, w = inputs(t, (hq + 2 * hkv) * d, dtype, "cuda")
+    q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    check_rms_norm(q.view(t, hq, d), w[:d], None)
+    check_rms_norm(k.view(t, hkv, d), w[d : 2 * d], None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 24, 4096])
+@pytest.mark.parametrize("inter", [32, 288, 12288, 28672])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_silu_and_mul(inter: int, rows: int, dtype: torch.dtype) -> None:
+    from oscarkv.kernels.triton import norm
+
+    x = (torch.randn(rows, 2 * inter, device="cuda") * 4).to(dtype)
+    assert_steps(norm.silu_and_mul(x), ref.silu_and_mul(x))
