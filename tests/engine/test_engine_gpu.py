@@ -83,31 +83,29 @@ def test_padded_replays_write_only_live_rows(kv: str, rot: Path) -> None:
         eng.add_request(p, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
     while any(len(s.out) == 0 for s in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()
-    tensors = {"k_codes": "q", "v_codes": "q", "k_meta": "q", "v_meta": "q", "hp_k": "h", "hp_v": "h"}
+    tier = {"k_codes": "q", "v_codes": "q", "k_meta": "q", "v_meta": "q", "hp_k": "h", "hp_v": "h"}
+    # every (layer, kind) as a [rows, bytes] view of the pool (key codes are one tensor per layer)
+    tensors = {(l, n): getattr(pool.layer(l), n) for l in range(pool.layers) for n in tier}
+    tensors = {k: t.view(torch.uint8).view(t.shape[0], -1) for k, t in tensors.items() if t.shape[0]}
     g = torch.Generator(device="cuda").manual_seed(1)
     q0, h0 = _live_rows(llm)
-    for name, tier in tensors.items():
-        t = getattr(pool, name)
-        if t.shape[1] == 0:
-            continue
-        b = t.view(torch.uint8).view(t.shape[0], t.shape[1], -1)
-        live = torch.tensor(sorted(q0 if tier == "q" else h0), device="cuda")
-        keep = b[:, live].clone()
+    for (_, name), b in tensors.items():
+        live = torch.tensor(sorted(q0 if tier[name] == "q" else h0), device="cuda")
+        keep = b[live].clone()
         b.copy_(torch.randint(0, 256, b.shape, generator=g, device="cuda", dtype=torch.uint8))
-        b[:, live] = keep
+        b[live] = keep
     # Bytes, not values: random bytes hold NaN patterns, and NaN != NaN under torch.equal.
-    before = {n: getattr(pool, n).view(torch.uint8).clone() for n in tensors}
+    before = {k: b.clone() for k, b in tensors.items()}
     for _ in range(150):
         eng.step()
     assert eng.runner.graphs is not None and any(k[0] == 4 for k in eng.runner.graphs.graphs)
     q1, h1 = _live_rows(llm)
-    for name, tier in tensors.items():
-        t0, t1 = before[name], getattr(pool, name).view(torch.uint8)
-        if t1.shape[1] == 0:
-            continue
-        live = q0 | q1 if tier == "q" else h0 | h1
-        dead = torch.tensor(sorted(set(range(t1.shape[1])) - live), device="cuda")
-        assert torch.equal(t0[:, dead], t1[:, dead]), f"{name}: a padded replay wrote outside the live rows"
+    for (layer, name), t1 in tensors.items():
+        live = q0 | q1 if tier[name] == "q" else h0 | h1
+        dead = torch.tensor(sorted(set(range(t1.shape[0])) - live), device="cuda")
+        assert torch.equal(before[layer, name][dead], t1[dead]), (
+            f"layer {layer} {name}: a padded replay wrote outside the live rows"
+        )
 
 
 def test_triton_logits_track_torch(rot: Path, monkeypatch: pytest.MonkeyPatch) -> None:

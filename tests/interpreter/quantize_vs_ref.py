@@ -231,7 +231,7 @@ def test_quantize_pack_is_bit_exact_on_many_random_rows(tk, d, clip):
 def test_triton_refuses_formats_it_does_not_implement(tk):
     qp, _ = tk
     with pytest.raises(ValueError, match="backend='torch'"):
-        qp.quantize_pack(torch.randn(4, 1, 64), RowFormat(64, 4, 64))
+        qp.quantize_pack(torch.randn(4, 1, 64), RowFormat(64, 3, 64))  # 4-bit rows: tests/test_kernels_k4.py
     with pytest.raises(ValueError, match="backend='torch'"):
         qp.quantize_pack(torch.randn(4, 1, 64), RowFormat(64, 2, 16))
 

@@ -116,7 +116,7 @@ class CacheMethod:
 
     def bits_per_element(self, context_len: int, head_dim: int) -> float:
         if self.override_spec is None:  # the artifact's per-layer key bits
-            return self.rotations.bits_per_element(context_len)
+            return self.rotations.bits_per_element(context_len, head_dim)
         return self.spec.bits_per_element(context_len, head_dim)
 
     def make_cache(self, model: Any) -> Any:

@@ -248,14 +248,13 @@ class RotationSet:
         """``layer``'s stored K and V row formats (its clips and key bits over the spec)."""
         return self.layers[layer].formats(self.spec, self.head_dim)
 
-    def bits_per_element(self, context_len: int | None = None) -> float:
+    def bits_per_element(self, context_len: int | None = None, head_dim: int | None = None) -> float:
         """Effective bits per cached K/V element at ``context_len`` tokens, averaged over the layers
         (they hold equal numbers of elements); ``None``: the quantized tier alone (see
-        :meth:`QuantSpec.bits_per_element`)."""
+        :meth:`QuantSpec.bits_per_element`). ``head_dim`` defaults to the rotations'."""
+        d = self.head_dim if head_dim is None else head_dim
         bits = [
-            dataclasses.replace(self.spec, key_bits=self.key_bits(i)).bits_per_element(
-                context_len, self.head_dim
-            )
+            dataclasses.replace(self.spec, key_bits=self.key_bits(i)).bits_per_element(context_len, d)
             for i in self.layer_ids
         ]
         return sum(bits) / len(bits)

@@ -1,13 +1,13 @@
 """Triton helpers of ``quantize_pack`` (its module docstring explains them): the clip threshold
 by comparator networks on multisets (fp32, or packed pairs of 16-bit values), a row's exact
-code thresholds, its codes and the metadata rounding."""
+code thresholds, its codes (2 bits by thresholds, 4 bits directly) and the metadata rounding."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-__all__ = ["abs_bits", "clip_threshold", "pack", "threshold", "to_meta"]
+__all__ = ["abs_bits", "clip_threshold", "pack", "pack4", "threshold", "to_meta"]
 
 # the packed comparators' PTX type by ``P``: 1 bf16 rows, 2 fp16 rows (0: Triton's max/min)
 _PAIR_TYPES = tl.constexpr(("", "bf16x2", "f16x2"))
@@ -280,4 +280,26 @@ def pack(xa, xb, xc, xd, t1, t2, t3, BLOCK_R: tl.constexpr, D8: tl.constexpr):
     sh = (tl.arange(0, D8) % 4 * 8)[None, :]
     c = _code(xa, t1, t2, t3, sh) | _code(xb, t1, t2, t3, sh + 2)
     c = c | _code(xc, t1, t2, t3, sh + 4) | _code(xd, t1, t2, t3, sh + 6)
+    return tl.sum(tl.reshape(c, [BLOCK_R, D8 // 4, 4]), 2)
+
+
+@triton.jit
+def _code4(x, lo, hi, sd, z, ok, CLIP: tl.constexpr):
+    """The reference's 4-bit code ``clamp(⌊fl(fl(x' ⊘ s) + z) + 0.5⌋, 0, 15)`` of ``x`` (``x'``:
+    clamped to the clipped ``[lo, hi]``, the same as to ``±tau``); 0 where not ``ok``."""
+    x = x.to(tl.float32)  # (16-bit x: exact)
+    if CLIP:
+        x = tl.minimum(tl.maximum(x, lo), hi)
+    # the fp64 quotient rounded to fp32 is the correctly rounded fp32 one, subnormals included
+    u = (x.to(tl.float64) / sd).to(tl.float32)
+    q = tl.floor((u + z) + 0.5)
+    return tl.where(ok, tl.minimum(tl.maximum(q, 0.0), 15.0).to(tl.int32), 0)
+
+
+@triton.jit
+def pack4(xa, xb, lo, hi, sd, z, ok, CLIP: tl.constexpr, BLOCK_R: tl.constexpr, D8: tl.constexpr):
+    """Bytes ``code4(xa) | code4(xb) << 4`` (the halved 4-bit layout) as int32 words; ``lo``, ``hi``,
+    ``sd`` (fp64 scale), ``z`` and ``ok`` are ``[BLOCK_R, 1]`` columns."""
+    sh = (tl.arange(0, D8) % 4 * 8)[None, :]
+    c = (_code4(xa, lo, hi, sd, z, ok, CLIP) << sh) | (_code4(xb, lo, hi, sd, z, ok, CLIP) << (sh + 4))
     return tl.sum(tl.reshape(c, [BLOCK_R, D8 // 4, 4]), 2)

@@ -1,5 +1,5 @@
-"""Triton clip-quantize-pack (2-bit, one (scale, zero) per row) of rotated rows; its inverse is
-in :mod:`.dequantize`.
+"""Triton clip-quantize-pack (2- or 4-bit, one (scale, zero) per row) of rotated rows; its inverse
+is in :mod:`.dequantize`.
 
 ``_quantize_pack``, bit-exact with the reference: a program takes ``BLOCK_R`` rows, each held as
 eight column pieces ``x_i = x[:, i·D/8 : (i+1)·D/8]`` (pieces ``2q``, ``2q+1`` make quarter ``q``
@@ -29,6 +29,9 @@ of the packed layout: byte ``j`` holds elements ``j, j+D/4, j+D/2, j+3D/4``).
    ``fl(v ⊘ s) >= U`` iff ``v >= μ·s`` (``β_k``, ``μ``: midpoints below ``W_k``, ``U``; strict
    where that tie rounds down), both exact in fp64 and rounded up to fp32. A ``t_k`` outside
    ``(lo, hi]`` becomes ``-inf`` (all) or NaN (none), so ``x`` itself is never clamped.
+   4 bits (``BITS``, the halved layout: byte ``j`` holds elements ``j, j+D/2``, i.e. pieces ``i``
+   and ``i+4``) compute each code as the reference does, ``x`` clamped to ``[lo, hi]`` and the
+   quotient taken in fp64 (correctly rounded to fp32 as it is), instead of 15 thresholds.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ...quant import RowFormat
 from ...quant.quantizer import META_TORCH_DTYPES, clip_index
 from .launch import Launcher, device_facts
-from .quantize_nets import abs_bits, clip_threshold, pack, threshold, to_meta
+from .quantize_nets import abs_bits, clip_threshold, pack, pack4, threshold, to_meta
 
 __all__ = ["DEFAULT_TUNING", "QuantizeTuning", "quantize_pack"]
 
@@ -61,8 +64,8 @@ class QuantizeTuning:
     packed: bool = True
     # ... up to this many clip rounds (2+ rounds: no fewer sm_90 instructions than fp32)
     packed_rounds: int = 1
-    # register cap of the packed network at d=128 (0: none; uncapped, ptxas takes 115 registers and
-    # saves predicates: 1354 instructions)
+    # register cap of the packed 2-bit network at d=128 (0: none; uncapped, ptxas takes 115 registers
+    # and saves predicates: 1354 instructions)
     packed_maxnreg: int = 128
     # values per clip round where N_DROP >= 6 (6 or 12): d=128 at clip 0.92, one round of 12 packed
     # takes 1416 instructions per thread, two rounds of 6 (fp32) 2480
@@ -109,9 +112,10 @@ def _nmax(a, b):
 def _finish(x0, x1, x2, x3, x4, x5, x6, x7, rows, rmask, C, M, tiny, s_cr, s_mr, BLOCK_R: tl.constexpr,
             D8: tl.constexpr, CLIP: tl.constexpr, N_DROP: tl.constexpr, ROUNDS: tl.constexpr,
             TOP_K: tl.constexpr, TREE: tl.constexpr, PACKED: tl.constexpr = False,
-            ASM: tl.constexpr = 0):  # fmt: skip
+            ASM: tl.constexpr = 0, BITS: tl.constexpr = 2):  # fmt: skip
     """Clip, quantize and pack a block of rows held as eight fp32 column pieces (``PACKED``: as
-    the rows' bf16/fp16 values, the clip network on packed pairs, ``ASM`` its PTX type); store."""
+    the rows' bf16/fp16 values, the clip network on packed pairs, ``ASM`` its PTX type) into
+    ``BITS``-bit codes; store."""
     f0, f1, f2, f3, f4, f5, f6, f7 = x0, x1, x2, x3, x4, x5, x6, x7
     if PACKED:
         f0, f1, f2, f3 = x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32)
@@ -135,23 +139,38 @@ def _finish(x0, x1, x2, x3, x4, x5, x6, x7, rows, rmask, C, M, tiny, s_cr, s_mr,
             tau = clip_threshold(a, N_DROP, ROUNDS, TREE, TOP_K)
         lo = _nmin(_nmax(lo, -tau), tau)
         hi = _nmin(_nmax(hi, -tau), tau)
-    s = tl.math.div_rn(_nmax(hi - lo, 1e-8), 3.0)  # NaN for a row of infinities of one sign
+    if BITS == 2:
+        s = tl.math.div_rn(_nmax(hi - lo, 1e-8), 3.0)  # NaN for a row of infinities of one sign
+    else:
+        s = tl.math.div_rn(_nmax(hi - lo, 1e-8), 15.0)
     s = _nmax(s, tl.maximum(tl.abs(lo), tl.abs(hi)) * 0.00006103515625)  # exact: / 2^14
     s = _nmax(s, tiny)
     z = tl.math.div_rn(-lo, s)
     s_m = to_meta(s, M.dtype.element_ty)
     z_m = to_meta(z, M.dtype.element_ty)
-    sd = s_m.to(tl.float64)
-    zd = z_m.to(tl.float64)
-    # a NaN or infinite scale (rows with NaN or unclipped infinities): every code 0, as the reference
-    ok = (s < float("inf"))[:, None]
-    t1 = tl.where(ok, threshold(_BETA1, True, sd, zd, lo, hi), float("nan"))
-    t2 = tl.where(ok, threshold(_BETA2, False, sd, zd, lo, hi), float("nan"))
-    t3 = tl.where(ok, threshold(_BETA3, False, sd, zd, lo, hi), float("nan"))
-    m2 = rmask[:, None]
-    cp = C.to(tl.pointer_type(tl.int32)) + rows[:, None] * (s_cr // 4) + tl.arange(0, D8 // 4)[None, :]
-    tl.store(cp, pack(x0, x2, x4, x6, t1, t2, t3, BLOCK_R, D8), mask=m2)
-    tl.store(cp + D8 // 4, pack(x1, x3, x5, x7, t1, t2, t3, BLOCK_R, D8), mask=m2)
+    if BITS == 2:
+        sd = s_m.to(tl.float64)
+        zd = z_m.to(tl.float64)
+        # a NaN or infinite scale (rows with NaN or unclipped infinities): every code 0, as the reference
+        ok = (s < float("inf"))[:, None]
+        t1 = tl.where(ok, threshold(_BETA1, True, sd, zd, lo, hi), float("nan"))
+        t2 = tl.where(ok, threshold(_BETA2, False, sd, zd, lo, hi), float("nan"))
+        t3 = tl.where(ok, threshold(_BETA3, False, sd, zd, lo, hi), float("nan"))
+        m2 = rmask[:, None]
+        cp = C.to(tl.pointer_type(tl.int32)) + rows[:, None] * (s_cr // 4) + tl.arange(0, D8 // 4)[None, :]
+        tl.store(cp, pack(x0, x2, x4, x6, t1, t2, t3, BLOCK_R, D8), mask=m2)
+        tl.store(cp + D8 // 4, pack(x1, x3, x5, x7, t1, t2, t3, BLOCK_R, D8), mask=m2)
+    else:
+        ok = (s < float("inf"))[:, None]
+        sd = s_m.to(tl.float64)[:, None]
+        zf = z_m.to(tl.float32)[:, None]
+        lc, hc = lo[:, None], hi[:, None]
+        xs = (x0, x1, x2, x3, x4, x5, x6, x7)  # (16-bit when PACKED: the fp32 copies are dead by now)
+        m2 = rmask[:, None]
+        cp = C.to(tl.pointer_type(tl.int32)) + rows[:, None] * (s_cr // 4) + tl.arange(0, D8 // 4)[None, :]
+        for i in tl.static_range(4):  # bytes i·D/8 onwards: pieces i (bits 3:0) and i + 4 (bits 7:4)
+            codes = pack4(xs[i], xs[i + 4], lc, hc, sd, zf, ok, CLIP, BLOCK_R, D8)
+            tl.store(cp + i * (D8 // 4), codes, mask=m2)
     tl.store(M + rows * s_mr, s_m, mask=rmask)
     tl.store(M + rows * s_mr + 1, z_m, mask=rmask)
 
@@ -159,7 +178,8 @@ def _finish(x0, x1, x2, x3, x4, x5, x6, x7, rows, rmask, C, M, tiny, s_cr, s_mr,
 @triton.jit
 def _quantize_pack(X, C, M, n_rows, tiny, s_xr, s_cr, s_mr, D: tl.constexpr, BLOCK_R: tl.constexpr,
                    CLIP: tl.constexpr, N_DROP: tl.constexpr, ROUNDS: tl.constexpr, TOP_K: tl.constexpr,
-                   TREE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                   TREE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+                   BITS: tl.constexpr = 2):  # fmt: skip
     if PDL:  # a programmatic dependent launch: wait for the previous kernel before the first read
         gdc_wait()
         gdc_launch_dependents()
@@ -176,7 +196,7 @@ def _quantize_pack(X, C, M, n_rows, tiny, s_xr, s_cr, s_mr, D: tl.constexpr, BLO
         x0, x1, x2, x3 = x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32)
         x4, x5, x6, x7 = x4.to(tl.float32), x5.to(tl.float32), x6.to(tl.float32), x7.to(tl.float32)
     _finish(x0, x1, x2, x3, x4, x5, x6, x7, rows, rmask, C, M, tiny, s_cr, s_mr, BLOCK_R, D8,
-            CLIP, N_DROP, ROUNDS, TOP_K, TREE, PACKED, ASM)  # fmt: skip
+            CLIP, N_DROP, ROUNDS, TOP_K, TREE, PACKED, ASM, BITS)  # fmt: skip
 
 
 _QUANTIZE_PACK = Launcher(_quantize_pack)
@@ -197,13 +217,13 @@ def _pair_asm(device: torch.device, dtype: torch.dtype, rounds: int) -> int:
 
 def _check(fmt: RowFormat) -> None:
     if (
-        fmt.bits != 2
+        fmt.bits not in (2, 4)
         or fmt.groups != 1
         or fmt.quantizer != "asymmetric"
         or fmt.head_dim not in (64, 128, 256)
     ):
         raise ValueError(
-            "the Triton quantize_pack kernel writes 2-bit asymmetric rows with one (scale, zero) per row "
+            "the Triton quantize_pack kernel writes 2- or 4-bit asymmetric rows with one (scale, zero) per row "
             f"and head_dim 64/128/256; got {fmt.bits}-bit, {fmt.groups} groups, {fmt.quantizer}, "
             f"d={fmt.head_dim} (use backend='torch')"
         )
@@ -218,7 +238,7 @@ def quantize_pack(
     x = rows.reshape(n * h, d)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    codes = torch.empty(n, h, d // 4, dtype=torch.uint8, device=rows.device)
+    codes = torch.empty(n, h, fmt.packed_dim, dtype=torch.uint8, device=rows.device)
     meta = torch.empty(n, h, 1, 2, dtype=META_TORCH_DTYPES[fmt.meta_dtype], device=rows.device)
     if n * h == 0:
         return codes, meta
@@ -236,7 +256,9 @@ def quantize_pack(
     # on a GPU only with its PTX pairs (the int16 fallback is exact but slower than fp32)
     asm = _pair_asm(x.device, x.dtype, rounds) if packed and x.is_cuda else 0
     packed = packed and (asm > 0 or not x.is_cuda)
-    opts = {"maxnreg": t.packed_maxnreg} if packed and d == 128 and x.is_cuda and t.packed_maxnreg else {}
+    # the register cap is tuned for the 2-bit network (4 bits spill under it)
+    capped = packed and d == 128 and fmt.bits == 2 and x.is_cuda and t.packed_maxnreg
+    opts = {"maxnreg": t.packed_maxnreg} if capped else {}
     # merge levels of column pairs before tl.reduce, within a thread's 16 loaded bytes (fewer if the
     # block is small): a balanced tree instead of tl.reduce's serial chain (6% faster on the H200);
     # all the way under the interpreter (CPU tensors), whose tl.reduce calls the combine per element
@@ -248,8 +270,9 @@ def quantize_pack(
         tree = min(d // 8, 16 // x.element_size()).bit_length() - 1
     pdl = t.pdl and device_facts(x.device)[1]
     _QUANTIZE_PACK(
-        (n_blocks,), x, codes, meta, n * h, torch.finfo(meta.dtype).tiny, x.stride(0), d // 4, 2,
+        (n_blocks,), x, codes, meta, n * h, torch.finfo(meta.dtype).tiny, x.stride(0), fmt.packed_dim, 2,
         D=d, BLOCK_R=t.block_r, CLIP=fmt.clip > 0, N_DROP=n_drop, ROUNDS=rounds, TOP_K=top_k, TREE=tree,
-        PACKED=packed, ASM=asm, PDL=pdl, num_warps=t.num_warps, **opts, **({"launch_pdl": True} if pdl else {}),
+        PACKED=packed, ASM=asm, PDL=pdl, BITS=fmt.bits, num_warps=t.num_warps, **opts,
+        **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return codes, meta

@@ -1,4 +1,4 @@
-"""Triton split-K decode attention over packed INT2 history and 16-bit windows.
+"""Triton split-K decode attention over packed INT2 history (keys 2- or 4-bit) and 16-bit windows.
 
 - :mod:`.tuning`: :class:`DecodeTuning`, the measured launch settings (frozen);
 - :mod:`.planner`: :func:`plan` -> :class:`DecodePlan` (loop, heads per program, splits, grids);

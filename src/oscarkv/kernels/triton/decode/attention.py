@@ -1,4 +1,5 @@
-"""Triton split-K decode attention over packed INT2 history and 16-bit windows: the launcher.
+"""Triton split-K decode attention over packed INT2 history (keys 2- or 4-bit) and 16-bit windows:
+the launcher.
 
 It checks the pools once per call, takes a :class:`~.planner.DecodePlan` (given, or made from the
 lists' lengths and the device) and launches :func:`.stages.stage1` and :func:`.stages.merge`.
@@ -31,24 +32,34 @@ _META_WORDS = {
 
 
 @functools.cache
-def _check_format(fmt: RowFormat) -> None:
-    if fmt.bits != 2 or fmt.groups != 1 or fmt.quantizer not in ("asymmetric", "symmetric", "lloyd_max"):
+def _check_format(fmt: RowFormat, kind: str) -> None:
+    """``kind`` ``"k"`` (2- or 4-bit) or ``"v"`` (2-bit)."""
+    widths = (2, 4) if kind == "k" else (2,)
+    if (
+        fmt.bits not in widths
+        or fmt.groups != 1
+        or fmt.quantizer not in ("asymmetric", "symmetric", "lloyd_max")
+    ):
         raise ValueError(
-            f"the Triton decode kernel reads 2-bit affine rows with one (scale, zero) per row; got "
-            f"{fmt.bits}-bit, {fmt.groups} groups, {fmt.quantizer} (use backend='torch')"
+            f"the Triton decode kernel reads 2- or 4-bit affine key rows and 2-bit affine value rows with "
+            f"one (scale, zero) per row; got {fmt.bits}-bit {'keys' if kind == 'k' else 'values'}, "
+            f"{fmt.groups} groups, {fmt.quantizer} (use backend='torch')"
         )
 
 
-def _check_layout(d: int, hkv: int, meta_word: torch.dtype, pools: tuple[torch.Tensor, ...]) -> None:
-    """Strides are derived from ``d``, ``hkv`` and the contiguous layouts, and the codes (head dim
-    >= 128, whichever loop the size picks) and the ``(scale, zero)`` pairs are read as words:
-    refuse pools that would be read out of bounds or off a word boundary."""
+def _check_layout(
+    d: int, hkv: int, key_bits: int, meta_word: torch.dtype, pools: tuple[torch.Tensor, ...]
+) -> None:
+    """Strides are derived from ``d``, ``hkv`` and the contiguous layouts, and the 2-bit codes (head
+    dim >= 128, whichever loop the size picks) and the ``(scale, zero)`` pairs are read as words:
+    refuse pools that would be read out of bounds or off a word boundary (4-bit keys: bytes)."""
     # per pool: (dtype or None for any, shape after the slot dim, bytes of the word it is read in)
     codes = (torch.uint8, (hkv, d // 4), 2 if d >= 128 else 1)
+    k_codes = codes if key_bits == 2 else (torch.uint8, (hkv, d // 2), 1)
     meta = (None, (hkv, 1, 2), meta_word.itemsize)
     hp = (None, (hkv, d), 1)
     for name, t, (dtype, rows, size) in zip(
-        _POOL_NAMES, pools, (codes, meta, codes, meta, hp, hp), strict=True
+        _POOL_NAMES, pools, (k_codes, meta, codes, meta, hp, hp), strict=True
     ):
         if not t.is_contiguous():
             raise ValueError(
@@ -67,7 +78,14 @@ def _check_layout(d: int, hkv: int, meta_word: torch.dtype, pools: tuple[torch.T
             )
 
 
-def _check_plan(p: DecodePlan, shape: tuple[int, ...], lens_hint: tuple[int, int] | None) -> None:
+def _check_plan(
+    p: DecodePlan, shape: tuple[int, ...], lens_hint: tuple[int, int] | None, key_bits: int
+) -> None:
+    if key_bits != 2 and p.lp.loop != "bytes":
+        raise ValueError(
+            f"decode_attention: {key_bits}-bit keys are read by the byte loop only; the plan takes the "
+            f"{p.lp.loop} loop (make it with plan(..., key_bits={key_bits}))"
+        )
     if (p.batch, p.q_heads, p.kv_heads, p.head_dim) != shape:
         raise ValueError(
             f"decode_attention: the plan was made for batch, query heads, KV heads, head dim "
@@ -85,8 +103,9 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
     """Same contract as ``kernels.ref.decode_attention``. ``lens_hint``: optional host-side
     ``(longest quantized list, longest 16-bit list)``, which saves a device sync. ``plan``: a
     :class:`DecodePlan` made for this shape and at least these lengths (one per batch step serves
-    every layer); by default one is made from ``lens_hint`` and the default tuning."""
-    _check_format(k_fmt), _check_format(v_fmt)
+    every layer; 4-bit keys need one of the byte loop, ``plan(..., key_bits=4)``); by default one is
+    made from ``lens_hint``, the key width and the default tuning."""
+    _check_format(k_fmt, "k"), _check_format(v_fmt, "v")
     bsz, hq, d = q_rot.shape
     hkv = hp_k.shape[1]
     if d not in (64, 128, 256) or hq % hkv:
@@ -98,21 +117,21 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
             f"{v_meta.dtype} {tuple(v_meta.shape)} (use backend='torch' for grouped formats)"
         )
     word, meta_id = _META_WORDS[k_meta.dtype]
-    _check_layout(d, hkv, word, (k_codes, k_meta, v_codes, v_meta, hp_k, hp_v))
+    _check_layout(d, hkv, k_fmt.bits, word, (k_codes, k_meta, v_codes, v_meta, hp_k, hp_v))
     if plan is None:
         if lens_hint is None:
             lens = torch.stack(
                 [(int2_indptr[1:] - int2_indptr[:-1]).max(), (hp_indptr[1:] - hp_indptr[:-1]).max()]
             )
             lens_hint = tuple(int(x) for x in lens.tolist()) if bsz else (0, 0)
-        plan = make_plan(bsz, hq, hkv, d, lens_hint, q_rot.device)
+        plan = make_plan(bsz, hq, hkv, d, lens_hint, q_rot.device, key_bits=k_fmt.bits)
     else:
-        _check_plan(plan, (bsz, hq, hkv, d), lens_hint)
+        _check_plan(plan, (bsz, hq, hkv, d), lens_hint, k_fmt.bits)
     return _launch(plan, q_rot, (k_codes, k_meta, v_codes, v_meta, hp_k, hp_v), word, meta_id,
-                   (int2_indptr, int2_indices, hp_indptr, hp_indices), sm_scale)  # fmt: skip
+                   (int2_indptr, int2_indices, hp_indptr, hp_indices), sm_scale, k_fmt.bits)  # fmt: skip
 
 
-def _launch(p: DecodePlan, q_rot, pools, word, meta_id, lists, sm_scale):
+def _launch(p: DecodePlan, q_rot, pools, word, meta_id, lists, sm_scale, key_bits):
     lp = p.lp
     k_codes, k_meta, v_codes, v_meta, hp_k, hp_v = pools
     bsz, hq, d = q_rot.shape
@@ -128,7 +147,8 @@ def _launch(p: DecodePlan, q_rot, pools, word, meta_id, lists, sm_scale):
         sm_scale * LOG2E, p.splits.split, p.split_h, p.n_q_splits, p.total, p.splits.n_early, p.splits.split_late,
         HKV=p.kv_heads, G=g, HPB=lp.hpb, R_PAD=lp.rows, G_PAD=max(16, 1 << (g - 1).bit_length()), D=d,
         BLOCK_N=lp.block_n, BLOCK_H=lp.hp_block, ASM=q.is_cuda, META=meta_id, LOOP=LOOPS.index(lp.loop),
-        HP_STAGES=lp.hp_stages, PDL=p.pdl, KI8=lp.k_int8, num_warps=lp.warps, num_stages=p.num_stages,
+        HP_STAGES=lp.hp_stages, PDL=p.pdl, KI8=lp.k_int8, KEY_BITS=key_bits, num_warps=lp.warps,
+        num_stages=p.num_stages,
     )  # fmt: skip
     out = torch.empty_like(q_rot)
     _MERGE(

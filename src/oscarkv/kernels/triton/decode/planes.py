@@ -13,7 +13,9 @@ the head dimension).
   is the code of dim ``D/4·i + 2m + e``) with Triton's native 16-bit operand width, and need
   K = D/8 >= 16 per ``tl.dot`` (head dim >= 128). On CUDA one PTX block builds them (byte
   permutes, then one mask per plane and pair of codes); the CPU interpreter, which cannot run
-  PTX, builds the same bit patterns with Triton integer ops.
+  PTX, builds the same bit patterns with Triton integer ops. 4-bit keys (halved layout: byte
+  ``j`` holds dims ``j`` and ``D/2 + j``) give two byte planes (:func:`nibble_planes`),
+  ``c·2⁻²⁴`` and ``c·16·2⁻²⁴``, the second's query part scaled by ``1/16``.
 - **int8 key planes** (swap loop, :func:`key_planes_i8`): the code bytes as loaded are an int8
   MMA's operand, four codes per register; planes ``b & 0x03``, ``b & 0x0C``, ``(b >> 4) & 0x03``,
   ``(b >> 4) & 0x0C`` are worth ``c, 4c, c, 4c``. The queries become a per-head scale ``σ`` and
@@ -29,22 +31,26 @@ import triton.language as tl
 
 from .common import store_part
 
-__all__ = ["byte_planes", "dot8", "dot_i8", "key_planes_i8", "pv8", "qpart", "qparts8", "qparts_i8", "qscale",
-           "scale8", "store8", "vp8", "word_planes", "zeros8"]  # fmt: skip
+__all__ = ["byte_planes", "dot8", "dot_i8", "key_planes_i8", "nibble_planes", "pv8", "qpart", "qparts8", "qparts_i8",
+           "qscale", "scale8", "store8", "vp8", "word_planes", "zeros8"]  # fmt: skip
 
 
-def _planes_ptx(lo: str | None, hi: str) -> str:
-    """PTX that turns one 32-bit register of codes into eight registers of fp16-subnormal pairs:
-    byte permutes (selectors ``lo``, ``hi``) spread bytes over 16-bit lanes, then one mask per
-    2-bit plane (plane ``i`` keeps its bits in place, so it holds ``c·4^i``). Outputs ``$2i`` /
-    ``$2i+1`` are plane ``i`` of the ``lo`` / ``hi`` spread. ``lo=None``: the register as it is
-    (bytes 0 and 2 already sit at the bottom of the 16-bit lanes), one permute fewer."""
+def _planes_ptx(
+    lo: str | None, hi: str, masks: tuple[int, ...] = (0x00030003, 0x000C000C, 0x00300030, 0x00C000C0)
+) -> str:
+    """PTX that turns one 32-bit register of codes into ``2·len(masks)`` registers of fp16-subnormal
+    pairs: byte permutes (selectors ``lo``, ``hi``) spread bytes over 16-bit lanes, then one mask per
+    plane (by default the four 2-bit planes: plane ``i`` keeps its bits in place, so it holds
+    ``c·4^i``). Outputs ``$2i`` / ``$2i+1`` are plane ``i`` of the ``lo`` / ``hi`` spread. ``lo=None``:
+    the register as it is (bytes 0 and 2 already sit at the bottom of the 16-bit lanes), one
+    permute fewer."""
     ands = "".join(
         f"and.b32 ${2 * i}, lo, 0x{m:08x};\nand.b32 ${2 * i + 1}, hi, 0x{m:08x};\n"
-        for i, m in enumerate((0x00030003, 0x000C000C, 0x00300030, 0x00C000C0))
+        for i, m in enumerate(masks)
     )
-    spread_lo = "mov.b32 lo, $8;" if lo is None else f"prmt.b32 lo, $8, 0, {lo};"
-    return f"{{\n.reg .b32 lo, hi;\n{spread_lo}\nprmt.b32 hi, $8, 0, {hi};\n{ands}}}"
+    src = f"${2 * len(masks)}"
+    spread_lo = f"mov.b32 lo, {src};" if lo is None else f"prmt.b32 lo, {src}, 0, {lo};"
+    return f"{{\n.reg .b32 lo, hi;\n{spread_lo}\nprmt.b32 hi, {src}, 0, {hi};\n{ands}}}"
 
 
 # four code bytes in one register -> their four planes, bytes (0, 1) in ``lo`` and (2, 3) in ``hi``
@@ -52,6 +58,8 @@ _BYTE_PLANES_PTX = tl.constexpr(_planes_ptx("0x4140", "0x4342"))
 # two 16-bit code words in one register -> the eight planes ``(i, e)``: byte 0 of both words is
 # already at the bottom of its lane (``lo`` = the register), byte 1 is moved there (``hi``)
 _WORD_PLANES_PTX = tl.constexpr(_planes_ptx(None, "0x4341"))
+# four bytes of 4-bit codes -> their two nibble planes (bits 3:0 and 7:4 kept in place)
+_NIBBLE_PLANES_PTX = tl.constexpr(_planes_ptx("0x4140", "0x4342", (0x000F000F, 0x00F000F0)))
 _KEY_PLANES_I8_PTX = tl.constexpr(
     "{\n.reg .b32 t;\n"
     "and.b32 $0, $4, 0x03030303;\nand.b32 $1, $4, 0x0C0C0C0C;\n"
@@ -75,6 +83,21 @@ def byte_planes(c, ASM: tl.constexpr):
         p2 = (c16 & 48).to(tl.float16, bitcast=True)
         p3 = (c16 & 192).to(tl.float16, bitcast=True)
     return p0, p1, p2, p3
+
+
+@triton.jit
+def nibble_planes(c, ASM: tl.constexpr):
+    """uint8 codes of 4-bit keys -> two fp16 tensors holding the exact subnormals ``c_lo·2⁻²⁴`` (bits
+    3:0) and ``c_hi·16·2⁻²⁴`` (bits 7:4)."""
+    if ASM:
+        p0, p1 = tl.inline_asm_elementwise(
+            _NIBBLE_PLANES_PTX, "=r,=r,=r,=r,r", [c], dtype=(tl.float16, tl.float16), is_pure=True, pack=4
+        )
+    else:
+        c16 = c.to(tl.int16)
+        p0 = (c16 & 15).to(tl.float16, bitcast=True)
+        p1 = (c16 & 240).to(tl.float16, bitcast=True)
+    return p0, p1
 
 
 @triton.jit

@@ -4,9 +4,10 @@ how many KV heads per program, how each tier's slot lists are split, and the gri
 :func:`plan` is the one entry point. It is pure in its arguments (cached), so a batch step can
 compute it once and pass it to every layer's ``decode_attention``. The rules:
 
-- **Loop** (:func:`int2_loop`): the byte-plane loop below ``small_tokens`` quantized tokens and
-  at head dim 64; otherwise the swap loop (tokens as MMA rows), except where it would take one
-  KV head per program above ``swap_max_tokens`` and the padded word loop can group heads.
+- **Loop** (:func:`int2_loop`): the byte-plane loop below ``small_tokens`` quantized tokens, at
+  head dim 64 and for 4-bit keys (the only loop that reads them); otherwise the swap loop (tokens
+  as MMA rows), except where it would take one KV head per program above ``swap_max_tokens`` and
+  the padded word loop can group heads.
 - **Splits of the INT2 lists**: the word and swap loops with more than ``few_units`` (sequence,
   head group) pairs fill whole waves of ``sms x per_sm`` programs (:func:`wave_split`: the wave
   count with the lowest ``waves x (split + split_cost)``); otherwise about ``programs`` programs
@@ -91,10 +92,12 @@ class Int2Loop(NamedTuple):
     k_int8: bool = False
 
 
-def int2_loop(d: int, g: int, kv_heads: int, tokens: int, t: DecodeTuning = DEFAULT_TUNING) -> Int2Loop:
-    """The loop for head dim ``d``, ``g`` query heads per KV head and ``tokens`` quantized tokens
-    (batch × longest list); see the module docstring."""
-    if d < 128 or tokens < t.small_tokens:  # int16 words need K = d/8 >= 16 per tl.dot
+def int2_loop(d: int, g: int, kv_heads: int, tokens: int, t: DecodeTuning = DEFAULT_TUNING,
+              key_bits: int = 2) -> Int2Loop:  # fmt: skip
+    """The loop for head dim ``d``, ``g`` query heads per KV head, ``tokens`` quantized tokens
+    (batch × longest list) and ``key_bits``-bit keys; see the module docstring."""
+    # int16 words need K = d/8 >= 16 per tl.dot; 4-bit keys: byte planes only
+    if key_bits == 4 or d < 128 or tokens < t.small_tokens:
         hpb = heads_per_program(g, kv_heads, tokens, t)
         return Int2Loop("bytes", hpb, t.bytes_block_n, t.bytes_warps, max(MMA_ROWS, _pow2(hpb * g)), t.hp_block,
                         t.hp_stages, t.min_split)  # fmt: skip
@@ -202,7 +205,8 @@ class DecodePlan:
     and its shape (:class:`Int2Loop`), the INT2 splits (:class:`Taper`, ``n_q_splits`` per list),
     the 16-bit split size, ``total`` partial states per query row, the stage-1 grid, and the
     merge. ``max_q``/``max_h`` bound every list's length: a launch with longer lists would drop
-    tokens."""
+    tokens. ``key_bits``: the key width it was made for (4: the byte loop, which reads 2-bit keys
+    too)."""
 
     batch: int
     q_heads: int
@@ -221,6 +225,7 @@ class DecodePlan:
     merge_d: int
     merge_block: int
     merge_warps: int
+    key_bits: int = 2
 
     @property
     def hp_first(self) -> bool:
@@ -229,24 +234,28 @@ class DecodePlan:
 
 
 def plan(batch: int, q_heads: int, kv_heads: int, head_dim: int, lens: tuple[int, int],
-         device: torch.device | str = "cpu", tuning: DecodeTuning = DEFAULT_TUNING) -> DecodePlan:  # fmt: skip
+         device: torch.device | str = "cpu", tuning: DecodeTuning = DEFAULT_TUNING,
+         key_bits: int = 2) -> DecodePlan:  # fmt: skip
     """The launch for ``batch`` sequences of ``q_heads``/``kv_heads`` heads of ``head_dim`` whose
     longest quantized and 16-bit lists hold ``lens`` tokens, on ``device`` (its SM count, unless
-    ``tuning.sms`` sets one, and whether it can launch the merge as a dependent)."""
+    ``tuning.sms`` sets one, and whether it can launch the merge as a dependent), for
+    ``key_bits``-bit keys (2 or 4; values are 2-bit)."""
     sms, pdl = device_facts(torch.device(device))
     return _plan(batch, q_heads, kv_heads, head_dim, int(lens[0]), int(lens[1]), tuning.sms or sms,
-                 pdl and tuning.pdl, tuning)  # fmt: skip
+                 pdl and tuning.pdl, tuning, key_bits)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(batch: int, hq: int, hkv: int, d: int, max_q: int, max_h: int, sms: int, pdl: bool,
-          t: DecodeTuning) -> DecodePlan:  # fmt: skip
+          t: DecodeTuning, key_bits: int = 2) -> DecodePlan:  # fmt: skip
     if batch < 0 or hkv < 1 or hq % hkv or d not in (64, 128, 256):
         raise ValueError(
             f"decode plan: head_dim must be 64, 128 or 256 and Hq a multiple of Hkv; got d={d}, {hq}/{hkv}"
         )
+    if key_bits not in (2, 4):
+        raise ValueError(f"decode plan: key_bits must be 2 or 4; got {key_bits!r}")
     mq, mh = max(max_q, 1), max(max_h, 1)
-    lp = int2_loop(d, hq // hkv, hkv, batch * mq, t)
+    lp = int2_loop(d, hq // hkv, hkv, batch * mq, t, key_bits)
     if max_q == 0:  # 16-bit lists only (the BF16 engine): the byte loop with its own 16-bit tile
         lp = lp._replace(hp_block=t.bf16_block, hp_stages=t.bf16_stages, warps=t.bf16_warps)
     units = batch * (hkv // lp.hpb)
@@ -262,4 +271,4 @@ def _plan(batch: int, hq: int, hkv: int, d: int, max_q: int, max_h: int, sms: in
     splits = taper(units, sq, sh, split_q, split_h, mq, lp.block_n, slots, t)
     grid = (hkv // lp.hpb, batch, total) if lp.loop != "bytes" else (hkv // lp.hpb, total, batch)
     return DecodePlan(batch, hq, hkv, d, max_q, max_h, lp, splits, sq, split_h, total, grid, t.num_stages, pdl,
-                      min(d, t.merge_d), min(64, max(2, _pow2(total))), t.merge_warps)  # fmt: skip
+                      min(d, t.merge_d), min(64, max(2, _pow2(total))), t.merge_warps, key_bits)  # fmt: skip

@@ -27,8 +27,10 @@ def stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale, 
            total, n_early, split_late, HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr,
            G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, ASM: tl.constexpr,
            META: tl.constexpr, LOOP: tl.constexpr, HP_STAGES: tl.constexpr, PDL: tl.constexpr,
-           KI8: tl.constexpr):  # fmt: skip
-    """``LOOP``: 0 bytes, 1 words, 2 swap (``planner.LOOPS``); ``PDL``: let the merge launch."""
+           KI8: tl.constexpr, KEY_BITS: tl.constexpr = 2):  # fmt: skip
+    """``LOOP``: 0 bytes, 1 words, 2 swap (``planner.LOOPS``); ``PDL``: let the merge launch;
+    ``KEY_BITS``: 2, or 4 (the byte loop only)."""
+    tl.static_assert(KEY_BITS == 2 or LOOP == 0, "4-bit keys are read by the byte loop only")
     if PDL:  # the merge may launch (and wait) once every program of this grid has started
         gdc_launch_dependents()
     # axis 0 is the group of HPB KV heads, so that programs reading the same tokens run together
@@ -51,7 +53,7 @@ def stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale, 
                              HKV, G, HPB, R_PAD, D, BLOCK_N, ASM, META)  # fmt: skip
         else:
             int2_split_bytes(Q, KC, KM, VC, VM, QIDX, O, LSE, qk_scale, lo, hi, total, hg, sp, b,
-                             HKV, G, HPB, R_PAD, D, BLOCK_N, ASM, META)  # fmt: skip
+                             HKV, G, HPB, R_PAD, D, BLOCK_N, ASM, META, KEY_BITS)  # fmt: skip
     else:
         for j in tl.static_range(HPB):  # the 16-bit tier is short (sink + recent): one head at a time
             hp_split(Q, HK, HV, HPTR, HIDX, O, LSE, qk_scale, split_h, total, hg * HPB + j, sp, b,
