@@ -46,7 +46,7 @@ def test_bit_budget_config_is_checked() -> None:
         with pytest.raises(SpecError, match=what):
             CalibrationConfig(**kw)
     model, tok = load_model(DEMO, "cpu", "fp32")
-    with pytest.raises(SpecError, match="2.0 is below the") as e:  # before any forward pass
+    with pytest.raises(SpecError, match=r"2\.0 is below the") as e:  # before any forward pass
         calibrate(model, tok, CalibrationConfig(tokens=512, seq_len=512, bits_per_element=2.0))
     assert "raise --bits-per-element" in e.value.hint
 
