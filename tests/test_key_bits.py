@@ -182,3 +182,24 @@ def test_eval_counts_the_artifact_widths_and_takes_named_recipes(tmp_path: Path)
     ):
         with pytest.raises(InputError, match=what):
             _recipe_dirs(bad)
+
+
+def test_cli_eval_scores_named_recipes_on_the_same_sequences(tmp_path: Path) -> None:
+    from oscarkv.cli import main
+
+    mixed, rs = _mixed(tmp_path / "mixed")
+    save_rotations(random_rotation_set(4, 128, SPEC), tmp_path / "plain")
+    out = tmp_path / "ev"
+    args = ["eval", "--model", DEMO, "--rotations", str(tmp_path / "plain"), "--recipe", f"k4={mixed}",
+            "--methods", "bf16,oscar", "--tasks", "ppl", "--quick", "--device", "cpu", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    data = json.loads((out / "results.json").read_text())
+    rows = {r["method"]: r for r in data["rows"] if r["task"] == "ppl"}
+    assert set(rows) == {"bf16", "oscar", "oscar:k4"}
+    ctx = rows["oscar:k4"].get("context_len", data["settings"]["context"])
+    assert rows["oscar:k4"]["bits_per_element"] == pytest.approx(rs.bits_per_element(ctx), abs=1e-4)
+    assert rows["oscar:k4"]["bits_per_element"] > rows["oscar"]["bits_per_element"]
+    assert data["settings"]["recipes"] == {"k4": str(mixed)}
+    bad = [a if a != f"k4={mixed}" else "bad" for a in args]
+    assert main([*bad[:-1], str(tmp_path / "ev2")]) == 2
+    assert not (tmp_path / "ev2").exists()  # refused before anything was written

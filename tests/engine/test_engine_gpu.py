@@ -4,6 +4,7 @@ the reference attention."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -108,37 +109,60 @@ def test_padded_replays_write_only_live_rows(kv: str, rot: Path) -> None:
         )
 
 
-def test_triton_logits_track_torch(rot: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Teacher-forced: the Triton engine fed the torch engine's tokens gives near-equal logits."""
-    real = model_runner.sample
-    logs: dict[str, list[torch.Tensor]] = {"torch": [], "triton": []}
-    forced: list[torch.Tensor] = []
+def _teacher_forced(rot: Path, backend: str, forced: list[torch.Tensor] | None, eps: float = 0.0,
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # fmt: skip
+    """Per-step logits of the int2 engine (fed ``forced`` tokens when given) and the sampled tokens;
+    ``eps``: every row stored in INT2 is scaled by ``1 ± eps`` (random signs) before quantization."""
+    logs: list[torch.Tensor] = []
+    picks: list[torch.Tensor] = []
+    real_sample, real_resolve = model_runner.sample, model_runner.resolve
 
-    def record(backend: str):
-        def fn(logits, params, gens):
-            logs[backend].append(logits.float().cpu())
-            if backend == "torch":
-                out = real(logits, params, gens)
-                forced.append(out.cpu())
-                return out
-            return forced[len(logs[backend]) - 1].to(logits.device)
+    def sample(logits, params, gens):
+        logs.append(logits.float().cpu())
+        if forced is None:
+            picks.append(real_sample(logits, params, gens).cpu())
+            return picks[-1].to(logits.device)
+        return forced[len(logs) - 1].to(logits.device)
 
-        return fn
+    def resolve(backend, device):
+        ops = real_resolve(backend, device)
+        g = torch.Generator(device=device).manual_seed(1)
 
-    for backend in ("torch", "triton"):
-        monkeypatch.setattr(model_runner, "sample", record(backend))
+        def noisy(rows, fmt, *a, **k):
+            u = torch.randint(-1, 2, rows.shape, generator=g, device=rows.device).float()
+            return ops.quantize_pack(rows.float() * (1 + eps * u), fmt, *a, **k)
+
+        return dataclasses.replace(ops, quantize_pack=noisy) if eps else ops
+
+    model_runner.sample, model_runner.resolve = sample, resolve
+    try:
         _llm("int2", rot, backend=backend).generate(_prompts(), GREEDY)
-    assert len(logs["torch"]) == len(logs["triton"])
-    errs, agree = [], []
-    for a, b in zip(logs["torch"], logs["triton"], strict=True):
-        assert a.shape == b.shape
-        errs.append(((a - b).abs().amax(-1) / a.std(-1)).max().item())
-        agree.append((a.argmax(-1) == b.argmax(-1)).float().mean().item())
-    errs_t = torch.tensor(errs)
-    print(f"max |Δlogit|/std: median {errs_t.median():.4f}, max {errs_t.max():.4f}; argmax agreement "
-          f"{sum(agree) / len(agree):.4f}")  # fmt: skip
-    assert errs_t.median() < 0.05 and errs_t.max() < 0.25
-    assert sum(agree) / len(agree) > 0.97
+    finally:
+        model_runner.sample, model_runner.resolve = real_sample, real_resolve
+    return logs, picks
+
+
+def _gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[float, float]:
+    """Median over steps of max |Δlogit| / std, and the argmax agreement."""
+    errs = torch.tensor(
+        [((x - y).abs().amax(-1) / x.std(-1)).max().item() for x, y in zip(a, b, strict=True)]
+    )
+    agree = sum((x.argmax(-1) == y.argmax(-1)).float().mean().item() for x, y in zip(a, b, strict=True))
+    return errs.median().item(), agree / len(a)
+
+
+def test_triton_logits_track_torch(rot: Path) -> None:
+    """Teacher-forced on the torch engine's tokens, the Triton engine's logits differ from the torch
+    engine's no more than the torch engine's own differ when every stored row moves by about one
+    bf16 ulp (2-bit codes near a threshold flip either way; that is the noise floor to beat)."""
+    ref, picks = _teacher_forced(rot, "torch", None)
+    tri, _ = _teacher_forced(rot, "triton", picks)
+    floor, _ = _teacher_forced(rot, "torch", picks, eps=2**-8)
+    (gap, agree), (gap0, agree0) = _gap(ref, tri), _gap(ref, floor)
+    print(f"median max|Δlogit|/std: triton {gap:.4f}, 1-ulp floor {gap0:.4f}; argmax agreement "
+          f"{agree:.4f} / {agree0:.4f}")  # fmt: skip
+    assert gap0 > 0  # the perturbation reached the stored rows
+    assert gap <= 1.5 * gap0 + 0.02 and agree >= agree0 - 0.02
 
 
 @pytest.mark.parametrize("d", [64, 128])
