@@ -13,7 +13,7 @@ pip install -q --no-deps --no-index .gl/b/gguf-0.19.0-py3-none-any.whl .gl/b/acc
 (timeout 120 python .gl/b/convert_gguf.py /tmp smol.gguf /tmp/smollm2 > $OUT/convert.log 2>&1; echo "convert rc=$?") &
 CONV=$!
 step "gpu tests"
-timeout 150 python -m pytest -q -p no:cacheprovider tests/engine/test_engine_gpu.py -s 2>&1 | grep -v "^$" | tail -12
+timeout 170 python -m pytest -q -p no:cacheprovider tests/engine/test_engine_gpu.py tests/test_key_bits.py::test_mixed_key_bits_on_the_triton_kernels -s 2>&1 | grep -v "^$" | tail -12
 wait $CONV
 step "b16 8K engine"
 timeout 60 python benchmarks/bench_engine.py --shape qwen3-8b --kv-dtypes bf16 --prompt-len 8192 --gen-len 128 --jobs 16 --max-running 16 --kv-budget-gb 24 --name bench_engine_qwen3-8b_b16_8k 2>&1 | grep -i "tpot\|decode-only\|wall" ; sync_out
@@ -23,6 +23,6 @@ timeout 200 python -m oscarkv eval --model /tmp/smollm2 --rotations $R/rot-pub -
   --recipe b26=$R/rot-b26 --recipe b30=$R/rot-b30 --methods bf16,oscar,hadamard-int2,turboquant-k3v3,kivi2,quarot-int2,naive-int2 \
   --tasks ppl --context 4096 --ppl-sequences 24 --out $OUT/eval_smollm2_ppl 2>&1 | tail -16
 step "smollm2 eval: chat retrieval 4K"
-timeout 150 python -m oscarkv eval --model /tmp/smollm2 --rotations $R/rot-pub --recipe b30=$R/rot-b30 --recipe b26=$R/rot-b26 \
-  --methods bf16,oscar --tasks chat-retrieval --context 4096 --retrieval-prompts 100 --out $OUT/eval_smollm2_retrieval 2>&1 | tail -10
+timeout 170 python -m oscarkv eval --model /tmp/smollm2 --rotations $R/rot-pub --recipe auto=$R/rot-auto \
+  --recipe b26=$R/rot-b26 --recipe b30=$R/rot-b30 --methods bf16,oscar --tasks chat-retrieval --context 4096 --retrieval-prompts 100 --out $OUT/eval_smollm2_retrieval 2>&1 | tail -10
 step done

@@ -203,3 +203,33 @@ def test_cli_eval_scores_named_recipes_on_the_same_sequences(tmp_path: Path) -> 
     bad = [a if a != f"k4={mixed}" else "bad" for a in args]
     assert main([*bad[:-1], str(tmp_path / "ev2")]) == 2
     assert not (tmp_path / "ev2").exists()  # refused before anything was written
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_mixed_key_bits_on_the_triton_kernels(tmp_path: Path) -> None:
+    """OscarCache and the engine on CUDA store and read 4-bit key layers through the Triton kernels:
+    teacher-forced logits track the torch kernels' as closely as with 2-bit keys everywhere."""
+    from transformers import AutoModelForCausalLM
+
+    _, rs = _mixed(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(DEMO, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.randint(3, 2048, (2, 300), generator=torch.Generator().manual_seed(3)).cuda()
+
+    def logits(r: RotationSet, backend: str) -> torch.Tensor:
+        cache = OscarCache.from_rotations(model, r, backend=backend)
+        with torch.inference_mode():
+            first = model(ids[:, :200], past_key_values=cache).logits[:, -1:]
+            rest = [model(ids[:, j : j + 1], past_key_values=cache).logits for j in range(200, 300)]
+        return torch.cat([first, *rest], 1).float()
+
+    def gap(r: RotationSet) -> float:
+        a, b = logits(r, "torch"), logits(r, "triton")
+        return ((a - b).abs().amax(-1) / a.std(-1)).median().item()
+
+    plain = random_rotation_set(4, 128, SPEC)
+    assert gap(rs) <= 1.5 * gap(plain) + 0.02
+    llm = LLM(DEMO, rotations=str(tmp_path), device="cuda", dtype="bf16", kv_budget_gb=1, max_running=4)
+    assert [llm.engine.runner.pool.layer(i).k_fmt.bits for i in range(4)] == [2, 4, 2, 4]
+    out = llm.generate([ids[0].tolist()], SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 64
