@@ -2,11 +2,8 @@
 # One device call: the engine's GPU tests, then the speed runs in priority order; results copied
 # to $OUT after each step so a timeout keeps what finished.
 set -u
-export PYTHONPATH=$PWD/src
-git rev-parse --short HEAD > benchmarks/results/.commit 2>/dev/null || echo "$COMMIT" > benchmarks/results/.commit
+. lab/gpu_lib.sh
 B="python benchmarks/bench_engine.py --shape qwen3-8b"
-sync_out() { mkdir -p "$OUT/results"; cp -r benchmarks/results/. "$OUT/results/"; }
-step() { echo "== $1 ($(date +%T))"; }
 step "gpu tests"
 timeout 130 python -m pytest -q -p no:cacheprovider tests/engine/test_engine_gpu.py -s 2>&1 | grep -v "^$" | tail -15
 step "bf16 paged decode vs sdpa"

@@ -2,10 +2,7 @@
 # Device call: the Triton-vs-torch logit gap against its noise floor, then the bf16 engine at
 # batch 16 / 8K against model.generate (DynamicCache); results copied to $OUT after each step.
 set -u
-export PYTHONPATH=$PWD/src
-echo "$COMMIT" > benchmarks/results/.commit
-sync_out() { mkdir -p "$OUT/results"; cp -r benchmarks/results/. "$OUT/results/"; }
-step() { echo "== $1 ($(date +%T))"; }
+. lab/gpu_lib.sh
 step "logit noise floor"
 timeout 150 python lab/scripts/logit_noise_floor.py 2>&1 | grep -v Warning | tail -8
 step "b16 8K engine"

@@ -3,10 +3,7 @@
 # engine's GPU tests, the bf16 engine at batch 16 / 8K, then the SmolLM2 evaluation of every
 # recipe on one set of sequences.
 set -u
-export PYTHONPATH=$PWD/src
-echo "$COMMIT" > benchmarks/results/.commit
-sync_out() { mkdir -p "$OUT/results"; cp -r benchmarks/results/. "$OUT/results/"; }
-step() { echo "== $1 ($(date +%T))"; }
+. lab/gpu_lib.sh
 step "smollm2"
 cat /tmp/p1 /tmp/p2 .gl/b/p3 > /tmp/smol.gguf && echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/smol.gguf" | sha256sum -c --quiet && echo sha-ok
 pip install -q --no-deps --no-index .gl/b/gguf-0.19.0-py3-none-any.whl .gl/b/accelerate-1.16.0-py3-none-any.whl 2>&1 | tail -1

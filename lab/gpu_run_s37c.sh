@@ -3,10 +3,7 @@
 # pools, Triton-vs-torch logits against the noise floor, 4-bit key layers on Triton), then the bf16
 # engine at batch 16 / 8K (decode-only step time) for the model.generate comparison.
 set -u
-export PYTHONPATH=$PWD/src
-echo "$COMMIT" > benchmarks/results/.commit
-sync_out() { mkdir -p "$OUT/results"; cp -r benchmarks/results/. "$OUT/results/"; }
-step() { echo "== $1 ($(date +%T))"; }
+. lab/gpu_lib.sh
 step "gpu tests"
 timeout 200 python -m pytest -q -p no:cacheprovider tests/engine/test_engine_gpu.py tests/test_key_bits.py::test_mixed_key_bits_on_the_triton_kernels -s 2>&1 | grep -v "^$" | tail -14
 step "b16 8K engine"

@@ -2,10 +2,7 @@
 # Device call: side by side in one run, the bf16 engine at batch 16 / 8K and model.generate
 # (DynamicCache) at the same shape; then the decode-heavy 1K+1K int2 vs bf16 run with the fused norms.
 set -u
-export PYTHONPATH=$PWD/src
-echo "$COMMIT" > benchmarks/results/.commit
-sync_out() { mkdir -p "$OUT/results"; cp -r benchmarks/results/. "$OUT/results/"; }
-step() { echo "== $1 ($(date +%T))"; }
+. lab/gpu_lib.sh
 B="python benchmarks/bench_engine.py --shape qwen3-8b"
 step "b16 8K engine"
 timeout 60 $B --kv-dtypes bf16 --prompt-len 8192 --gen-len 128 --jobs 16 --max-running 16 --kv-budget-gb 24 --name bench_engine_qwen3-8b_b16_8k 2>&1 | grep -i "decode-only step\|TPOT"; sync_out

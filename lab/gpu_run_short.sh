@@ -2,10 +2,7 @@
 # A short device call: the engine's GPU tests, the 16-bit paged decode against SDPA, one request
 # at 32K, int2 vs bf16, then the step profile; results copied to $OUT after each step.
 set -u
-export PYTHONPATH=$PWD/src
-echo "$COMMIT" > benchmarks/results/.commit
-sync_out() { mkdir -p "$OUT/results"; cp -r benchmarks/results/. "$OUT/results/"; }
-step() { echo "== $1 ($(date +%T))"; }
+. lab/gpu_lib.sh
 step "gpu tests"
 timeout 110 python -m pytest -q -p no:cacheprovider tests/engine/test_engine_gpu.py -s 2>&1 | grep -v "^$" | tail -12
 step "bf16 paged decode vs sdpa"

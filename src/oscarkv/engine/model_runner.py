@@ -188,13 +188,9 @@ class ModelRunner:
         return rs
 
     def _formats(self) -> list[tuple[RowFormat, RowFormat]]:
-        rs, d = self.rotations, self.shape.head_dim
-        assert rs is not None
-        if self.cfg.spec is None:  # the artifact's per-layer clips and key bits
-            return [rs.formats(i) for i in range(self.shape.num_layers)]
-        return [(RowFormat.from_spec(self.spec, d, "k"), RowFormat.from_spec(self.spec, d, "v"))] * (
-            self.shape.num_layers
-        )
+        """Every layer's formats: the artifact's clips and key bits, or ``cfg.spec``'s everywhere."""
+        assert self.rotations is not None
+        return [self.rotations.formats(i, self.cfg.spec) for i in range(self.shape.num_layers)]
 
     def _fingerprint(self, config: dict[str, Any]) -> bytes:
         """Seeds the prefix cache's page hashes: the model config, the rotations and the dtype."""

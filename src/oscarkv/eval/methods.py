@@ -28,7 +28,6 @@ import torch
 from ..calibration.error import fake_quant_middle
 from ..calibration.fit import fixed_layer
 from ..config import QuantSpec
-from ..quant import RowFormat
 from ..rotation import LayerRotation, Provenance, RotationSet, rotate_heads
 from .kivi import KiviCache, kivi_bits_per_element, kivi_fake_kv
 
@@ -132,18 +131,9 @@ class CacheMethod:
             backend="auto" if fast else "torch",
         )
 
-    def _formats(self, layer: int, d: int) -> tuple[RowFormat, RowFormat]:
-        own = self.override_spec is None  # the artifact's per-layer clips and key bits
-        kc, vc = self.rotations.clips(layer) if own else (self.spec.k_clip, self.spec.v_clip)
-        kb = self.rotations.key_bits(layer) if own else None
-        return (
-            RowFormat.from_spec(self.spec, d, "k", kc, self.quantizer, bits=kb),
-            RowFormat.from_spec(self.spec, d, "v", vc, self.quantizer),
-        )
-
     def fake_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         lr = self.rotations.layers[layer]
-        kf, vf = self._formats(layer, k.shape[-1])
+        kf, vf = self.rotations.formats(layer, self.override_spec, self.quantizer)
         sink, recent = self.spec.sink_tokens, self.spec.recent_tokens
         out = []
         for x, r, f, off in ((k, lr.k, kf, lr.k_offset), (v, lr.v, vf, lr.v_offset)):

@@ -226,16 +226,12 @@ class OscarCache(Cache):
         self.rotations, self.quantize = rotations, quantize
         self.values_prerotated = values_prerotated
         self.ops: KernelOps = resolve(backend, device)
-        d = rotations.head_dim
         layers: list[Any] = []
         for i in range(num_layers):
             if i not in rotations.layers:
                 raise ValueError(f"rotations have no layer {i}; OscarCache needs every attention layer")
-            kc, vc = rotations.clips(i) if spec is None else (self.spec.k_clip, self.spec.v_clip)
             lr = rotations.layers[i]
-            kb = rotations.key_bits(i) if spec is None else None  # an explicit spec applies everywhere
-            kf = RowFormat.from_spec(self.spec, d, "k", kc, quantizer, bits=kb)
-            vf = RowFormat.from_spec(self.spec, d, "v", vc, quantizer)
+            kf, vf = rotations.formats(i, spec, quantizer)
             layers.append(OscarCacheLayer(self, i, lr.k.float(), lr.v.float(), kf, vf, lr))
         super().__init__(layers=layers)
         self.table: SlotTable | None = None

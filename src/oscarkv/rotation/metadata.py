@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..config import QuantSpec, SpecError
+from ..config.spec import SUPPORTED_BITS
 from ..utils.files import atomic_write, enclosing_model_dir
 from .rotation_set import (
     GRANULARITIES,
@@ -300,36 +301,44 @@ def _layer_ids(ids: object, src: str) -> list[int]:
     return list(ids)
 
 
-def _clips(raw: object, layer_ids: list[int], src: str, ignored: list[str]) -> dict:
+def _per_layer(
+    raw: object, field: str, want: str, layer_ids: list[int], src: str, ignored: list[str],
+    parse: Callable[[str, Any], Any],
+) -> dict[int, Any]:  # fmt: skip
+    """A ``{"<layer id>": value}`` header field, each value through ``parse(where, value)``; keys
+    that name no listed layer are ignored (noted in ``ignored``)."""
     if not isinstance(raw, dict):
-        raise _bad(src, "clips", 'a JSON object {"<layer id>": [k_clip, v_clip]}', raw)
+        raise _bad(src, field, f'a JSON object {{"<layer id>": {want}}}', raw)
     out = {}
-    for key, pair in raw.items():
+    for key, value in raw.items():
         if not (key.isascii() and key.isdigit() and int(key) in layer_ids):
-            ignored.append(f"clips.{key}")
+            ignored.append(f"{field}.{key}")
             continue
-        if not isinstance(pair, list) or len(pair) != 2:
-            raise _bad(src, f"clips.{key}", "a list [k_clip, v_clip]", pair)
-        for name, c in zip(("k_clip", "v_clip"), pair, strict=True):
-            if not valid_clip(c):
-                raise _bad(src, f"clips.{key}.{name}", "null or a finite number in [0, 1]", c)
-        out[int(key)] = tuple(None if c is None else float(c) for c in pair)
+        out[int(key)] = parse(f"{field}.{key}", value)
     return out
+
+
+def _clips(raw: object, layer_ids: list[int], src: str, ignored: list[str]) -> dict:
+    def pair(where: str, p: Any) -> tuple[float | None, float | None]:
+        if not isinstance(p, list) or len(p) != 2:
+            raise _bad(src, where, "a list [k_clip, v_clip]", p)
+        for name, c in zip(("k_clip", "v_clip"), p, strict=True):
+            if not valid_clip(c):
+                raise _bad(src, f"{where}.{name}", "null or a finite number in [0, 1]", c)
+        return tuple(None if c is None else float(c) for c in p)  # type: ignore[return-value]
+
+    return _per_layer(raw, "clips", "[k_clip, v_clip]", layer_ids, src, ignored, pair)
 
 
 def _key_bits(raw: object, layer_ids: list[int], src: str, ignored: list[str]) -> dict[int, int]:
     """Per-layer key widths; whether the spec allows them is checked with the assembled set."""
-    if not isinstance(raw, dict):
-        raise _bad(src, "key_bits", 'a JSON object {"<layer id>": 2, 3 or 4}', raw)
-    out = {}
-    for key, b in raw.items():
-        if not (key.isascii() and key.isdigit() and int(key) in layer_ids):
-            ignored.append(f"key_bits.{key}")
-            continue
-        if not _is_int(b) or b not in (2, 3, 4):
-            raise _bad(src, f"key_bits.{key}", "2, 3 or 4", b)
-        out[int(key)] = int(b)
-    return out
+
+    def width(where: str, b: Any) -> int:
+        if not _is_int(b) or b not in SUPPORTED_BITS:
+            raise _bad(src, where, "2, 3 or 4", b)
+        return int(b)
+
+    return _per_layer(raw, "key_bits", "2, 3 or 4", layer_ids, src, ignored, width)
 
 
 def _spec(raw: object, src: str, ignored: list[str]) -> QuantSpec:

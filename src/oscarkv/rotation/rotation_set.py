@@ -179,13 +179,16 @@ class LayerRotation:
     v_offset: torch.Tensor | None = None
     key_bits: int | None = None
 
-    def formats(self, spec: QuantSpec, head_dim: int) -> tuple[RowFormat, RowFormat]:
-        """The layer's stored K and V row formats: ``spec`` with this layer's clips and key bits."""
+    def formats(
+        self, spec: QuantSpec, head_dim: int, quantizer: str | None = None
+    ) -> tuple[RowFormat, RowFormat]:
+        """The layer's stored K and V row formats: ``spec`` with this layer's clips and key bits
+        (``quantizer``: see :meth:`RowFormat.from_spec`)."""
         kc = spec.k_clip if self.k_clip is None else self.k_clip
         vc = spec.v_clip if self.v_clip is None else self.v_clip
         return (
-            RowFormat.from_spec(spec, head_dim, "k", kc, bits=self.key_bits),
-            RowFormat.from_spec(spec, head_dim, "v", vc),
+            RowFormat.from_spec(spec, head_dim, "k", kc, quantizer, bits=self.key_bits),
+            RowFormat.from_spec(spec, head_dim, "v", vc, quantizer),
         )
 
 
@@ -244,9 +247,17 @@ class RotationSet:
         b = self.layers[layer].key_bits
         return self.spec.key_bits if b is None else b
 
-    def formats(self, layer: int) -> tuple[RowFormat, RowFormat]:
-        """``layer``'s stored K and V row formats (its clips and key bits over the spec)."""
-        return self.layers[layer].formats(self.spec, self.head_dim)
+    def formats(
+        self, layer: int, override: QuantSpec | None = None, quantizer: str | None = None
+    ) -> tuple[RowFormat, RowFormat]:
+        """``layer``'s stored K and V row formats: its clips and key bits over the spec, or with an
+        ``override`` spec (one the user gave explicitly) that spec's clips and widths in every layer."""
+        if override is not None:
+            d = self.head_dim
+            return RowFormat.from_spec(override, d, "k", None, quantizer), RowFormat.from_spec(
+                override, d, "v", None, quantizer
+            )
+        return self.layers[layer].formats(self.spec, self.head_dim, quantizer)
 
     def bits_per_element(self, context_len: int | None = None, head_dim: int | None = None) -> float:
         """Effective bits per cached K/V element at ``context_len`` tokens, averaged over the layers
