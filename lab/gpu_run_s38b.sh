@@ -1,0 +1,26 @@
+#!/bin/bash
+# Device call 3 of 3 (after copying .gl/a/p1 and .gl/c/p2 to /tmp): SmolLM2, then the retrieval-
+# sensitive ranking experiment (lab/s38_retrieval_rank.py) and `oscarkv eval` of its recipes at
+# 4K (chat retrieval x 100, the eval's prompts; perplexity x 24).
+set -u
+. lab/gpu_lib.sh
+step "smollm2"
+[ -d /tmp/smollm2 ] || {
+[ -f /tmp/p1 ] || { echo "parts gone"; exit 3; }
+cat /tmp/p1 /tmp/p2 .gl/b/p3 > /tmp/smol.gguf && echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/smol.gguf" | sha256sum -c --quiet && echo sha-ok
+python -m pip install -q --no-deps --no-index .gl/b/gguf-0.19.0-py3-none-any.whl .gl/b/accelerate-1.16.0-py3-none-any.whl 2>&1 | grep -v WARN | tail -1
+timeout 120 python .gl/b/convert_gguf.py /tmp smol.gguf /tmp/smollm2 > $OUT/convert.log 2>&1; echo "convert rc=$?"
+}
+R=.gl/rot; X=$OUT/rank
+step "rank"
+timeout 240 python lab/s38_retrieval_rank.py /tmp/smollm2 $R/rot-auto $X 48 2>&1 | grep -v Warn | tail -8
+E="--model /tmp/smollm2 --context 4096 --overwrite"
+step "retrieval 4K x 100"
+timeout 150 python -m oscarkv eval $E --rotations $X/rot-ra30 --recipe rg30=$X/rot-rg30 --recipe ra26=$X/rot-ra26 \
+  --recipe rg26=$X/rot-rg26 --recipe k4all=$X/rot-k4all --methods bf16,oscar --tasks chat-retrieval \
+  --retrieval-prompts 100 --out $OUT/eval_retr 2>&1 | grep "^|"
+step "ppl 4K x 24"
+timeout 100 python -m oscarkv eval $E --rotations $X/rot-ra30 --recipe rg30=$X/rot-rg30 --recipe ra26=$X/rot-ra26 \
+  --recipe rg26=$X/rot-rg26 --methods bf16,oscar --tasks ppl --ppl-sequences 24 --out $OUT/eval_ppl 2>&1 | grep "^|" | head -8
+rm -f $X/*/rotations.safetensors.tmp
+step done
