@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM as AutoModel
 
 from conftest import random_rotation_set
 from oscarkv import LLM, OscarCache, QuantSpec, SamplingParams, calibrate, save_rotations
@@ -203,6 +204,28 @@ def test_cli_eval_scores_named_recipes_on_the_same_sequences(tmp_path: Path) -> 
     bad = [a if a != f"k4={mixed}" else "bad" for a in args]
     assert main([*bad[:-1], str(tmp_path / "ev2")]) == 2
     assert not (tmp_path / "ev2").exists()  # refused before anything was written
+
+
+def test_formats_the_triton_kernels_lack_fail_at_start_up(tmp_path: Path) -> None:
+    """3-bit keys run on the torch kernels only: the Triton ops' format check refuses them, naming
+    the layer and the fix, before anything is stored (on CUDA: before the engine loads weights)."""
+    pytest.importorskip("triton")
+    from oscarkv.kernels import BackendError, resolve
+    from oscarkv.kernels.triton.ops import KERNEL_OPS
+
+    _, rs = _mixed(tmp_path)
+    rs.layers[2].key_bits = 3
+    fmts = [rs.formats(i) for i in rs.layer_ids]
+    KERNEL_OPS.require_formats(fmts[:2], "fix")  # 2- and 4-bit keys pass
+    with pytest.raises(BackendError, match=r"layer 2: .*got 3-bit, .*d=128; use backend='torch'$"):
+        KERNEL_OPS.require_formats(fmts, "use backend='torch'")
+    resolve("torch", "cpu").require_formats(fmts, "fix")  # the reference reads every width
+    cache = OscarCache.from_rotations(AutoModel.from_pretrained(DEMO), rs, backend="torch")
+    assert [la.k_fmt.bits for la in cache.layers] == [2, 4, 3, 4]
+    if torch.cuda.is_available():
+        save_rotations(rs, tmp_path / "k3")
+        with pytest.raises(BackendError, match="layer 2"):
+            LLM(DEMO, rotations=str(tmp_path / "k3"), device="cuda", kv_budget_gb=1)
 
 
 @pytest.mark.gpu

@@ -57,6 +57,12 @@ class ModelRunner:
         absorb = self.rotations is not None and cfg.absorb_v
         r_v = {i: lr.v for i, lr in self.rotations.layers.items()} if absorb else None
         self.ops = resolve(cfg.backend, self.device)
+        if self.rotations is not None:  # before the weights load: a format the kernels lack fails now
+            rs = self.rotations
+            self.ops.require_formats(
+                [rs.formats(i, cfg.spec) for i in rs.layer_ids],
+                "use backend='torch', or calibrate with --high-key-bits 4",
+            )
         self.model, self.shape = load_decoder(
             cfg.model,
             self.dtype,

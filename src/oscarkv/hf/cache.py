@@ -233,6 +233,9 @@ class OscarCache(Cache):
             lr = rotations.layers[i]
             kf, vf = rotations.formats(i, spec, quantizer)
             layers.append(OscarCacheLayer(self, i, lr.k.float(), lr.v.float(), kf, vf, lr))
+        if quantize:
+            fix = "use backend='torch', or calibrate with --high-key-bits 4"
+            self.ops.require_formats([(la.k_fmt, la.v_fmt) for la in layers], fix)
         super().__init__(layers=layers)
         self.table: SlotTable | None = None
         self._plan_key: tuple[int, int] | None = None

@@ -9,7 +9,7 @@ run raises :class:`BackendError` with the reason.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +46,17 @@ class KernelOps:
     rotate_new_rows: Callable[..., torch.Tensor]
     rms_norm: Callable[..., Any] = _ref_norm.rms_norm
     silu_and_mul: Callable[..., torch.Tensor] = _ref_norm.silu_and_mul
+    #: ``(k_fmt, v_fmt) -> None``; raises ``ValueError`` naming what these kernels cannot store or read
+    check_formats: Callable[[Any, Any], None] = lambda k_fmt, v_fmt: None
+
+    def require_formats(self, formats: Sequence[tuple[Any, Any]], fix: str) -> None:
+        """Fail at start-up, not at the first quantize: raises :class:`BackendError` naming the first
+        layer whose ``(k_fmt, v_fmt)`` these kernels cannot handle, and ``fix``."""
+        for i, (kf, vf) in enumerate(formats):
+            try:
+                self.check_formats(kf, vf)
+            except ValueError as e:
+                raise BackendError(f"layer {i}: {e}; {fix}") from None
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:

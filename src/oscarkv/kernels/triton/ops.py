@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import torch
 
+from ...quant import RowFormat
 from .. import Backend, KernelOps
 from ..ref.prefill_attention import per_sequence
 from .decode import decode_attention
+from .decode.attention import _check_format as _decode_check
 from .dequantize import dequantize
 from .norm import rms_norm, silu_and_mul
+from .quantize_pack import _check as _quantize_check
 from .quantize_pack import quantize_pack
 from .rotate import rotate_heads, rotate_new_rows
 
@@ -79,6 +82,15 @@ def prefill_attention_varlen(q_rot, k, v, cu_q, cu_k, max_q, max_k, sm_scale):
     return _flash(q_rot, k, v, cu_q, cu_k, max_q, max_k, sm_scale)
 
 
+def check_formats(k_fmt: RowFormat, v_fmt: RowFormat) -> None:
+    """Raises ``ValueError`` when quantize_pack cannot write or decode attention cannot read these rows."""
+    try:
+        _quantize_check(k_fmt), _quantize_check(v_fmt)
+        _decode_check(k_fmt, "k"), _decode_check(v_fmt, "v")
+    except ValueError as e:  # the caller states the fix
+        raise ValueError(str(e).removesuffix(" (use backend='torch')")) from None
+
+
 KERNEL_OPS = KernelOps(
     Backend.TRITON,
     quantize_pack,
@@ -90,4 +102,5 @@ KERNEL_OPS = KernelOps(
     rotate_new_rows,
     rms_norm,
     silu_and_mul,
+    check_formats,
 )
