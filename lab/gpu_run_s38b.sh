@@ -19,6 +19,9 @@ step "retrieval 4K x 100"
 timeout 150 python -m oscarkv eval $E --rotations $X/rot-ra30 --recipe rg30=$X/rot-rg30 --recipe ra26=$X/rot-ra26 \
   --recipe rg26=$X/rot-rg26 --recipe k4all=$X/rot-k4all --methods bf16,oscar --tasks chat-retrieval \
   --retrieval-prompts 100 --out $OUT/eval_retr 2>&1 | grep "^|"
+step "retrieval 4K x 100: 4-bit values"
+timeout 100 python -m oscarkv eval $E --rotations $X/rot-v4 --recipe k4v4=$X/rot-k4v4 --methods bf16,oscar --tasks chat-retrieval \
+  --retrieval-prompts 100 --out $OUT/eval_retr_v4 2>&1 | grep "^|"
 step "ppl 4K x 24"
 timeout 100 python -m oscarkv eval $E --rotations $X/rot-ra30 --recipe rg30=$X/rot-rg30 --recipe ra26=$X/rot-ra26 \
   --recipe rg26=$X/rot-rg26 --methods bf16,oscar --tasks ppl --ppl-sequences 24 --out $OUT/eval_ppl 2>&1 | grep "^|" | head -8

@@ -80,6 +80,11 @@ for name, rank in (("ra", rank_alone), ("rg", rank_gain)):
         save_rotations(RotationSet(new, spec, rs.granularity, prov), f"{out}/rot-{name}{tag}", overwrite=True)
 k4all = {i: k4(lr) for i, lr in rs.layers.items()}
 save_rotations(RotationSet(k4all, spec, rs.granularity, rs.provenance), f"{out}/rot-k4all", overwrite=True)
+v4 = dataclasses.replace(spec, value_bits=4)
+save_rotations(
+    RotationSet(dict(rs.layers), v4, rs.granularity, rs.provenance), f"{out}/rot-v4", overwrite=True
+)
+save_rotations(RotationSet(k4all, v4, rs.granularity, rs.provenance), f"{out}/rot-k4v4", overwrite=True)
 print(json.dumps({k: v for k, v in rec.items() if k not in ("alone", "gain")}), flush=True)
 Path(f"{out}/rank.json").write_text(json.dumps(rec, indent=1))
 print(f"total {time.time() - t0:.1f}s")

@@ -28,6 +28,7 @@ import torch
 from ..calibration.error import fake_quant_middle
 from ..calibration.fit import fixed_layer
 from ..config import QuantSpec
+from ..kernels import BackendError, resolve
 from ..rotation import LayerRotation, Provenance, RotationSet, rotate_heads
 from .kivi import KiviCache, kivi_bits_per_element, kivi_fake_kv
 
@@ -121,15 +122,25 @@ class CacheMethod:
     def make_cache(self, model: Any) -> Any:
         from ..hf import OscarCache
 
-        # the Triton kernels cover 2-bit asymmetric rows; other baselines use the torch kernels
-        fast = self.recipe.bits == 2 and self.recipe.quantizer == "asymmetric"
         return OscarCache.from_rotations(
             model,
             self.rotations,
             spec=self.override_spec,
             quantizer=self.quantizer,
-            backend="auto" if fast else "torch",
+            backend=self._backend(next(model.parameters()).device),
         )
+
+    def _backend(self, device: torch.device) -> str:
+        """``auto`` when its kernels store and read every layer's rows, else ``torch``: eval scores
+        formats (baselines' 3-bit or grouped rows too), and the torch twins give the same numbers."""
+        fmts = [
+            self.rotations.formats(i, self.override_spec, self.quantizer) for i in self.rotations.layer_ids
+        ]
+        try:
+            resolve("auto", device).require_formats(fmts, "")
+        except BackendError:
+            return "torch"
+        return "auto"
 
     def fake_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         lr = self.rotations.layers[layer]
