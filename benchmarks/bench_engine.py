@@ -21,9 +21,12 @@ preemptions, bytes per tier and peak GPU memory, and the int2/bf16 ratios; resul
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import gc
+import io
 import json
+import pstats
 import shutil
 import statistics
 import sys
@@ -215,7 +218,16 @@ def bench_one(
     while eng.has_unfinished():
         eng.step()
     eng.stats.update(steps=0, preemptions=0)
-    res = run_jobs(eng, prompts, args.gen_len, args.device)
+    if args.profile:  # the host's share of each step, by function (the GPU shows as waits in a sync)
+        prof = cProfile.Profile()
+        res = prof.runcall(run_jobs, eng, prompts, args.gen_len, args.device)
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.profile)
+        path = Path(__file__).parent / "results" / f"{args.name or 'bench_engine'}_{kv_dtype}.profile.txt"
+        path.write_text(out.getvalue())
+        print(out.getvalue()[:4000])
+    else:
+        res = run_jobs(eng, prompts, args.gen_len, args.device)
     rep = eng.memory_report()
     res.update(max_running=mr, pool_bytes=rep["total_bytes"], int2_bytes=rep["int2_bytes"],
                hp_paged_bytes=rep["hp_paged_bytes"], ring_bytes=rep["ring_bytes"],
@@ -267,6 +279,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--name", help="result name (default: bench_engine_<shape>_<workload>)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="cProfile the timed runs; write each side's top N functions by own time")  # fmt: skip
     ap.add_argument(
         "--write-model",
         metavar="DIR",
