@@ -4,6 +4,7 @@
 # 4K (chat retrieval x 100, the eval's prompts; perplexity x 24).
 set -u
 . lab/gpu_lib.sh
+export PYTHONPATH=$PWD/.gl/clean/src  # the committed tree (helpers edit the working tree)
 step "smollm2"
 [ -d /tmp/smollm2 ] || {
 [ -f /tmp/p1 ] || { echo "parts gone"; exit 3; }
@@ -13,7 +14,7 @@ timeout 120 python .gl/b/convert_gguf.py /tmp smol.gguf /tmp/smollm2 > $OUT/conv
 }
 R=.gl/rot; X=$OUT/rank
 step "rank"
-timeout 240 python lab/s38_retrieval_rank.py /tmp/smollm2 $R/rot-auto $X 48 2>&1 | grep -v Warn | tail -8
+timeout 240 python .gl/clean/lab/s38_retrieval_rank.py /tmp/smollm2 $R/rot-auto $X 48 2>&1 | grep -v Warn | tail -8
 E="--model /tmp/smollm2 --context 4096 --overwrite"
 step "retrieval 4K x 100"
 timeout 150 python -m oscarkv eval $E --rotations $X/rot-ra30 --recipe rg30=$X/rot-rg30 --recipe ra26=$X/rot-ra26 \

@@ -1,22 +1,27 @@
-"""Row lists built on the device: paged and ring segments expanded with a few vectorised ops.
+"""Row lists from segment tables: paged and ring segments expanded with a few vectorised ops.
 
 A *segment* is ``n`` consecutive list indices of one sequence in one storage kind:
 
 * paged: list index ``x = lo + j`` lives in page ``pages[page_off + x // ps]`` at offset
   ``x % ps``, i.e. row ``page·ps + x % ps`` (INT2 lists, sink pages, BF16 pages);
-* ring: row ``base + (start + j) % mod`` (a sequence's ring slab; wraps).
+* ring: row ``base + (start + j) % mod`` (a sequence's ring slab; a wrapping range is stored as
+  two segments, so each is consecutive rows).
 
-The host only builds a small segment table (a few entries per sequence) and one flat page-id
-list; the rows (possibly batch × context ids) are expanded on the device without a sync
-(``repeat_interleave`` with a host-known ``output_size``). Each segment also carries ``tok0``:
-entry ``j`` belongs to flat token ``tok0 + j`` (the destinations of a step's new tokens).
+The planner builds a small segment table (a few entries per sequence) and one flat page-id list.
+A decode step expands them on the host with numpy (:meth:`Segments.rows_np`, into the step's
+staging buffer: one copy per dtype instead of ~100 small device launches); a prefill expands them
+on the device without a sync (:meth:`Segments.expand`: ``repeat_interleave`` with a host-known
+``output_size``). Both give the same rows. Each segment also carries ``tok0``: entry ``j`` belongs
+to flat token ``tok0 + j`` (the destinations of a step's new tokens).
 """
 
 from __future__ import annotations
 
 import itertools
+from array import array
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = ["Csr", "PageList", "Segments"]
@@ -53,24 +58,39 @@ class PageList:
         self.ids.extend(pages)
         return off
 
+    def array(self) -> np.ndarray:
+        """The ids, int64 ``[P]``."""
+        return np.fromiter(self.ids, np.int64, len(self.ids))
+
     def tensor(self, device: torch.device) -> torch.Tensor:
-        return torch.tensor(self.ids, dtype=torch.long).to(device, non_blocking=True)
+        return torch.from_numpy(self.array()).to(device, non_blocking=True)
 
 
 class Segments:
-    """A host-side segment table; :meth:`expand` turns it into device rows."""
+    """A host-side segment table; :meth:`expand` turns it into device rows, :meth:`rows_np` and
+    :meth:`tok_np` into host rows (the same values)."""
 
     def __init__(self, page_tokens: int):
         self.ps = page_tokens
-        self.cols: list[list[int]] = [[] for _ in range(6)]  # kind, a, lo, mod, n, tok0
+        self.flat = array("q")  # per segment: kind, a, lo, mod, n, tok0
         self.counts: list[int] = []  # entries per sequence (closed by :meth:`end_seq`)
+        self.total = 0
         self._open = 0
 
     def _add(self, kind: int, a: int, lo: int, mod: int, n: int, tok0: int) -> None:
         if n > 0:
-            for col, v in zip(self.cols, (kind, a, lo, mod, n, tok0), strict=True):
-                col.append(v)
+            self.flat.extend((kind, a, lo, mod, n, tok0))
             self._open += n
+            self.total += n
+
+    @classmethod
+    def joined(cls, *tabs: Segments) -> Segments:
+        """One table holding ``tabs``' segments in order (to expand them in one go)."""
+        out = cls(tabs[0].ps)
+        for t in tabs:
+            out.flat.extend(t.flat)
+            out.total += t.total
+        return out
 
     def paged(self, pages: PageList, off: int, n_pages: int, lo: int, n: int, tok0: int = 0) -> None:
         """List indices ``lo .. lo+n-1`` over the ``n_pages`` pages at flat offset ``off``."""
@@ -82,19 +102,24 @@ class Segments:
         self._add(0, off, lo, 1, n, tok0)
 
     def ring(self, base: int, start: int, n: int, mod: int, tok0: int = 0) -> None:
-        """Rows ``base + (start + j) % mod`` for ``j < n``."""
+        """Rows ``base + (start + j) % mod`` for ``j < n``: up to two segments of consecutive rows
+        (before and after the wrap), so that ``lo + n <= mod`` in every ring segment."""
         if n > mod:
             raise ValueError(f"{n} ring entries do not fit a ring of {mod}")
-        self._add(1, base, start, mod, n, tok0)
+        if n > 0:
+            start %= mod
+            n1 = min(n, mod - start)
+            self._add(1, base, start, mod, n1, tok0)
+            self._add(1, base, 0, mod, n - n1, tok0 + n1)
 
     def end_seq(self) -> None:
         """Close the current sequence's list (for :meth:`csr`)."""
         self.counts.append(self._open)
         self._open = 0
 
-    @property
-    def total(self) -> int:
-        return sum(self.cols[4])
+    def table(self) -> np.ndarray:
+        """The segment table, int64 ``[6, n_segments]``: kind (0 paged, 1 ring), a, lo, mod, n, tok0."""
+        return np.array(self.flat, dtype=np.int64).reshape(-1, 6).T
 
     def expand(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows, tok)``, long ``[total]`` each, on ``pages.device`` (``pages``: :meth:`PageList.tensor`)."""
@@ -102,7 +127,7 @@ class Segments:
         if total == 0:
             empty = torch.zeros(0, dtype=torch.long, device=dev)
             return empty, empty.clone()
-        kind, a, lo, mod, n, tok0 = torch.tensor(self.cols, dtype=torch.long).to(dev, non_blocking=True)
+        kind, a, lo, mod, n, tok0 = torch.from_numpy(self.table()).to(dev, non_blocking=True)
         first = n.cumsum(0) - n
         seg = torch.repeat_interleave(torch.arange(len(n), device=dev), n, output_size=total)
         j = torch.arange(total, device=dev) - first[seg]
@@ -112,13 +137,61 @@ class Segments:
         rows = torch.where(is_paged, page * self.ps + x % self.ps, a[seg] + x % mod[seg])
         return rows, tok0[seg] + j
 
+    def expand_np(self, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`expand` on the host: ``(rows, tok)``, int64 ``[total]`` each (``pages``:
+        :meth:`PageList.array`)."""
+        return self.rows_np(pages), self.tok_np()
+
+    def rows_np(self, pages: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """:meth:`expand`'s rows on the host, written into ``out`` (``[total]``, a signed integer
+        dtype; rows must fit it) when given, else into a new int64 array."""
+        if out is None:
+            out = np.empty(self.total, np.int64)
+        elif out.shape != (self.total,):
+            raise ValueError(f"rows_np: out has shape {out.shape}, the table holds {self.total} rows")
+        if self.total:
+            row0, cnt = self._runs(pages)
+            # run r fills out[o_r : o_r + cnt_r] with row0_r, row0_r + 1, ...: out[i] = row0_r - o_r + i
+            first = np.cumsum(cnt) - cnt
+            np.add(
+                np.repeat((row0 - first).astype(out.dtype), cnt),
+                np.arange(self.total, dtype=out.dtype),
+                out=out,
+            )
+        return out
+
+    def tok_np(self) -> np.ndarray:
+        """:meth:`expand`'s ``tok`` on the host, int64 ``[total]``."""
+        _, _, _, _, n, tok0 = self.table()
+        first = np.cumsum(n) - n
+        return np.repeat(tok0 - first, n) + np.arange(self.total)
+
+    def _runs(self, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rows as runs of consecutive ids, in list order: first row and length, int64 ``[R]``.
+        A paged segment is one run per page it touches, a ring segment one run (it does not wrap).
+        The work is per run, not per row."""
+        kind, a, lo, _, n, _ = self.table()
+        ps, ring = self.ps, kind == 1
+        p0 = lo // ps
+        k = np.where(ring, 1, (lo + n - 1) // ps - p0 + 1)  # runs per segment
+        seg = np.repeat(np.arange(len(k)), k)
+        g = np.arange(len(seg)) + (p0 - (np.cumsum(k) - k))[seg]  # paged: page number in the list
+        gx, lo_r, hi_r, ring_r = g * ps, lo[seg], (lo + n)[seg], ring[seg]
+        x0 = np.maximum(lo_r, gx)  # a paged run holds list indices x0 .. x1-1
+        x1 = np.minimum(hi_r, gx + ps)
+        page = pages[np.where(ring_r, 0, a[seg] + g)]
+        row0 = np.where(ring_r, a[seg] + lo_r, page * ps + (x0 - gx))
+        return row0, np.where(ring_r, hi_r - lo_r, x1 - x0)
+
+    def indptr(self) -> tuple[int, ...]:
+        """The CSR offsets of the closed per-sequence lists, ``[B+1]``."""
+        if self._open:
+            raise RuntimeError("Segments: the last sequence was not closed with end_seq()")
+        return tuple(itertools.accumulate(self.counts, initial=0))
+
     def csr(self, pages: torch.Tensor) -> Csr:
         """The per-sequence lists (in :meth:`end_seq` order) as compact int32 CSR."""
-        if self._open:
-            raise RuntimeError("Segments.csr: the last sequence was not closed with end_seq()")
-        ptr = [0]
-        for c in self.counts:
-            ptr.append(ptr[-1] + c)
+        ptr = self.indptr()
         rows, _ = self.expand(pages)
         indptr = torch.tensor(ptr, dtype=torch.int32).to(pages.device, non_blocking=True)
-        return Csr(indptr, rows.to(torch.int32), tuple(ptr))
+        return Csr(indptr, rows.to(torch.int32), ptr)

@@ -7,8 +7,10 @@ their demotions move the dummy 16-bit row 0 to the dummy INT2 row 0, and their l
 
 A graph is captured the first time its key is seen: one eager run on the static buffers (all
 lists empty, no writes outside the dummy pages) compiles and warms every kernel, then the capture.
-A replay copies the step's tensors into the graph's static buffers (the lists into the front of
-buffers sized for the bucket) and replays; the final hidden states are a view of the graph's output (the LM head runs eagerly).
+The static inputs are views of two flat device buffers (int64, int32) laid out like the host
+step (:class:`~oscarkv.engine.decode_buffers.DecodeLayout`, lists sized for the bucket), so a
+replay is one copy per dtype from the pinned staging buffers, then the replay; the final hidden
+states are a view of the graph's output (the LM head runs eagerly).
 """
 
 from __future__ import annotations
@@ -18,8 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .csr import Csr
-from .planner import DecodeTensors
+from .decode_buffers import DecodeLayout, DecodeStaging, DecodeTensors, HostDecode
 
 __all__ = ["DecodeGraphs", "batch_bucket", "len_bucket"]
 
@@ -47,8 +48,9 @@ def len_bucket(n: int) -> int:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    ids: torch.Tensor  # long [B]
-    t: DecodeTensors  # static tensors; q/hp indices sized B × bucket
+    layout: DecodeLayout
+    d64: torch.Tensor  # long [layout.n64]: ids, positions, decode_dst, demote lists
+    d32: torch.Tensor  # int32 [layout.n32]: indptrs, then lists sized B × bucket
     out: torch.Tensor  # final hidden states [B, hidden]
 
 
@@ -56,36 +58,23 @@ Forward = Callable[[torch.Tensor, DecodeTensors], torch.Tensor]  # (ids [B], ten
 
 
 class DecodeGraphs:
-    """Lazily captured decode graphs over ``forward(ids [B], tensors) -> hidden [B, hidden]``."""
+    """Lazily captured decode graphs over ``forward(ids [B], tensors) -> hidden [B, hidden]``;
+    steps reach them through ``staging``'s copies."""
 
-    def __init__(self, forward: Forward, device: torch.device, demote_block: int, int2: bool):
-        self.forward, self.device = forward, device
+    def __init__(
+        self, forward: Forward, device: torch.device, demote_block: int, int2: bool, staging: DecodeStaging
+    ):
+        self.forward, self.device, self.staging = forward, device, staging
         self.demote_rows = demote_block if int2 else 0
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
-    def _static(self, b: int, lens: tuple[int, int]) -> tuple[torch.Tensor, DecodeTensors]:
-        dev, nd = self.device, b * self.demote_rows
-
-        def z(n: int, dt: torch.dtype = torch.long) -> torch.Tensor:
-            return torch.zeros(n, dtype=dt, device=dev)
-
-        def csr(bucket: int) -> Csr:
-            return Csr(z(b + 1, torch.int32), z(max(b * bucket, 1), torch.int32), (0,) * (b + 1))
-
-        t = DecodeTensors(
-            positions=z(b),
-            decode_dst=torch.full((b,), -1, dtype=torch.long, device=dev),
-            demote_src=z(nd),
-            demote_dst=z(nd),
-            q=csr(lens[0]),
-            hp=csr(lens[1]),
-            lens_hint=lens,
-        )
-        return z(b), t
-
     def capture(self, b: int, lens: tuple[int, int]) -> _Graph:
-        ids, t = self._static(b, lens)
+        layout = DecodeLayout.bucketed(b, b * self.demote_rows, lens)
+        d64 = torch.zeros(layout.n64, dtype=torch.long, device=self.device)
+        d64[layout.s64("decode_dst")] = -1
+        d32 = torch.zeros(layout.n32, dtype=torch.int32, device=self.device)
+        ids, t = layout.views(d64, d32, lens=lens)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # compile and warm up outside the capture
@@ -94,24 +83,17 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = self.forward(ids, t)
-        g = _Graph(graph, ids, t, out)
+        g = _Graph(graph, layout, d64, d32, out)
         self.graphs[(b, *lens)] = g
         return g
 
-    def run(self, ids: torch.Tensor, p: DecodeTensors) -> torch.Tensor:
-        """Replay the graph of ``p``'s padded batch and ``p.lens_hint`` (bucketed), capturing it
-        first if new; ``ids``/``p`` are the step's padded tensors. Returns the graph's output (a view
-        valid until the next replay)."""
-        b = ids.shape[0]
-        g = self.graphs.get((b, *p.lens_hint)) or self.capture(b, p.lens_hint)
-        s = g.t
-        g.ids.copy_(ids)
-        s.positions.copy_(p.positions)
-        s.decode_dst.copy_(p.decode_dst)
-        s.demote_src.copy_(p.demote_src)
-        s.demote_dst.copy_(p.demote_dst)
-        for mine, step in ((s.q, p.q), (s.hp, p.hp)):
-            mine.indptr.copy_(step.indptr)
-            mine.indices[: step.indices.numel()].copy_(step.indices)
+    def run(self, h: HostDecode) -> torch.Tensor:
+        """Replay the graph of step ``h``'s padded batch and (bucketed) ``lens_hint``, capturing
+        it first if new. Returns the graph's output (a view valid until the next replay)."""
+        b = h.layout.b
+        g = self.graphs.get((b, *h.lens_hint)) or self.capture(b, h.lens_hint)
+        if h.layout != g.layout:
+            raise RuntimeError(f"decode step laid out as {h.layout}, its graph as {g.layout}")
+        self.staging.copy(h, g.d64, g.d32)
         g.graph.replay()
         return g.out

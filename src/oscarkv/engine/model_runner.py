@@ -8,7 +8,6 @@ take the KV budget, and the kernels are resolved once (the torch reference on CP
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -23,10 +22,11 @@ from ..kernels.devices import resolve_device
 from ..quant import RowFormat
 from ..rotation import LayerShift, RotationSet, load_rotations
 from .attention import EngineAttention
+from .decode_buffers import DecodeStaging
 from .graphs import DecodeGraphs, batch_bucket, len_bucket
 from .kv_pool import KVPool, budget_bytes, plan_pools
 from .models import load_decoder
-from .planner import DecodeTensors, plan_decode, plan_prefill
+from .planner import DecodeTensors, plan_decode_host, plan_prefill
 from .request import Batch, SamplingParams
 from .sampler import make_generator, sample
 from .tokenizer import load_tokenizer
@@ -107,6 +107,7 @@ class ModelRunner:
         self.fingerprint = self._fingerprint(config)
         # on CUDA decode steps are padded and bucketed, so eager and graph steps run the same plans
         self.pad_decode = self.device.type == "cuda"
+        self.staging = DecodeStaging(self.device)
         self.graphs = self._graphs()
 
     @torch.inference_mode()
@@ -163,7 +164,9 @@ class ModelRunner:
         elif self.ops.backend.value != "triton":
             why = f"the kernel backend is {self.ops.backend.value} (graphs need triton)"
         if why is None and mode != "off":
-            return DecodeGraphs(self._decode_hidden, self.device, self.spec.demote_block, self.plan.int2)
+            return DecodeGraphs(
+                self._decode_hidden, self.device, self.spec.demote_block, self.plan.int2, self.staging
+            )
         if mode == "on" and why is not None:
             raise InputError(
                 f"cuda_graphs on cannot run: {why}", "use cuda_graphs auto or off (--cuda-graphs)"
@@ -237,19 +240,16 @@ class ModelRunner:
         return self.model.hidden_states(input_ids, p.positions, attn)
 
     def _decode(self, batch: Batch) -> torch.Tensor:
-        n = len(batch.items)
-        ids = [it.seq.tokens[it.start] for it in batch.items]
+        n, staging = len(batch.items), self.staging
         if not self.pad_decode:
-            p = plan_decode(batch, self.plan, self.device)
-            return self.model.logits(
-                self._decode_hidden(torch.tensor(ids, dtype=torch.long).to(self.device), p)
-            )
+            h = plan_decode_host(batch, self.plan, alloc=staging.alloc)
+            return self.model.logits(self._decode_hidden(*staging.tensors(h)))
         b = batch_bucket(n, self.cfg.max_running)
-        p = plan_decode(batch, self.plan, self.device, bs_pad=b, demote_block=self.spec.demote_block)
-        p = dataclasses.replace(p, lens_hint=(len_bucket(p.lens_hint[0]), len_bucket(p.lens_hint[1])))
-        input_ids = torch.tensor(ids + [0] * (b - n), dtype=torch.long).to(self.device, non_blocking=True)
-        h = self.graphs.run(input_ids, p) if self.graphs is not None else self._decode_hidden(input_ids, p)
-        return self.model.logits(h[:n])
+        h = plan_decode_host(
+            batch, self.plan, b, self.spec.demote_block, bucket=len_bucket, alloc=staging.alloc
+        )
+        hidden = self.graphs.run(h) if self.graphs is not None else self._decode_hidden(*staging.tensors(h))
+        return self.model.logits(hidden[:n])
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[int | None]:

@@ -7,6 +7,10 @@ Row mapping (engine.md §3.1–3.2; ``ps`` = page tokens, ``plan`` a :class:`Poo
 * ring index ``r``: row ``plan.ring_base(slot) + r % plan.ring`` (the sequence's slab);
 * BF16 mode: position ``k`` at row ``hp_pages[k // ps]·ps + k % ps`` (no INT2, no ring).
 
+A decode step is built on the host with numpy into one flat buffer per dtype
+(``decode_buffers.py``: one copy each to the device, whose views are the :class:`DecodeTensors`);
+a prefill expands its lists on the device (:meth:`~oscarkv.engine.csr.Segments.expand`).
+
 A step's new tokens split in token order into ``to_sink`` (sink positions ``pre.n_sink ..``),
 ``to_int2`` (INT2 indices ``pre.n_q + demote ..``) and ``to_ring`` (ring indices
 ``pre.head + pre.n_recent ..``, wrapping); first the ``demote`` oldest ring rows (ring indices
@@ -15,17 +19,18 @@ A step's new tokens split in token order into ``to_sink`` (sink positions ``pre.
 
 from __future__ import annotations
 
-import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ..quant.tiers import TierState, apply_moves
 from .csr import Csr, PageList, Segments
+from .decode_buffers import Alloc, DecodeLayout, DecodeTensors, HostDecode, fresh_buffers
 from .kv_pool import PoolPlan
-from .request import Batch, StepSeq
+from .request import Batch, Sequence, StepSeq
 
-__all__ = ["DecodeTensors", "PrefillTensors", "plan_decode", "plan_prefill"]
+__all__ = ["DecodeTensors", "PrefillTensors", "plan_decode", "plan_decode_host", "plan_prefill"]
 
 _LONG = torch.long
 
@@ -55,27 +60,8 @@ class PrefillTensors:
     demote_dst: torch.Tensor
 
 
-@dataclass(frozen=True)
-class DecodeTensors:
-    """A decode step over ``B`` sequences (``B_pad`` rows with padding), one token each.
-
-    ``decode_dst [B_pad]``: the 16-bit row of each new token (ring row; BF16: page row; ``-1`` on
-    padding). ``demote_src/dst``: 16-bit rows → INT2 rows demoted before the write (padded to
-    ``B_pad·demote_block`` with the dummy rows 0 → 0 when ``bs_pad`` is given). ``q``/``hp``: the
-    *post-step* lists (padding rows empty). ``lens_hint``: host ints ≥ the longest lists.
-    """
-
-    positions: torch.Tensor  # long [B_pad]
-    decode_dst: torch.Tensor  # long [B_pad]
-    demote_src: torch.Tensor
-    demote_dst: torch.Tensor
-    q: Csr
-    hp: Csr
-    lens_hint: tuple[int, int]
-
-
 def _post(it: StepSeq, plan: PoolPlan) -> TierState:
-    st = copy.copy(it.pre)
+    st = TierState(**vars(it.pre))  # a copy (copy.copy takes 4x longer; this runs per sequence)
     apply_moves(st, it.moves, plan.ring)
     return st
 
@@ -175,17 +161,28 @@ def plan_prefill(batch: Batch, plan: PoolPlan, device: torch.device | str) -> Pr
     )
 
 
-def plan_decode(
-    batch: Batch, plan: PoolPlan, device: torch.device | str, bs_pad: int | None = None, demote_block: int = 0
-) -> DecodeTensors:
-    """The tensors of a decode ``batch`` on ``device``. With ``bs_pad`` (CUDA graphs), rows
-    ``B .. bs_pad-1`` are padding and the demote lists have the fixed length ``bs_pad·demote_block``."""
-    device = torch.device(device)
-    step, pos, lens_q, lens_h = _Step(batch, plan), [], [0], [0]
-    n = len(batch.items)
-    b_pad = n if bs_pad is None else bs_pad
-    if b_pad < n:
+def _token(seq: Sequence, pos: int) -> int:
+    n = len(seq.prompt)  # not seq.tokens: that concatenates the whole sequence
+    return seq.prompt[pos] if pos < n else seq.out[pos - n]
+
+
+def plan_decode_host(
+    batch: Batch,
+    plan: PoolPlan,
+    bs_pad: int | None = None,
+    demote_block: int = 0,
+    bucket: Callable[[int], int] | None = None,
+    alloc: Alloc = fresh_buffers,
+) -> HostDecode:
+    """A decode ``batch`` built on the host into buffers from ``alloc``. With ``bs_pad`` (CUDA),
+    rows ``B .. bs_pad-1`` are padding and the demote lists have the fixed length
+    ``bs_pad·demote_block``; with ``bucket``, ``lens_hint`` is bucketed and the lists get a graph's
+    capacities (:meth:`DecodeLayout.bucketed`), else exactly their lengths."""
+    step, n = _Step(batch, plan), len(batch.items)
+    b = n if bs_pad is None else bs_pad
+    if b < n:
         raise ValueError(f"bs_pad {bs_pad} is smaller than the batch ({n})")
+    ids, pos, lens_q, lens_h = [], [], [0], [0]
     for i, it in enumerate(batch.items):
         _check(it, plan)
         if it.n_new != 1 or it.moves.to_int2:
@@ -195,30 +192,51 @@ def plan_decode(
         post = _post(it, plan)
         step.stored(i, it, post, it.start + 1)
         step.writes(i, it, i)
+        ids.append(_token(it.seq, it.start))
         pos.append(it.start)
         lens_q.append(post.n_q)
         lens_h.append(post.n_sink + post.n_recent if plan.int2 else it.start + 1)
     t = step.tabs
-    for _ in range(b_pad - n):  # padding rows: empty lists
+    for _ in range(b - n):  # padding rows: empty lists
         t["lq"].end_seq()
         t["lh"].end_seq()
-    pages = step.pages.tensor(device)
-    # the new rows are the 16-bit writes: a decode token never goes to INT2 directly
-    dst_rows, dst_tok = t["hp"].expand(pages)
-    decode_dst = torch.full((b_pad,), -1, dtype=_LONG, device=device).index_copy_(0, dst_tok, dst_rows)
-    src, dst = t["dem_src"].expand(pages)[0], t["dem_dst"].expand(pages)[0]
-    if bs_pad is not None and plan.int2:
-        fixed = bs_pad * demote_block
-        if src.numel() > fixed:
-            raise ValueError(f"{src.numel()} demotions exceed the fixed {fixed} (bs_pad × demote_block)")
-        src = torch.cat([src, src.new_zeros(fixed - src.numel())])  # DUMMY_H row 0 ...
-        dst = torch.cat([dst, dst.new_zeros(fixed - dst.numel())])  # ... to DUMMY_Q row 0
-    return DecodeTensors(
-        positions=torch.tensor(pos + [0] * (b_pad - n), dtype=_LONG).to(device, non_blocking=True),
-        decode_dst=decode_dst,
-        demote_src=src,
-        demote_dst=dst,
-        q=t["lq"].csr(pages),
-        hp=t["lh"].csr(pages),
-        lens_hint=(max(lens_q), max(lens_h)),
-    )
+    n_dem, lens = t["dem_src"].total, (max(lens_q), max(lens_h))
+    nd = bs_pad * demote_block if bs_pad is not None and plan.int2 else n_dem
+    if n_dem > nd:
+        raise ValueError(f"{n_dem} demotions exceed the fixed {nd} (bs_pad × demote_block)")
+    if bucket is not None:
+        lens = (bucket(lens[0]), bucket(lens[1]))
+        lay = DecodeLayout.bucketed(b, nd, lens)
+    else:
+        lay = DecodeLayout(b, nd, t["lh"].total, t["lq"].total)
+    h64, h32 = alloc(lay.n64, lay.n32)
+    a64, a32 = h64.numpy(), h32.numpy()
+    pages = step.pages.array()
+    a64[lay.s64("ids")] = ids + [0] * (b - n)
+    a64[lay.s64("positions")] = pos + [0] * (b - n)
+    # the small lists in one expansion: the new rows (16-bit writes: a decode token never goes
+    # to INT2 directly), then the demotions
+    small = Segments.joined(t["hp"], t["dem_src"], t["dem_dst"]).rows_np(pages)
+    n_hp = t["hp"].total
+    dst = a64[lay.s64("decode_dst")]
+    dst.fill(-1)  # padding rows write nothing
+    dst[t["hp"].tok_np()] = small[:n_hp]
+    for i, name in enumerate(("demote_src", "demote_dst")):
+        out = a64[lay.s64(name)]
+        out[:n_dem] = small[n_hp + i * n_dem : n_hp + (i + 1) * n_dem]
+        out[n_dem:] = 0  # padding: DUMMY_H row 0 -> DUMMY_Q row 0
+    ptrs = []
+    for tab, kind in ((t["lq"], "q"), (t["lh"], "hp")):
+        ptrs.append(tab.indptr())
+        a32[lay.s32(f"{kind}_indptr")] = ptrs[-1]
+        at = lay.s32(f"{kind}_ids").start
+        tab.rows_np(pages, out=a32[at : at + ptrs[-1][-1]])
+    return HostDecode(lay, h64, h32, ptrs[0], ptrs[1], lens)
+
+
+def plan_decode(
+    batch: Batch, plan: PoolPlan, device: torch.device | str, bs_pad: int | None = None, demote_block: int = 0
+) -> DecodeTensors:
+    """The tensors of a decode ``batch`` on ``device`` (:func:`plan_decode_host`, then
+    :meth:`HostDecode.tensors`)."""
+    return plan_decode_host(batch, plan, bs_pad, demote_block).tensors(device)[1]
