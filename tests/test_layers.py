@@ -27,6 +27,7 @@ LAYER = {
     "engine": 4,
     "eval": 5,
     "server": 5,
+    "vllm_plugin": 5,
     "demo": 6,
     "cli": 6,
     "__main__": 6,
@@ -47,6 +48,7 @@ ONLY_IN = {
     "fastapi": frozenset({"server"}),
     "uvicorn": frozenset({"server"}),
     "starlette": frozenset({"server"}),
+    "vllm": frozenset({"vllm_plugin"}),
 }
 #: third-party package -> (package, the only paths inside it that may import it)
 ONLY_UNDER = {"transformers": ("engine", ("engine/models/", "engine/tokenizer.py"))}
