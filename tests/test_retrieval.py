@@ -82,3 +82,16 @@ def test_report_pairs_retrieval_hits_with_bf16() -> None:
     assert s["oscar"]["retrieval_vs_bf16"] == pytest.approx(-0.25)
     assert s["oscar"]["retrieval_vs_bf16_se"] == pytest.approx(0.25)
     assert "retrieval_vs_bf16" not in s["bf16"]
+
+
+def test_cli_refuses_chat_retrieval_without_a_template_before_any_task(tmp_path, capsys) -> None:
+    """The demo model has no chat template: the command fails with the fix, before perplexity runs,
+    and writes nothing."""
+    from oscarkv.cli import main
+
+    out = tmp_path / "ev"
+    rc = main(["eval", "--model", str(demo_model_path()), "--methods", "bf16", "--tasks", "ppl,chat-retrieval",
+               "--context", "700", "--ppl-sequences", "1", "--device", "cpu", "--out", str(out)])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc != 0 and "chat template" in err and "leave chat-retrieval out of --tasks" in err
+    assert not out.exists()

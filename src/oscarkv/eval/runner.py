@@ -16,7 +16,7 @@ from .methods import get_method
 from .tasks.attn_error import attention_metrics, hidden_state_errors
 from .tasks.needle import build_cases, filler_lines, run_cases
 from .tasks.ppl import batched_sequence_nlls, perplexity
-from .tasks.retrieval import build_retrieval_cases, run_retrieval
+from .tasks.retrieval import build_retrieval_cases, chat_frame, run_retrieval
 
 __all__ = ["passkey_at_context_cases", "run_eval", "text_sequences"]
 
@@ -81,6 +81,8 @@ def run_eval(
         )
 
     tasks = cfg.task_list
+    if "chat-retrieval" in tasks:
+        chat_frame(tokenizer)  # a tokenizer without a chat template fails before any task runs
     if "ppl" in tasks:
         seqs = text_sequences(tokenizer, data, cfg.ppl_sequences, cfg.context, cfg.seed)
         ctx = cfg.context - cfg.ppl_continuation

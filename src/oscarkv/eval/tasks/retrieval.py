@@ -16,6 +16,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+from ...errors import InputError
 from .needle import NeedleCase, generate_answers
 
 __all__ = ["WORDS", "build_retrieval_cases", "chat_frame", "run_retrieval"]
@@ -42,9 +43,9 @@ def chat_frame(tokenizer: Any) -> tuple[list[int], list[int]]:
     """The chat template's tokens before and after the user message (generation prompt included).
     Raises ``ValueError`` when the tokenizer has no chat template."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            "the chat-retrieval task asks through the chat template, and this tokenizer has none; "
-            "use an instruct/chat model or leave chat-retrieval out of --tasks"
+        raise InputError(
+            "the chat-retrieval task asks through the chat template, and this tokenizer has none",
+            "use an instruct/chat model, or leave chat-retrieval out of --tasks",
         )
     text = tokenizer.apply_chat_template([{"role": "user", "content": _SLOT}], tokenize=False,
                                          add_generation_prompt=True)  # fmt: skip
