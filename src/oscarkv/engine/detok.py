@@ -25,6 +25,16 @@ def hits_stop_token(token_id: int, params: SamplingParams, eos_ids: Sequence[int
     return token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_ids)
 
 
+def _backend_decode(tokenizer: Any) -> Any:
+    """The Rust tokenizer's ``decode`` where it returns what ``tokenizer.decode`` does (a fast
+    tokenizer without the clean-up pass), else ``None``. Every step decodes two short windows per
+    request, and ``tokenizer.decode``'s Python conversions cost more than the decoding."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    return backend.decode
+
+
 class IncrementalDetokenizer:
     """Streams the text of one request's output tokens; ``add`` returns newly settled text.
 
@@ -36,6 +46,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stop: Sequence[str] = ()):
         self.tokenizer = tokenizer
+        self._fast = _backend_decode(tokenizer)
         self.stop = tuple(stop)
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         ctx = list(prompt_ids[-_PROMPT_CONTEXT:])
@@ -55,7 +66,11 @@ class IncrementalDetokenizer:
         return self._text[: self._sent]
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        if not ids:
+            return ""
+        if self._fast is not None:
+            return self._fast(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _step(self, final: bool) -> None:
         """Decode the window; append the new tokens' text unless it is unsettled (and not final)."""
