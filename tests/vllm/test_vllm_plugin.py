@@ -1,25 +1,54 @@
-"""The vLLM plug-in prototype (``oscarkv.vllm_plugin``, docs/vllm.md).
+"""The vLLM plug-in (``oscarkv.vllm_plugin``, docs/vllm.md).
 
-The options and layout tests run anywhere. The end-to-end test needs vLLM's CPU build
-(``pip install -e ".[vllm]"`` in its own virtualenv, docs/vllm.md) and the shared reference
-model; it is skipped without them and takes about a minute on two cores.
+The options and layout tests run anywhere. The others need vLLM's CPU build in its own
+virtualenv (docs/vllm.md) and the shared 30M reference model, and are skipped without them.
+vLLM starts its workers with ``spawn`` and a failed start kills its engine process, so every
+engine runs in a subprocess (``run_vllm.py``, ``start_fail.py``, the OpenAI server); one engine
+per configuration, shared through module-scoped fixtures. About 4 minutes on two cores.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from oscarkv.errors import InputError
-from oscarkv.vllm_plugin.layout import hp_token_bytes, int2_token_bytes, page_rows, write_rows
+from conftest import SHARED_DIR, random_orthogonal, random_rotation_set, tiny_lm_config
+from oscarkv.config import QuantSpec
+from oscarkv.errors import InputError, OscarkvError
+from oscarkv.rotation import LayerRotation, RotationSet, save_rotations
+from oscarkv.vllm_plugin.checks import store_capacity
+from oscarkv.vllm_plugin.layout import flat_rows, hp_token_bytes, int2_token_bytes, page_rows, write_rows
 from oscarkv.vllm_plugin.options import PluginOptions
 
 HERE = Path(__file__).resolve().parent
+SPEC = QuantSpec(sink_tokens=16, recent_tokens=32, demote_block=8)  # small windows: INT2 early
+MAX_TOKENS = 40
+
+
+def _have_vllm() -> bool:
+    # not "vllm": with tests/ on sys.path this folder is itself a namespace package of that name
+    try:
+        import vllm.entrypoints  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+VLLM = pytest.mark.skipif(not _have_vllm(), reason="needs vLLM (the CPU build, docs/vllm.md)")
+
+
+# ---- anywhere ------------------------------------------------------------------------------
 
 
 def test_options_opt_in_only() -> None:
@@ -27,14 +56,15 @@ def test_options_opt_in_only() -> None:
     assert PluginOptions.from_additional_config({"other": 1}) is None
     assert PluginOptions.from_additional_config({"oscarkv": {}}) == PluginOptions()
     assert PluginOptions.from_additional_config({"oscarkv": True}).kv_dtype == "bf16"
+    assert PluginOptions.from_additional_config({"oscarkv": {"kv_dtype": "int2"}}).rotations is None
 
 
 @pytest.mark.parametrize(
     ("raw", "words"),
     [
-        ({"kv_dtype": "int2"}, "not implemented under vLLM"),
         ({"kv_dtype": "fp8"}, "kv_dtype must be one of"),
         ({"rotation": "x"}, "unknown option"),
+        ({"kv_dtype": "bf16", "rotations": "x"}, "uses no rotations"),
         ("bf16", "must be a dict"),
     ],
 )
@@ -63,47 +93,280 @@ def test_pages_round_trip_and_padding() -> None:
         page_rows(torch.zeros(nb, h, bs, 2 * d), h, d)
 
 
-def _run(model: Path, out: Path, *flags: str) -> tuple[dict, str]:
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "run_vllm.py"), str(model), str(out), *flags],
-        capture_output=True,
-        text=True,
-        timeout=600,
+def test_flat_rows_skip_other_layers_pages() -> None:
+    # two layers' pages interleaved block by block, as vLLM may lay them out
+    raw = torch.arange(3 * 2 * 4 * 6, dtype=torch.uint8).view(3, 2, 4, 6)
+    layer1 = raw[:, 1:2]  # [blocks, 1, bs, C], block stride 2 pages
+    rows, rpb = flat_rows(layer1)
+    assert rpb == 8 and torch.equal(rows[2 * rpb + 3], layer1[2, 0, 3])
+
+
+# ---- vLLM ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    if not _have_vllm():
+        pytest.skip("needs vLLM (the CPU build, docs/vllm.md)")
+    if not SHARED_DIR.is_dir():
+        pytest.skip(f"needs the shared directory {SHARED_DIR}")
+    return SHARED_DIR / "models" / "oscar-ref-qwen3-30m"
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm")
+
+
+@pytest.fixture(scope="module")
+def artifact(work: Path) -> Path:
+    return save_rotations(random_rotation_set(8, 128, SPEC), work / "rot").parent
+
+
+def _run_vllm(work: Path, name: str, job: dict) -> tuple[dict, str]:
+    (work / f"{name}.job.json").write_text(json.dumps(job))
+    cmd = [
+        sys.executable,
+        str(HERE / "run_vllm.py"),
+        str(work / f"{name}.job.json"),
+        str(work / f"{name}.json"),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    return json.loads((work / f"{name}.json").read_text()), log
+
+
+def _int2_config(rot: Path | str) -> dict:
+    return {"oscarkv": {"kv_dtype": "int2", "rotations": str(rot)}}
+
+
+def _prompts() -> list[list[list[int]]]:
+    """Token-id prompts: three short ones prefilled together in one 64-token step, their
+    decodes demoting as they go; then one of 150 tokens alone, in chunks of 64, 64 and 22."""
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(10, 8000, (n,), generator=g).tolist() for n in (12, 20, 25, 150)]
+    return [ids[:3], ids[3:]]
+
+
+@pytest.fixture(scope="module")
+def int2_run(model: Path, work: Path, artifact: Path) -> tuple[dict, str]:
+    llm = {
+        "dtype": "float32",  # our engine runs fp32 on CPU: same dtype, same rounding
+        "enable_prefix_caching": False,
+        "max_num_batched_tokens": 64,
+        "max_num_seqs": 8,
+        "additional_config": _int2_config(artifact),
+    }
+    return _run_vllm(
+        work, "int2", {"model": str(model), "llm": llm, "max_tokens": MAX_TOKENS, "batches": _prompts()}
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text()), proc.stdout + proc.stderr
 
 
+@VLLM
 @pytest.mark.shared
 @pytest.mark.slow
-def test_passthrough_matches_vllm_greedy(shared_dir: Path, tmp_path: Path) -> None:
-    # not "vllm": with tests/ on sys.path this folder is itself a namespace package of that name
-    pytest.importorskip("vllm.entrypoints", reason="needs vLLM (the CPU build, docs/vllm.md)")
-    model = shared_dir / "models" / "oscar-ref-qwen3-30m"
-    plain, plain_log = _run(model, tmp_path / "plain.json")
-    ours, log = _run(model, tmp_path / "ours.json", "--oscarkv", "--chunk", "64", "--hp-store")
+def test_int2_matches_our_engine(model: Path, artifact: Path, int2_run: tuple[dict, str]) -> None:
+    from oscarkv import LLM, SamplingParams
+
+    res, log = int2_run
+    assert "oscarkv: KV pages hold INT2 rows (144 bytes per token per layer)" in log
+    kw = {"device": "cpu", "page_tokens": 16, "max_batched_tokens": 64, "prefix_cache": False}
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    ours = LLM(str(model), rotations=str(artifact), absorb_v=False, **kw)  # vLLM rotates V on write
+    want = [[o.token_ids for o in ours.generate(b, sp)] for b in _prompts()]
+    assert res["tokens"] == want
+    bf16 = LLM(str(model), kv_dtype="bf16", **kw)
+    plain = [[o.token_ids for o in bf16.generate(b, sp)] for b in _prompts()]
+    assert plain != want  # the INT2 tier really changed something
+
+
+@VLLM
+@pytest.mark.shared
+@pytest.mark.slow
+def test_passthrough_matches_vllm_greedy(model: Path, work: Path) -> None:
+    long = "import json\n\n" + "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(40))
+    batches = [
+        ["def add(a, b):", "import os\nimport sys\n\ndef main():", "class Stack:\n    def __init__(self):"],
+        [long, long + "def g("],  # the second hits the first's cached prefix
+        [long],  # a full repeat
+    ]
+    job = {"model": str(model), "llm": {"dtype": "bfloat16"}, "max_tokens": 32, "batches": batches}
+    plain, plain_log = _run_vllm(work, "plain", job)
+    job["llm"] |= {"max_num_batched_tokens": 64, "additional_config": {"oscarkv": {"kv_dtype": "bf16"}}}
+    ours, log = _run_vllm(work, "bf16", job)
     assert "oscarkv:" not in plain_log  # installed but not opted in: vLLM's own attention
     assert "oscarkv: KV pages in the oscarkv 16-bit passthrough layout" in log
-    assert "oscarkv: 16-bit store" in log  # the per-request store was allocated and addressed
     assert ours["prefix_cache"].get("vllm:prefix_cache_hits", 0) > 0  # the cached-prefix path ran
     assert ours["tokens"] == plain["tokens"]
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@VLLM
+@pytest.mark.shared
+@pytest.mark.slow
+def test_openai_server_answers_with_int2(model: Path, work: Path, artifact: Path) -> None:
+    import openai
+
+    port, log = _free_port(), work / "server.log"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager",
+           "--no-enable-prefix-caching", "--max-model-len", "1024", "--kv-cache-memory-bytes", str(64 * 2**20),
+           "--additional-config", json.dumps(_int2_config(artifact))]  # fmt: skip
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        deadline = time.time() + 180
+        while True:
+            assert proc.poll() is None, log.read_text()[-4000:]
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                assert time.time() < deadline, "the server did not come up in 180 s"
+                time.sleep(1)
+        out = client.completions.create(
+            model=str(model), prompt="def add(a, b):", max_tokens=8, temperature=0
+        )
+        assert out.choices[0].text and out.usage.completion_tokens == 8
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert "oscarkv: KV pages hold INT2 rows" in log.read_text()
+
+
+def _fake_vllm_config(model_dir: Path, rot: Path | None, **over: object) -> SimpleNamespace:
+    """The parts of a ``VllmConfig`` that :mod:`oscarkv.vllm_plugin.checks` reads (the 30M
+    reference model's shape: 8 layers, 2 KV heads, head_dim 128)."""
+    hf = tiny_lm_config("qwen3", vocab=100, layers=8, heads=4, kv_heads=2, head_dim=128)
+    for k in ("sliding_window", "use_sliding_window"):
+        if k in over:
+            setattr(hf, k, over.pop(k))
+    mc = SimpleNamespace(model=str(model_dir), hf_text_config=hf, use_mla=over.pop("use_mla", False),
+                         is_encoder_decoder=over.pop("is_encoder_decoder", False),
+                         get_total_num_kv_heads=lambda: 2, get_head_size=lambda: 128)  # fmt: skip
+    cc = SimpleNamespace(
+        cache_dtype=over.pop("cache_dtype", "auto"), enable_prefix_caching=over.pop("prefix", False)
+    )
+    cfg = SimpleNamespace(model_config=mc, cache_config=cc, speculative_config=None,
+                          parallel_config=SimpleNamespace(tensor_parallel_size=over.pop("tp", 1)))  # fmt: skip
+    cfg.opts = PluginOptions("int2", None if rot is None else str(rot))
+    assert not over
+    return cfg
+
+
+def _kv_head_artifact(path: Path, heads: int) -> Path:
+    g = torch.Generator().manual_seed(3)
+
+    def rot() -> torch.Tensor:
+        return torch.stack([random_orthogonal(128, g) for _ in range(heads)])
+
+    layers = {
+        i: LayerRotation(rot(), rot(), torch.ones(heads, 128), torch.ones(heads, 128)) for i in range(8)
+    }
+    return save_rotations(RotationSet(layers, SPEC, granularity="kv_head"), path)
+
+
+def test_bad_configurations_are_refused(tmp_path: Path) -> None:
+    """Every start-up check of :mod:`~oscarkv.vllm_plugin.checks`, on a stand-in config (fast;
+    :func:`test_bad_configuration_stops_vllm` shows one reaching the user through vLLM)."""
+    from oscarkv.vllm_plugin.checks import check_model, int2_setup
+
+    good = save_rotations(random_rotation_set(8, 128, SPEC), tmp_path / "good")
+    cases = {
+        "no rotations": (_fake_vllm_config(tmp_path, None), "needs rotations"),
+        "missing": (_fake_vllm_config(tmp_path, tmp_path / "nowhere"), "no such file or directory"),
+        "head_dim": (
+            _fake_vllm_config(tmp_path, save_rotations(random_rotation_set(8, 64, SPEC), tmp_path / "hd")),
+            "head_dim does not match the model",
+        ),
+        "kv heads": (
+            _fake_vllm_config(tmp_path, _kv_head_artifact(tmp_path / "kvh", 3)),
+            "KV head count does not match the model",
+        ),
+        "layers": (
+            _fake_vllm_config(tmp_path, save_rotations(random_rotation_set(4, 128, SPEC), tmp_path / "ly")),
+            "layer ids do not match the model",
+        ),
+        "prefix caching": (_fake_vllm_config(tmp_path, good, prefix=True), "--no-enable-prefix-caching"),
+        "sliding": (
+            _fake_vllm_config(tmp_path, good, sliding_window=64, use_sliding_window=True),
+            "sliding-window",
+        ),
+        "mla": (_fake_vllm_config(tmp_path, good, use_mla=True), "(MLA)"),
+        "enc-dec": (_fake_vllm_config(tmp_path, good, is_encoder_decoder=True), "encoder-decoder"),
+        "fp8": (_fake_vllm_config(tmp_path, good, cache_dtype="fp8"), "--kv-cache-dtype fp8"),
+        "tp": (_fake_vllm_config(tmp_path, good, tp=2), "tensor_parallel_size=1"),
+    }
+    for name, (cfg, words) in cases.items():
+        with pytest.raises(OscarkvError) as e:
+            check_model(cfg, cfg.opts)
+            int2_setup(cfg, cfg.opts)
+        assert words in str(e.value), (name, str(e.value))
+    cfg = _fake_vllm_config(tmp_path, good)
+    check_model(cfg, cfg.opts)
+    assert int2_setup(cfg, cfg.opts).row_bytes == 144
+    shutil.copy(good, tmp_path / "rotations.safetensors")  # the artifact next to the model
+    cfg = _fake_vllm_config(tmp_path, None)
+    assert int2_setup(cfg, cfg.opts).spec == SPEC
+
+
+@VLLM
+@pytest.mark.shared
+@pytest.mark.slow
+def test_bad_configuration_stops_vllm(model: Path, work: Path, artifact: Path) -> None:
+    """A refused configuration stops vLLM's start with our message in its output (the worker's
+    log, above "Engine core initialization failed")."""
+    cases = {
+        "prefix_cache": ({"additional_config": _int2_config(artifact)}, "--no-enable-prefix-caching"),
+        "kv_heads": (
+            {
+                "additional_config": _int2_config(_kv_head_artifact(work / "kvh", 3)),
+                "enable_prefix_caching": False,
+            },
+            "KV head count does not match the model",
+        ),
+    }
+    spec = {n: {"model": str(model), "llm": llm} for n, (llm, _) in cases.items()}
+    (work / "cases.json").write_text(json.dumps(spec))
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "start_fail.py"), str(work / "cases.json")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
+    )  # fmt: skip
+    log = proc.stdout
+    assert proc.returncode == 0, log[-4000:]
+    for name, (_, words) in cases.items():
+        part = log.split(f"@@case {name}\n", 1)[1].split(f"@@end {name} ", 1)
+        assert part[1].startswith("failed"), f"{name} started"
+        assert words in part[0], f"{name}: {words!r} not in\n{part[0][-3000:]}"
+
+
+@VLLM
 def test_int2_pages_fit_vllms_allocator() -> None:
     """vLLM's own spec classes size an INT2 page from what the backend publishes, and unify it
-    with the per-request 16-bit store (docs/vllm.md, 'What the INT2 path needs')."""
-    pytest.importorskip("vllm.entrypoints", reason="needs vLLM (the CPU build, docs/vllm.md)")
+    with the per-request 16-bit store without padding (:func:`store_capacity`)."""
     from dataclasses import replace
 
     from vllm.v1.core.kv_cache_utils import unify_kv_cache_spec_page_size
     from vllm.v1.kv_cache_interface import CircularBufferSpec, FullAttentionSpec
 
-    h, d = 2, 128  # the 30M reference model
-    int2 = FullAttentionSpec(block_size=64, num_kv_heads=h, head_size=d, dtype=torch.uint8)
-    int2 = replace(int2, num_head_slots=1, state_content_bytes=int2_token_bytes(h, d))
-    assert int2.page_size_bytes == 64 * 144
-    # 16-bit rows cost 64/9 of an INT2 row at d = 128: a capacity of 9*37 = 333 >= 64 + 263 tokens
-    store = CircularBufferSpec(block_size=333, num_kv_heads=h, head_size=d, dtype=torch.bfloat16)
-    out = unify_kv_cache_spec_page_size({"attn": int2, "attn.oscarkv_hp": store})
-    assert out["attn"].page_size_bytes == out["attn.oscarkv_hp"].page_size_bytes == 333 * 1024
-    assert out["attn"].block_size == 64 * 37 and out["attn"].page_size_padded is None
+    h, d, bs = 2, 128, 128  # the 30M reference model, vLLM's CPU block size
+    for dtype, hp_row in ((torch.bfloat16, 1024), (torch.float32, 2048)):
+        int2 = FullAttentionSpec(block_size=bs, num_kv_heads=h, head_size=d, dtype=torch.uint8)
+        int2 = replace(int2, num_head_slots=1, state_content_bytes=int2_token_bytes(h, d))
+        cap = store_capacity(16 + 39, bs * 144, hp_row)
+        store = CircularBufferSpec(block_size=cap, num_kv_heads=h, head_size=d, dtype=dtype)
+        store = replace(store, num_head_slots=1, state_content_bytes=hp_row)
+        out = unify_kv_cache_spec_page_size({"attn": int2, "attn.oscarkv_hp": store})
+        assert out["attn"].page_size_bytes == out["attn.oscarkv_hp"].page_size_bytes == cap * hp_row
+        assert out["attn"].page_size_padded is None and cap >= 55

@@ -147,7 +147,8 @@ def budget_bytes(cfg: EngineConfig, device: torch.device | str, reserve: int = 0
 
 @dataclass(frozen=True)
 class LayerViews:
-    """One layer's pool views (satisfies ``kernels.pool_ops.FlatPools``); all contiguous.
+    """One layer's pool views (satisfies ``kernels.pool_ops.FlatPools``); contiguous in the engine
+    (the vLLM plug-in's are strided views of vLLM's pages).
 
     ``k_codes/v_codes`` uint8 ``[Nq, Hkv, packed]``, ``k_meta/v_meta`` ``[Nq, Hkv, G, 2]``,
     ``hp_k/hp_v`` ``[Nh, Hkv, d]`` in the model dtype.

@@ -1,11 +1,11 @@
-"""oscarkv as a vLLM plug-in (no fork): prototype, 16-bit passthrough only.
+"""oscarkv as a vLLM plug-in (no fork): our INT2 KV cache (or 16-bit passthrough) inside vLLM.
 
 vLLM loads :func:`register` in every process through the ``vllm.general_plugins`` entry point
 (``pyproject.toml``). It points vLLM's CPU attention backend at ours
 (:mod:`oscarkv.vllm_plugin.backend`). Nothing changes until a run opts in with
 ``additional_config={"oscarkv": {...}}`` (``--additional-config`` on ``vllm serve``); without
-it every layer runs vLLM's own CPU attention unchanged. Design, limits and what the INT2 path
-still needs: ``docs/vllm.md``.
+it every layer runs vLLM's own CPU attention unchanged. Design, what is tested and the limits:
+``docs/vllm.md``.
 
 This package imports vLLM lazily: ``import oscarkv`` never imports it.
 """

@@ -2,34 +2,47 @@
 has pointed ``CPU_ATTN`` here.
 
 Without ``additional_config["oscarkv"]`` every method defers to vLLM's ``CPU_ATTN`` classes, so
-an install of ``oscarkv[vllm]`` changes nothing by itself. With it (``kv_dtype="bf16"``), the
-layer's KV pages hold our token-major 16-bit rows (:mod:`.layout`): writes go through
-``do_kv_cache_update`` (vLLM's slot mapping), reads gather each request's rows through its block
-table and run our torch reference ``prefill_attention`` (``kernels/ref``), which also serves
-decode (one query row over the cached prefix).
+an install of ``oscarkv[vllm]`` changes nothing by itself. With it:
+
+* ``kv_dtype="bf16"``: the layer's KV pages hold our token-major 16-bit rows (:mod:`.layout`),
+  written through vLLM's slot mapping and read through its block tables by our torch reference
+  ``prefill_attention`` (``kernels/ref``), which also serves decode;
+* ``kv_dtype="int2"``: the pages hold INT2 rows by position, a companion store
+  (:mod:`.hp_store`) holds each request's 16-bit sink and ring, and :mod:`.int2_attn` runs our
+  engine's attention over both.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from vllm.config import get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
-from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backend import AttentionMetadataBuilder, AttentionType, CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
     CPUAttentionMetadata,
+    CPUAttentionMetadataBuilder,
 )
 
 from ..errors import InputError
 from ..kernels.ref import prefill_attention
+from .checks import Int2Setup, check_model, int2_setup
 from .layout import hp_token_bytes, page_rows, write_rows
 from .options import PluginOptions
 
-__all__ = ["OscarCPUAttentionBackend", "OscarCPUAttentionImpl", "enabled_options"]
+__all__ = [
+    "Int2Metadata",
+    "OscarCPUAttentionBackend",
+    "OscarCPUAttentionImpl",
+    "OscarMetadataBuilder",
+    "enabled_options",
+    "int2_state",
+]
 
 logger = init_logger("vllm.plugins.oscarkv")  # under "vllm" so that vLLM's log handler prints it
 
@@ -37,14 +50,61 @@ logger = init_logger("vllm.plugins.oscarkv")  # under "vllm" so that vLLM's log 
 # for the KV spec, in the same worker process); ``customize_spec`` is a classmethod with no
 # config argument, so it reads the decision from here. One decision per process: two engines
 # with different options in one process (in-process mode) are not supported.
-_OPTIONS: dict[str, PluginOptions | None] = {}
+_STATE: dict[str, Any] = {}
 
 
 def enabled_options() -> PluginOptions | None:
-    """This process's plug-in options, or ``None`` when the run did not opt in."""
-    if "opts" not in _OPTIONS:
-        _OPTIONS["opts"] = PluginOptions.from_additional_config(get_current_vllm_config().additional_config)
-    return _OPTIONS["opts"]
+    """This process's plug-in options (validated against the model), or ``None`` without opt-in."""
+    if "opts" not in _STATE:
+        cfg = get_current_vllm_config()
+        opts = PluginOptions.from_additional_config(cfg.additional_config)
+        if opts is not None:
+            check_model(cfg, opts)
+            if opts.kv_dtype == "int2":
+                _STATE["int2"] = int2_setup(cfg, opts)
+        _STATE["opts"] = opts
+    return _STATE["opts"]
+
+
+def int2_state() -> Int2Setup | None:
+    """This process's INT2 setup (after :func:`enabled_options`), or ``None``."""
+    return _STATE.get("int2")
+
+
+@dataclass
+class Int2Metadata:
+    """What the INT2 path reads per step (host copies: it plans on the host)."""
+
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    is_prefilling: list[bool]
+    block_table: torch.Tensor  # [reqs, max_blocks]
+
+
+class OscarMetadataBuilder(CPUAttentionMetadataBuilder):
+    """vLLM's CPU builder, or in INT2 mode a plain one that also passes ``is_prefilling``."""
+
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: Any) -> None:
+        self.int2 = int2_state() is not None
+        if self.int2:
+            AttentionMetadataBuilder.__init__(self, kv_cache_spec, layer_names, vllm_config, device)
+        else:
+            super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> Any:
+        if not self.int2:
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        m, n = common_attn_metadata, common_attn_metadata.num_reqs
+        if m.is_prefilling is None:
+            raise RuntimeError("oscarkv: this vLLM build passes no is_prefilling to attention builders")
+        return Int2Metadata(
+            m.query_start_loc_cpu[: n + 1].tolist(),
+            m.seq_lens[:n].tolist(),
+            m.is_prefilling[:n].tolist(),
+            m.block_table_tensor[:n],
+        )
 
 
 class OscarCPUAttentionBackend(CPUAttentionBackend):
@@ -55,38 +115,42 @@ class OscarCPUAttentionBackend(CPUAttentionBackend):
     def get_impl_cls() -> type[OscarCPUAttentionImpl]:
         return OscarCPUAttentionImpl
 
+    @staticmethod
+    def get_builder_cls() -> type[OscarMetadataBuilder]:
+        return OscarMetadataBuilder
+
     @classmethod
     def customize_spec(cls, spec: Any) -> Any:
-        """Enabled: one head slot per token whose content is our 16-bit row pair (same bytes as
-        vLLM's layout, different order). Called by ``customize_attention_spec``
-        (``vllm/v1/worker/utils.py:476``) for every layer's ``AttentionSpec``."""
+        """Enabled: one head slot per token whose content is our row pair (16-bit, or INT2 rows
+        as uint8 bytes). Called by ``customize_attention_spec`` (``vllm/v1/worker/utils.py:476``)
+        for every layer's ``AttentionSpec``."""
         spec = super().customize_spec(spec)
-        if _OPTIONS.get("opts") is None or spec.state_content_bytes is not None:
+        if _STATE.get("opts") is None or spec.state_content_bytes is not None:
             return spec
-        from dataclasses import replace
-
-        elem = torch.tensor([], dtype=spec.dtype).element_size()
+        setup = int2_state()
+        if setup is not None:
+            logger.info_once(
+                "oscarkv: KV pages hold INT2 rows (%d bytes per token per layer)", setup.row_bytes
+            )
+            return replace(spec, dtype=torch.uint8, num_head_slots=1, state_content_bytes=setup.row_bytes)
         logger.info_once("oscarkv: KV pages in the oscarkv 16-bit passthrough layout")
-        return replace(
-            spec,
-            num_head_slots=1,
-            state_content_bytes=hp_token_bytes(spec.num_kv_heads, spec.head_size, elem),
-        )
+        row = hp_token_bytes(spec.num_kv_heads, spec.head_size, spec.dtype.itemsize)
+        return replace(spec, num_head_slots=1, state_content_bytes=row)
 
 
 class OscarCPUAttentionImpl(CPUAttentionBackendImpl):
-    """vLLM's CPU impl when disabled; ours (16-bit passthrough) when enabled."""
+    """vLLM's CPU impl when disabled; ours (passthrough or INT2) when enabled."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.opts = enabled_options()
-        self.hp_name: str | None = None  # the companion 16-bit store's layer name (hp_store)
+        self.int2: Any = None  # the layer's Int2Layer, built once its name is known
         if self.opts is None:
             return
         problems = []
         if self.attn_type != AttentionType.DECODER:
             problems.append(f"attention type {self.attn_type}")
-        if self.sliding_window != -1:
+        if self.sliding_window not in (-1, None):
             problems.append("sliding window")
         if self.alibi_slopes is not None:
             problems.append("ALiBi")
@@ -94,24 +158,20 @@ class OscarCPUAttentionImpl(CPUAttentionBackendImpl):
             problems.append("logit soft-capping")
         if self.sinks is not None:
             problems.append("learned attention sinks")
-        if self.kv_cache_dtype != "auto":
-            problems.append(f"--kv-cache-dtype {self.kv_cache_dtype} (use auto)")
         if problems:
             raise InputError(f"oscarkv under vLLM does not support: {', '.join(problems)}")
         logger.info_once("oscarkv: attention enabled with %s", self.opts)
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
-        """After the model is built and loaded, before vLLM collects KV specs: create this
-        layer's companion 16-bit store when asked (``hp_store``)."""
+        """After the model is loaded, before vLLM collects KV specs: in INT2 mode build the
+        layer's attention (rotations, formats) and its companion 16-bit store."""
         super().process_weights_after_loading(act_dtype)
-        if self.opts is None or not self.opts.hp_store or self.hp_name is not None:
+        setup = int2_state()
+        if setup is None or self.int2 is not None:
             return
-        from .hp_store import SUFFIX, HPStore
+        from .int2_layer import build_int2_layer
 
-        ctx = get_current_vllm_config().compilation_config.static_forward_context
-        name = next(n for n, m in ctx.items() if getattr(m, "impl", None) is self)
-        self.hp_name = name + SUFFIX
-        self._hp = HPStore(self.hp_name, self.num_kv_heads, self.head_size, act_dtype, self.opts.hp_capacity)
+        self.int2 = build_int2_layer(self, setup, act_dtype)
 
     def do_kv_cache_update(
         self,
@@ -123,8 +183,11 @@ class OscarCPUAttentionImpl(CPUAttentionBackendImpl):
     ) -> None:
         if self.opts is None:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        if self.int2 is not None:
+            return None  # INT2: forward writes, since where a token goes depends on its tier
         pages = page_rows(kv_cache, self.num_kv_heads, self.head_size)
         write_rows(pages, key, value, slot_mapping)
+        return None
 
     def forward(
         self,
@@ -133,7 +196,7 @@ class OscarCPUAttentionImpl(CPUAttentionBackendImpl):
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        attn_metadata: CPUAttentionMetadata | None,
+        attn_metadata: CPUAttentionMetadata | Int2Metadata | None,
         output: torch.Tensor,
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
@@ -146,10 +209,14 @@ class OscarCPUAttentionImpl(CPUAttentionBackendImpl):
             raise NotImplementedError("oscarkv: fused output quantization is not supported")
         if attn_metadata is None:  # profiling / warm-up run
             return output
+        if self.int2 is not None:
+            store = get_forward_context().attn_metadata[self.int2.store.prefix]
+            return self.int2.forward(query, key, value, kv_cache, attn_metadata, store.block_table, output)
+        return self._passthrough(query, key, value, kv_cache, attn_metadata, output)
+
+    def _passthrough(self, query, key, value, kv_cache, attn_metadata, output) -> torch.Tensor:
         pages = page_rows(kv_cache, self.num_kv_heads, self.head_size)
         bs = pages.shape[1]
-        if self.hp_name is not None:
-            self._check_hp_store(len(attn_metadata.seq_lens))
         starts = attn_metadata.query_start_loc.tolist()
         seq_lens = attn_metadata.seq_lens.tolist()
         for i, seq_len in enumerate(seq_lens):
@@ -164,17 +231,3 @@ class OscarCPUAttentionImpl(CPUAttentionBackendImpl):
                 query[a:b], rows[:, 0], rows[:, 1], key[a:b], value[a:b], self.scale
             ).to(output.dtype)
         return output
-
-    def _check_hp_store(self, num_reqs: int) -> None:
-        """Prototype check: the companion store has one distinct block per batch row."""
-        meta = get_forward_context().attn_metadata[self.hp_name]
-        blocks = meta.block_table[:num_reqs, 0].tolist()
-        if len(set(blocks)) != len(blocks):
-            raise RuntimeError(f"oscarkv: 16-bit store blocks shared between requests: {blocks}")
-        if num_reqs > 1:
-            logger.info_once(
-                "oscarkv: 16-bit store %s, blocks of a %d-request batch: %s",
-                str(tuple(self._hp.kv_cache.shape)),
-                num_reqs,
-                str(blocks),
-            )

@@ -7,15 +7,14 @@ with a ``CircularBufferSpec`` (one block per request for the request's lifetime,
 caching; ``vllm/v1/kv_cache_interface.py:909``, manager at
 ``vllm/v1/core/single_type_kv_cache_manager.py:1173``; in-tree user:
 ``vllm/models/deepseek_v41/compressor.py:139``). One :class:`HPStore` per attention layer
-gives that layer a ``[blocks, H_kv, capacity, 2*d]`` 16-bit area; the layer's forward finds the
-request's block in ``attn_metadata[store_name].block_table[i, 0]``.
-
-Prototype status: allocated and addressed (``hp_store=True``), not yet written or read.
+gives that layer ``capacity`` token-major 16-bit rows ``[2 (K, V), H_kv, d]`` per request (one
+head slot per token, as the INT2 pages: ``[blocks, 1, capacity, 2*H*d]``); the layer's forward
+finds the request's block in ``attn_metadata[store_name].block_table[i, 0]``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -92,16 +91,18 @@ class HPStore(nn.Module, AttentionLayerBase):
         ctx[prefix] = self
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        self.kv_cache = kv_cache  # [blocks, H_kv, capacity, 2*d]
+        self.kv_cache = kv_cache  # [blocks, 1, capacity (or more), 2*H_kv*d]
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
         del vllm_config
-        return CircularBufferSpec(
+        spec = CircularBufferSpec(
             block_size=self.capacity,
             num_kv_heads=self.num_kv_heads,
             head_size=self.head_dim,
             dtype=self.dtype,
         )
+        row = 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return replace(spec, num_head_slots=1, state_content_bytes=row)
 
     def get_attn_backend(self) -> type[AttentionBackend]:
         return HPStoreBackend

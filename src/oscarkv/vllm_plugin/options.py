@@ -20,26 +20,21 @@ _KV_DTYPES = ("bf16", "int2")
 
 @dataclass(frozen=True)
 class PluginOptions:
-    """``kv_dtype``: ``"bf16"`` (16-bit passthrough in our page layout) or ``"int2"`` (not yet
-    implemented under vLLM); ``rotations``: the artifact directory (INT2 only); ``hp_store``:
-    also allocate the per-request 16-bit store of ``hp_capacity`` tokens per layer
-    (:mod:`.hp_store`; allocated and addressed, not yet used)."""
+    """``kv_dtype``: ``"bf16"`` (16-bit passthrough in our page layout) or ``"int2"`` (our
+    three-tier format); ``rotations``: the artifact (a directory or ``.safetensors`` file; INT2
+    only; default: a ``rotations.safetensors`` inside the model directory)."""
 
     kv_dtype: str = "bf16"
     rotations: str | None = None
-    hp_store: bool = False
-    hp_capacity: int = 384
 
     def __post_init__(self) -> None:
         if self.kv_dtype not in _KV_DTYPES:
             raise InputError(f"oscarkv: kv_dtype must be one of {_KV_DTYPES}, got {self.kv_dtype!r}")
-        if self.hp_capacity < 1:
-            raise InputError(f"oscarkv: hp_capacity must be positive, got {self.hp_capacity}")
-        if self.kv_dtype == "int2":
+        if self.rotations is not None and self.kv_dtype != "int2":
             raise InputError(
-                "oscarkv: kv_dtype='int2' is not implemented under vLLM yet; this prototype "
-                "supports kv_dtype='bf16' (16-bit passthrough) only",
-                hint="see docs/vllm.md, 'What the INT2 path needs'",
+                f"oscarkv: kv_dtype={self.kv_dtype!r} keeps every token in 16 bits and uses no "
+                f"rotations; got rotations={self.rotations!r}",
+                hint="drop 'rotations', or set kv_dtype='int2'",
             )
 
     @classmethod
@@ -52,7 +47,10 @@ class PluginOptions:
             raw = {}
         if not isinstance(raw, dict):
             raise InputError(f"oscarkv: additional_config['oscarkv'] must be a dict, got {raw!r}")
-        unknown = sorted(set(raw) - {"kv_dtype", "rotations", "hp_store", "hp_capacity"})
+        unknown = sorted(set(raw) - {"kv_dtype", "rotations"})
         if unknown:
-            raise InputError(f"oscarkv: unknown option(s) {unknown} in additional_config['oscarkv']")
+            raise InputError(
+                f"oscarkv: unknown option(s) {unknown} in additional_config['oscarkv']; "
+                "known: kv_dtype, rotations"
+            )
         return cls(**raw)
