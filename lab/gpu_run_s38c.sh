@@ -6,14 +6,14 @@
 set -u
 . lab/gpu_lib.sh
 step "engine gpu tests"
-timeout 200 python -m pytest -q -p no:cacheprovider tests/engine/test_engine_gpu.py tests/engine/test_plan_host.py 2>&1 | tail -4
+timeout 140 python -m pytest -q -p no:cacheprovider tests/engine/test_engine_gpu.py tests/engine/test_plan_host.py 2>&1 | tail -4
 B="python benchmarks/bench_engine.py --shape qwen3-8b --workload decode --gen-len 1024 --jobs 24 --kv-budget-gb 2.25"
 step "decode-heavy, host planner"
 timeout 150 $B --name bench_engine_qwen3-8b_decode_hostplan 2>&1 | grep -E "jobs/min|TPOT|decode-only step|int2 / bf16"
 sync_out
 step "decode-heavy, previous planner"
 ln -sfn $PWD/src/oscarkv/assets .gl/old/src/oscarkv/assets
-PYTHONPATH=$PWD/.gl/old/src timeout 150 $B --name bench_engine_qwen3-8b_decode_oldplan 2>&1 | grep -E "jobs/min|TPOT|decode-only step|int2 / bf16"
+PYTHONPATH=$PWD/.gl/old/src timeout 100 $B --kv-dtypes int2 --name bench_engine_qwen3-8b_decode_oldplan 2>&1 | grep -E "jobs/min|TPOT|decode-only step|int2 / bf16"
 sync_out
 [ -n "${PROFILE:-}" ] && { step "int2 profiled (24 x 1K+256)"
 timeout 100 python benchmarks/bench_engine.py --shape qwen3-8b --workload decode --gen-len 256 --jobs 24 --kv-budget-gb 2.25 \
