@@ -112,9 +112,10 @@ def generate_engine(args: argparse.Namespace, gen: Any) -> int:
     from ..engine.tokenizer import apply_chat
 
     t0 = time.perf_counter()
-    llm = LLM.from_config(cfg)
-    prompts = [apply_chat(llm.tokenizer, v) if k == "messages" else v for k, v in reqs]
-    outs = llm.generate(prompts, params)
+    with LLM.from_config(cfg) as llm:
+        prompts = [apply_chat(llm.tokenizer, v) if k == "messages" else v for k, v in reqs]
+        outs = llm.generate(prompts, params)
+        report = llm.engine.runner.startup_report()
     secs = time.perf_counter() - t0
     lines = [
         json.dumps(
@@ -136,6 +137,6 @@ def generate_engine(args: argparse.Namespace, gen: Any) -> int:
     n_out = sum(len(o.token_ids) for o in outs)
     Console(stderr=True).print(
         f"[dim]{len(outs)} requests, {n_out} tokens in {secs:.1f}s ({n_out / secs:.1f} tok/s incl. loading); "
-        f"{llm.engine.runner.startup_report()}" + (f"; wrote {args.out}" if args.out else "") + "[/]"
+        f"{report}" + (f"; wrote {args.out}" if args.out else "") + "[/]"
     )
     return 0

@@ -49,6 +49,9 @@ class EngineConfig:
     prefix_cache: bool = help_field("reuse full KV pages of identical prompt prefixes", default=True)
     absorb_v: bool = help_field("fold R_V into v_proj at load (int2)", default=True)
     decode_reserve_pages: int = help_field("pages kept free per running request at admission", default=1)
+    tensor_parallel: int = help_field(
+        "ranks (processes, one device each) the model is split over, on this host", default=1
+    )
     seed: int = help_field("seed for dummy weights and unseeded sampling", default=0)
     load_format: str = help_field("safetensors | dummy (random weights, speed runs)", default="safetensors")
     cuda_graphs: str = help_field(
@@ -83,6 +86,7 @@ class EngineConfig:
             ("max_running", 1),
             ("max_batched_tokens", 1),
             ("decode_reserve_pages", 0),
+            ("tensor_parallel", 1),
         ):
             v = getattr(self, name)
             if not is_int(v) or v < lo:

@@ -165,11 +165,13 @@ class DecodeStaging:
     in between already synchronised on its sampled tokens), so the wait costs nothing today; one
     pair would do the same, but two keep the host free to plan step N+1 while step N's copy is
     still queued if steps ever overlap. Elsewhere: fresh buffers, and the step's own as views.
+    ``pinned=False``: plain copies from the caller's host buffers (tensor-parallel workers, whose
+    steps arrive from rank 0).
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, pinned: bool = True):
         self.device = device
-        self.pinned = device.type == "cuda"
+        self.pinned = pinned and device.type == "cuda"
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._events: list[torch.cuda.Event] = []
         self._turn = 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import EngineConfig
 from .check import check
@@ -22,15 +22,26 @@ from .request import FinishReason, RequestOutput, SamplingParams, Sequence
 from .scheduler import Scheduler
 from .tokenizer import encode_prompt
 
+if TYPE_CHECKING:
+    from .distributed import Workers
+
 __all__ = ["Engine"]
 
 
 class Engine:
-    """One model on one device with its KV pools, scheduler and prefix cache."""
+    """One model on one device with its KV pools, scheduler and prefix cache; with
+    ``tensor_parallel = N > 1``, on N devices (N processes; this one is rank 0). Call
+    :meth:`shutdown` (or use it as a context manager) to stop the worker processes."""
 
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
-        self.runner = ModelRunner(cfg)
+        self.workers: Workers | None = None
+        if cfg.tensor_parallel > 1:
+            from .distributed import launch
+
+            self.runner, self.workers = launch(cfg)
+        else:
+            self.runner = ModelRunner(cfg)
         self.tokenizer = self.runner.tokenizer
         plan, spec = self.runner.plan, self.runner.spec
         self.hp = PagePool(plan.hp_pages)
@@ -80,12 +91,15 @@ class Engine:
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one batch; outputs for the requests that gained text or finished in it."""
+        """Run one batch; outputs for the requests that gained text or finished in it. Under
+        tensor parallelism, raises ``TensorParallelError`` once any rank has failed."""
+        if self.workers is not None:
+            self.workers.check()
         outs: list[RequestOutput] = [self._output(s, True) for s in self._drain_aborted()]
         batch = self.scheduler.schedule()
         if batch is None:
             return outs
-        toks = self.runner.run(batch)
+        toks = self.runner.run(batch) if self.workers is None else self._run_parallel(batch)
         finished = {s.rid: s for s in self.scheduler.postprocess(batch, toks)}
         self.stats["steps"] += 1
         key = "decode_tokens" if batch.is_decode else "prefill_tokens"
@@ -107,6 +121,28 @@ class Engine:
         if self.cfg.check_invariants:
             check(self.scheduler)
         return outs
+
+    def _run_parallel(self, batch: Any) -> list[int | None]:
+        """``runner.run`` with every rank alive; any failure stops all ranks and raises."""
+        assert self.workers is not None
+        try:
+            return self.runner.run(batch)
+        except BaseException as e:
+            err = self.workers.fail(e)
+            if err is e:
+                raise
+            raise err from e
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do with one rank); idempotent."""
+        if self.workers is not None:
+            self.workers.shutdown()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def _drain_aborted(self) -> list[Sequence]:
         out, self._aborted = self._aborted, []

@@ -14,7 +14,8 @@ __all__ = ["LLM"]
 
 
 class LLM:
-    """``LLM(model_dir, rotations=DIR, kv_dtype="int2", **EngineConfig fields)``.
+    """``LLM(model_dir, rotations=DIR, kv_dtype="int2", **EngineConfig fields)``, e.g.
+    ``tensor_parallel=2`` (then ``shutdown()`` it, or use ``with LLM(...) as llm:``).
 
     ``generate(prompts, params)`` returns one :class:`RequestOutput` per prompt, in order;
     prompts are strings or token-id lists. ``chat(conversations, params)`` renders each message
@@ -83,3 +84,13 @@ class LLM:
 
     def memory_report(self) -> dict[str, Any]:
         return self.engine.memory_report()
+
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel workers (a no-op with one rank)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -4,12 +4,19 @@ step of it: plan the batch's slots, run the forward, sample.
 Built from an :class:`~oscarkv.config.EngineConfig`: the rotations are loaded and checked
 against the model's config, ``R_V`` is folded into ``v_proj`` at load (``absorb_v``), the pools
 take the KV budget, and the kernels are resolved once (the torch reference on CPU).
+
+Under tensor parallelism (``comm``) every rank builds one with its shard of the weights, its
+KV heads' pools and rotations; rank 0 (``publish`` set) plans each step and publishes it as a
+:class:`StepMsg`, the other ranks :meth:`ModelRunner.execute` it (``engine/distributed.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,18 +27,21 @@ from ..errors import InputError
 from ..kernels import resolve
 from ..kernels.devices import resolve_device
 from ..quant import RowFormat
-from ..rotation import LayerShift, RotationSet, load_rotations
+from ..rotation import LayerRotation, LayerShift, RotationSet, load_rotations
 from .attention import EngineAttention
-from .decode_buffers import DecodeStaging
+from .csr import Csr
+from .decode_buffers import DecodeStaging, HostDecode
 from .graphs import DecodeGraphs, batch_bucket, len_bucket
 from .kv_pool import KVPool, budget_bytes, plan_pools
 from .models import load_decoder
-from .planner import DecodeTensors, plan_decode_host, plan_prefill
+from .models.loader import kv_head_slice
+from .models.parallel import Comm
+from .planner import DecodeTensors, PrefillTensors, plan_decode_host, plan_prefill
 from .request import Batch, SamplingParams
 from .sampler import make_generator, sample
 from .tokenizer import load_tokenizer
 
-__all__ = ["ModelRunner"]
+__all__ = ["ModelRunner", "StepMsg"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -43,11 +53,57 @@ def _config_dict(model_dir: str) -> dict[str, Any]:
     return json.loads(p.read_text(encoding="utf-8"))
 
 
-class ModelRunner:
-    """Loads everything one engine needs and runs its steps (one process, one device)."""
+@dataclass(frozen=True)
+class StepMsg:
+    """One step's host plan as rank 0 sends it to the other ranks: a decode (``decode``, with
+    ``n`` real rows) or a prefill (``ids`` int64 ``[T]`` and ``prefill``, both on the CPU)."""
 
-    def __init__(self, cfg: EngineConfig):
+    n: int = 0
+    decode: HostDecode | None = None
+    ids: torch.Tensor | None = None
+    prefill: PrefillTensors | None = None
+
+
+def _prefill_to(p: PrefillTensors, device: torch.device) -> PrefillTensors:
+    """``p`` with every tensor on ``device``."""
+    if device.type == "cpu":
+        return p
+
+    def move(v: object) -> object:
+        if isinstance(v, torch.Tensor):
+            return v.to(device, non_blocking=True)
+        if isinstance(v, Csr):
+            return Csr(v.indptr.to(device, non_blocking=True), v.indices.to(device, non_blocking=True),
+                       v.indptr_host)  # fmt: skip
+        return v
+
+    return PrefillTensors(**{f.name: move(getattr(p, f.name)) for f in dataclasses.fields(p)})
+
+
+def _rank_rotation(lr: LayerRotation, tp: int, rank: int) -> LayerRotation:
+    """``lr`` for one rank's KV heads: per-KV-head rotations and the offsets sliced; per-layer
+    ``[d, d]`` rotations whole."""
+
+    def cut(t: torch.Tensor | None, per_head: bool) -> torch.Tensor | None:
+        return t if t is None or not per_head else kv_head_slice(t, tp, rank)
+
+    return dataclasses.replace(
+        lr, k=cut(lr.k, lr.k.dim() == 3), v=cut(lr.v, lr.v.dim() == 3),
+        k_offset=cut(lr.k_offset, True), v_offset=cut(lr.v_offset, True),
+    )  # fmt: skip
+
+
+class ModelRunner:
+    """Loads everything one engine needs and runs its steps (one process, one device; under
+    tensor parallelism, one rank: ``comm``, and ``publish`` on rank 0)."""
+
+    def __init__(
+        self, cfg: EngineConfig, comm: Comm | None = None, publish: Callable[[StepMsg], None] | None = None
+    ):
         self.cfg = cfg
+        self.comm, self.publish = comm, publish
+        tp, rank = (1, 0) if comm is None else (comm.world, comm.rank)
+        self.tp = tp
         self.device = torch.device(resolve_device(cfg.device))
         dt = cfg.dtype if cfg.dtype != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
         self.dtype = _DTYPES[dt]
@@ -71,6 +127,7 @@ class ModelRunner:
             load_format=cfg.load_format,
             seed=cfg.seed,
             ops=self.ops,
+            comm=comm,
         )
         self.tokenizer = load_tokenizer(cfg.model)
         s = self.shape
@@ -80,17 +137,20 @@ class ModelRunner:
             self._profile_prefill() if cfg.kv_budget_gb is None and self.device.type == "cuda" else 0
         )
         budget = budget_bytes(cfg, self.device, reserve=self.activation_peak)
+        if comm is not None:  # the budget is per rank; every rank must plan the same page counts
+            budget = comm.min_int(budget, self.device)
+        kv_heads = s.num_kv_heads // tp
         self.plan = plan_pools(
             cfg,
             self.spec if fmts else None,
             s.num_layers,
-            s.num_kv_heads,
+            kv_heads,
             s.head_dim,
             self.dtype,
             budget,
             fmts,
         )
-        self.pool = KVPool(self.plan, s.num_layers, s.num_kv_heads, s.head_dim, self.dtype, fmts, self.device)
+        self.pool = KVPool(self.plan, s.num_layers, kv_heads, s.head_dim, self.dtype, fmts, self.device)
         scale = s.head_dim**-0.5
         self.attn = []
         for i in range(s.num_layers):
@@ -98,8 +158,10 @@ class ModelRunner:
             r_k = r_vv = shift = None
             if self.rotations is not None:
                 lr = self.rotations.layers[i]
+                if tp > 1:
+                    lr = _rank_rotation(lr, tp, rank)
                 r_k, r_vv = lr.k.to(self.device, torch.float32), lr.v.to(self.device, torch.float32)
-                shift = LayerShift.build(lr, s.num_heads, absorb, self.device, self.dtype)
+                shift = LayerShift.build(lr, s.num_heads // tp, absorb, self.device, self.dtype)
             self.attn.append(
                 EngineAttention(i, r_k, r_vv, kf, vf, self.ops, scale, values_prerotated=absorb, shift=shift)
             )
@@ -107,7 +169,7 @@ class ModelRunner:
         self.fingerprint = self._fingerprint(config)
         # on CUDA decode steps are padded and bucketed, so eager and graph steps run the same plans
         self.pad_decode = self.device.type == "cuda"
-        self.staging = DecodeStaging(self.device)
+        self.staging = DecodeStaging(self.device, pinned=rank == 0)
         self.graphs = self._graphs()
 
     @torch.inference_mode()
@@ -152,9 +214,10 @@ class ModelRunner:
             tiers = f"{plan.hp_pages - 1} 16-bit pages ({(plan.hp_pages - 1) * ps} tokens)"
         peak = f", prefill peak {self.activation_peak / gib:.2f} GiB reserved" if self.activation_peak else ""
         graphs = "on" if self.graphs is not None else "off"
+        tp = f"; tensor parallel {self.tp} (pools per rank)" if self.tp > 1 else ""
         return (
             f"KV pools {plan.total_bytes / gib:.2f} GiB ({self.cfg.kv_dtype}): {tiers}; max_running "
-            f"{plan.max_running}{peak}; CUDA graphs {graphs}; kernels {self.ops.backend.value}"
+            f"{plan.max_running}{peak}; CUDA graphs {graphs}; kernels {self.ops.backend.value}{tp}"
         )
 
     def _graphs(self) -> DecodeGraphs | None:
@@ -163,6 +226,8 @@ class ModelRunner:
             why = f"the device is {self.device}"
         elif self.ops.backend.value != "triton":
             why = f"the kernel backend is {self.ops.backend.value} (graphs need triton)"
+        elif self.tp > 1 and mode == "auto":  # NCCL inside captured graphs is untested here
+            return None
         if why is None and mode != "off":
             return DecodeGraphs(
                 self._decode_hidden, self.device, self.spec.demote_block, self.plan.int2, self.staging
@@ -243,29 +308,57 @@ class ModelRunner:
         n, staging = len(batch.items), self.staging
         if not self.pad_decode:
             h = plan_decode_host(batch, self.plan, alloc=staging.alloc)
-            return self.model.logits(self._decode_hidden(*staging.tensors(h)))
-        b = batch_bucket(n, self.cfg.max_running)
-        h = plan_decode_host(
-            batch, self.plan, b, self.spec.demote_block, bucket=len_bucket, alloc=staging.alloc
-        )
-        hidden = self.graphs.run(h) if self.graphs is not None else self._decode_hidden(*staging.tensors(h))
+        else:
+            b = batch_bucket(n, self.cfg.max_running)
+            h = plan_decode_host(
+                batch, self.plan, b, self.spec.demote_block, bucket=len_bucket, alloc=staging.alloc
+            )
+        if self.publish is not None:  # a copy of just the step (h may view a reused staging buffer)
+            wire = dataclasses.replace(h, h64=h.h64.clone(), h32=h.h32[: h.used32].clone())
+            self.publish(StepMsg(n, decode=wire))
+        return self._decode_logits(h, n)
+
+    def _decode_logits(self, h: HostDecode, n: int) -> torch.Tensor:
+        if not self.pad_decode:
+            return self.model.logits(self._decode_hidden(*self.staging.tensors(h)))
+        if self.graphs is not None:
+            hidden = self.graphs.run(h)
+        else:
+            hidden = self._decode_hidden(*self.staging.tensors(h))
         return self.model.logits(hidden[:n])
+
+    def _prefill(self, batch: Batch) -> torch.Tensor:
+        dev = self.device
+        ids = [t for it in batch.items for t in it.seq.tokens[it.start : it.start + it.n_new]]
+        if self.publish is None:
+            p = plan_prefill(batch, self.plan, dev)
+            input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
+            return self._prefill_logits(input_ids, p)
+        p, input_ids = plan_prefill(batch, self.plan, "cpu"), torch.tensor(ids, dtype=torch.long)
+        self.publish(StepMsg(ids=input_ids, prefill=p))
+        return self._prefill_logits(input_ids.to(dev, non_blocking=True), _prefill_to(p, dev))
+
+    def _prefill_logits(self, input_ids: torch.Tensor, p: PrefillTensors) -> torch.Tensor:
+        pool = self.pool
+
+        def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return self.attn[layer].prefill(q, k, v, pool.layer(layer), p)
+
+        return self.model(input_ids, p.positions, attn, p.last_idx)
+
+    @torch.inference_mode()
+    def execute(self, step: StepMsg) -> torch.Tensor:
+        """Run the step rank 0 published (ranks > 0): the forward and the gathered fp32 logits."""
+        if step.decode is not None:
+            return self._decode_logits(step.decode, step.n)
+        assert step.ids is not None and step.prefill is not None
+        dev = self.device
+        return self._prefill_logits(step.ids.to(dev, non_blocking=True), _prefill_to(step.prefill, dev))
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[int | None]:
         """Run ``batch``; one sampled token per item that ends its prompt (or decodes), else None."""
-        dev, pool = self.device, self.pool
-        if batch.is_decode:
-            logits = self._decode(batch)
-        else:
-            p = plan_prefill(batch, self.plan, dev)
-            ids = [t for it in batch.items for t in it.seq.tokens[it.start : it.start + it.n_new]]
-
-            def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                return self.attn[layer].prefill(q, k, v, pool.layer(layer), p)
-
-            input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
-            logits = self.model(input_ids, p.positions, attn, p.last_idx)
+        logits = self._decode(batch) if batch.is_decode else self._prefill(batch)
         rows = [it for it in batch.items if batch.is_decode or it.ends_prompt]
         if not rows:
             return [None] * len(batch.items)

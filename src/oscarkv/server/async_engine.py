@@ -68,6 +68,7 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
         self._tok_pool.shutdown(wait=False)
+        self.engine.shutdown()  # tensor-parallel workers (a no-op with one rank)
 
     @property
     def alive(self) -> bool:

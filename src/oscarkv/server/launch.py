@@ -34,10 +34,13 @@ def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> None:
 
     eng = Engine(engine_cfg)
     print(f"oscarkv serve: {eng.runner.startup_report()}", file=sys.stderr, flush=True)
-    app = build_app(engine_cfg, server_cfg, eng)
-    uvicorn.run(
-        app, host=server_cfg.host, port=server_cfg.port, log_level="info", timeout_graceful_shutdown=5
-    )
+    try:
+        app = build_app(engine_cfg, server_cfg, eng)
+        uvicorn.run(
+            app, host=server_cfg.host, port=server_cfg.port, log_level="info", timeout_graceful_shutdown=5
+        )
+    finally:
+        eng.shutdown()
 
 
 @dataclass

@@ -27,6 +27,7 @@ from .layers import (
     head_dim_of,
     text_config,
 )
+from .parallel import Comm, RowParallelLinear, VocabParallelEmbedding
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "AttentionFn", "Decoder", "ModelShape", "check_config", "model_shape"]
 
@@ -110,14 +111,20 @@ class Attention(nn.Module):
         *,
         dtype: torch.dtype,
         device: Any,
+        comm: Comm | None = None,
     ):
         super().__init__()
         self.layer = layer
-        d, hq, hkv = shape.head_dim, shape.num_heads, shape.num_kv_heads
+        tp = 1 if comm is None else comm.world  # this rank's heads: Hq/tp and Hkv/tp
+        d, hq, hkv = shape.head_dim, shape.num_heads // tp, shape.num_kv_heads // tp
         self.hq, self.hkv, self.d = hq, hkv, d
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
         self.qkv_proj = MergedLinear(shape.hidden, (hq * d, hkv * d, hkv * d), flags["qkv_bias"], **kw)
-        self.o_proj = nn.Linear(hq * d, shape.hidden, bias=flags["o_bias"], **kw)
+        self.o_proj: nn.Module = (
+            nn.Linear(hq * d, shape.hidden, bias=flags["o_bias"], **kw)
+            if comm is None
+            else RowParallelLinear(hq * d, shape.hidden, flags["o_bias"], comm, **kw)
+        )
         self.q_norm = RMSNorm(d, shape.rms_eps, op=ops.rms_norm, **kw) if flags["qk_norm"] else None
         self.k_norm = RMSNorm(d, shape.rms_eps, op=ops.rms_norm, **kw) if flags["qk_norm"] else None
 
@@ -138,11 +145,26 @@ class MLP(nn.Module):
     """``down(silu(gate(x)) · up(x))`` with ``gate|up`` fused."""
 
     def __init__(
-        self, hidden: int, inter: int, bias: bool, ops: KernelOps, *, dtype: torch.dtype, device: Any
+        self,
+        hidden: int,
+        inter: int,
+        bias: bool,
+        ops: KernelOps,
+        *,
+        dtype: torch.dtype,
+        device: Any,
+        comm: Comm | None = None,
     ):
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden, (inter, inter), bias, dtype=dtype, device=device)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias, dtype=dtype, device=device)
+        kw: dict[str, Any] = {"dtype": dtype, "device": device}
+        if comm is not None:
+            inter //= comm.world  # this rank's MLP columns
+        self.gate_up_proj = MergedLinear(hidden, (inter, inter), bias, **kw)
+        self.down_proj: nn.Module = (
+            nn.Linear(inter, hidden, bias=bias, **kw)
+            if comm is None
+            else RowParallelLinear(inter, hidden, bias, comm, **kw)
+        )
         self.act = SiluAndMul(ops.silu_and_mul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -153,13 +175,20 @@ class DecoderLayer(nn.Module):
     """Pre-norm block: ``h += attn(norm(h))``; ``h += mlp(norm(h))``, each add fused into the norm after it."""
 
     def __init__(
-        self, layer: int, shape: ModelShape, inter: int, flags: dict[str, bool], ops: KernelOps, **kw: Any
+        self,
+        layer: int,
+        shape: ModelShape,
+        inter: int,
+        flags: dict[str, bool],
+        ops: KernelOps,
+        comm: Comm | None = None,
+        **kw: Any,
     ):
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden, shape.rms_eps, op=ops.rms_norm, **kw)
-        self.self_attn = Attention(layer, shape, flags, ops, **kw)
+        self.self_attn = Attention(layer, shape, flags, ops, **kw, comm=comm)
         self.post_attention_layernorm = RMSNorm(shape.hidden, shape.rms_eps, op=ops.rms_norm, **kw)
-        self.mlp = MLP(shape.hidden, inter, flags["mlp_bias"], ops, **kw)
+        self.mlp = MLP(shape.hidden, inter, flags["mlp_bias"], ops, **kw, comm=comm)
 
     def forward(
         self,
@@ -186,7 +215,8 @@ class Decoder(nn.Module):
     Built from a checked HF text config (:func:`check_config`) and its :class:`ModelShape`;
     parameters are created on ``device`` in ``dtype``. With tied embeddings there is no
     ``lm_head`` module and the logits use ``embed_tokens.weight``. ``ops`` supplies the norm and
-    activation kernels (default: the torch twins).
+    activation kernels (default: the torch twins). With ``comm`` (tensor parallelism) the module
+    holds this rank's shards (:mod:`.parallel`) and every rank computes the same outputs.
     """
 
     def __init__(
@@ -197,21 +227,32 @@ class Decoder(nn.Module):
         dtype: torch.dtype,
         device: Any,
         ops: KernelOps | None = None,
+        comm: Comm | None = None,
     ):
         super().__init__()
-        self.shape = shape
+        self.shape, self.comm = shape, comm
         ops = ops if ops is not None else resolve(Backend.TORCH, "cpu")
         flags = arch_flags(config, shape.model_type)
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
-        self.embed_tokens = nn.Embedding(shape.vocab, shape.hidden, **kw)
         inter = int(config.intermediate_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(i, shape, inter, flags, ops, **kw) for i in range(shape.num_layers)
+            DecoderLayer(i, shape, inter, flags, ops, **kw, comm=comm) for i in range(shape.num_layers)
         )
         self.norm = RMSNorm(shape.hidden, shape.rms_eps, op=ops.rms_norm, **kw)
-        self.lm_head = (
-            None if shape.tie_embeddings else nn.Linear(shape.hidden, shape.vocab, bias=False, **kw)
-        )
+        self.embed_tokens: nn.Module
+        self.lm_head: nn.Module | None
+        if comm is None:
+            self.embed_tokens = nn.Embedding(shape.vocab, shape.hidden, **kw)
+            self.lm_head = (
+                None if shape.tie_embeddings else nn.Linear(shape.hidden, shape.vocab, bias=False, **kw)
+            )
+        else:
+            self.embed_tokens = VocabParallelEmbedding(shape.vocab, shape.hidden, comm, **kw)
+            self.lm_head = (
+                None
+                if shape.tie_embeddings
+                else VocabParallelEmbedding(shape.vocab, shape.hidden, comm, **kw)
+            )
         self.rotary = RotaryEmbedding(config, shape.head_dim, shape.max_positions, **kw)
 
     def _stream(
@@ -236,6 +277,9 @@ class Decoder(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` final (normed) hidden states -> fp32 logits ``[n, vocab]`` (LM head in the model dtype)."""
+        if self.comm is not None:
+            head = self.embed_tokens if self.lm_head is None else self.lm_head
+            return head.logits(h)  # type: ignore[operator]
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return nn.functional.linear(h, weight).float()
 

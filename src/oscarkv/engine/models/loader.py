@@ -8,7 +8,9 @@ to the model dtype on copy, as ``from_pretrained(dtype=...)`` does.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -16,6 +18,7 @@ from ...kernels import KernelOps
 from ...rotation import absorb_value_weight
 from .decoder import Decoder, ModelShape, model_shape
 from .layers import SUPPORTED_MODEL_TYPES, MergedLinear, check_config, model_error, text_config
+from .parallel import Comm, Shard, check_tensor_parallel, checkpoint_shard
 
 __all__ = ["LOAD_FORMATS", "SUPPORTED_MODEL_TYPES", "check_config", "load_decoder", "model_shape"]
 
@@ -34,6 +37,7 @@ def load_decoder(
     load_format: str = "safetensors",
     seed: int = 0,
     ops: KernelOps | None = None,
+    comm: Comm | None = None,
 ) -> tuple[Decoder, ModelShape]:
     """Build the decoder of ``model_dir`` in ``dtype`` on ``device`` and fill its weights.
 
@@ -41,6 +45,8 @@ def load_decoder(
     ``v·R_V`` (folded in fp32 after rounding to ``dtype``, as ``hf.absorb_value_rotation``).
     ``load_format="dummy"`` reads no weights: N(0, 0.02) from a ``seed``-ed generator, norms 1.
     ``ops``: the kernels the decoder's norms and activation run (default: the torch twins).
+    ``comm``: tensor parallelism; the decoder holds this rank's shards and reads only those
+    slices of the checkpoint (``r_v`` is given whole and sliced to the rank's KV heads).
     Returns ``(decoder in eval mode without grads, shape)``; raises ``ModelError`` (one line).
     """
     from transformers import AutoConfig, GenerationConfig
@@ -63,15 +69,30 @@ def load_decoder(
     except (OSError, ValueError):
         gen = None
     shape = model_shape(config, gen, where)
-    rots = _check_r_v(r_v, shape, where)
+    tc = text_config(config)
+    tp, rank = (1, 0) if comm is None else (comm.world, comm.rank)
+    check_tensor_parallel(shape.num_heads, shape.num_kv_heads, int(tc.intermediate_size), tp, where)
+    rots = {
+        i: r if r.dim() == 2 else kv_head_slice(r, tp, rank) for i, r in _check_r_v(r_v, shape, where).items()
+    }
     files = _checkpoint_files(Path(model_dir)) if load_format == "safetensors" else []
-    model = Decoder(text_config(config), shape, dtype=dtype, device=device, ops=ops)
+    model = Decoder(tc, shape, dtype=dtype, device=device, ops=ops, comm=comm)
     with torch.no_grad():
         if load_format == "dummy":
             _fill_dummy(model, seed, rots)
         else:
-            _load_files(model, files, rots, where)
+            sizes = dict(heads=shape.num_heads, kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                         inter=int(tc.intermediate_size), vocab=shape.vocab, tp=tp, rank=rank)  # fmt: skip
+            _load_files(model, files, rots, where, lambda key: checkpoint_shard(key, **sizes))
     return model.eval().requires_grad_(False), shape
+
+
+def kv_head_slice(t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """``rank``'s part of a per-KV-head tensor ``[Hkv, ...]`` (rotations, offsets): ``Hkv/tp`` heads."""
+    if tp == 1:
+        return t
+    n = t.shape[0] // tp
+    return t[rank * n : (rank + 1) * n]
 
 
 def _check_r_v(r_v: dict[int, torch.Tensor] | None, shape: ModelShape, where: str) -> dict[int, torch.Tensor]:
@@ -137,7 +158,33 @@ def _absorb(model: Decoder, layer: int, r: torch.Tensor, w: torch.Tensor, b: tor
         dst_b.copy_(b)
 
 
-def _load_files(model: Decoder, files: list[Path], rots: dict[int, torch.Tensor], where: str) -> None:
+def _read(
+    f: Any, key: str, shard: Shard | None, dst: torch.Tensor, where: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tensor, destination)``: the checkpoint tensor ``key`` (only ``shard``'s slice of it) and
+    the part of ``dst`` it fills, with the shapes checked."""
+    if shard is None:
+        t = f.get_tensor(key)
+        got, want = list(t.shape), list(dst.shape)
+    else:
+        sl = f.get_slice(key)
+        dst = dst.narrow(shard.dim, 0, shard.length)  # vocab shards: the padding rows stay zero
+        got = list(sl.get_shape())
+        want = [shard.full if i == shard.dim else n for i, n in enumerate(dst.shape)]
+        if got == want:
+            t = sl[(slice(None),) * shard.dim + (slice(shard.start, shard.start + shard.length),)]
+    if got != want:
+        raise model_error(where, f"{key} has shape {got}; the config gives {want}")
+    return t, dst
+
+
+def _load_files(
+    model: Decoder,
+    files: list[Path],
+    rots: dict[int, torch.Tensor],
+    where: str,
+    shard_of: Callable[[str], Shard | None] = lambda key: None,
+) -> None:
     from safetensors import SafetensorError, safe_open
 
     targets = _targets(model)
@@ -155,10 +202,7 @@ def _load_files(model: Decoder, files: list[Path], rots: dict[int, torch.Tensor]
                         if not (tied_head or key.endswith(_IGNORED_SUFFIXES)):
                             unexpected.append(key)
                         continue
-                    t = f.get_tensor(key)
-                    if tuple(t.shape) != tuple(dst.shape):
-                        msg = f"{key} has shape {list(t.shape)}; the config gives {list(dst.shape)}"
-                        raise model_error(where, msg)
+                    t, dst = _read(f, key, shard_of(key), dst, where)
                     seen.add(key)
                     if key in v_keys:
                         held[key] = t

@@ -1,0 +1,174 @@
+"""Tensor parallelism on CPU (gloo, two processes): TP=2 gives TP=1's greedy tokens on the 30M
+reference model (2 KV heads) with INT2 and BF16 KV, a killed worker ends the engine with a clear
+error (no hang, no orphan), and a model whose heads do not split is refused before any spawn."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import SHARED_DIR, random_orthogonal
+from oscarkv import LLM, QuantSpec, SamplingParams
+from oscarkv.engine.distributed import TensorParallelError
+from oscarkv.engine.model_runner import StepMsg
+from oscarkv.engine.models.parallel import VocabParallelEmbedding, checkpoint_shard, vocab_shard
+from oscarkv.errors import ModelError
+from oscarkv.rotation import LayerRotation, RotationSet, save_rotations
+
+REF = SHARED_DIR / "models" / "oscar-ref-qwen3-30m"  # Qwen3: 8 layers, 4 heads, 2 KV heads, d 128
+SPEC = QuantSpec(sink_tokens=16, recent_tokens=32, demote_block=8)
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+KW = dict(device="cpu", page_tokens=8, max_batched_tokens=96, max_running=8, kv_budget_gb=0.05,
+          check_invariants=True)  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers take the parent's count: one each on a 2-core box
+    yield
+    torch.set_num_threads(n)
+    assert not mp.active_children(), "a tensor-parallel worker outlived its test"
+
+
+@pytest.fixture(scope="module")
+def kv_head_rotations(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Random per-KV-head rotations ``[2, 128, 128]`` with channel offsets, so each rank must
+    take its own heads' matrices and offsets."""
+    g = torch.Generator().manual_seed(3)
+
+    def layer() -> LayerRotation:
+        k, v = (torch.stack([random_orthogonal(128, g) for _ in range(2)]) for _ in range(2))
+        off = lambda: 0.05 * torch.randn(2, 128, generator=g)  # noqa: E731
+        return LayerRotation(k, v, torch.ones(2, 128), torch.ones(2, 128), k_offset=off(), v_offset=off())
+
+    rs = RotationSet({i: layer() for i in range(8)}, spec=SPEC, granularity="kv_head")
+    out = tmp_path_factory.mktemp("tp-rot")
+    save_rotations(rs, out)
+    return out
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    # inside the sink, across the window, beyond it (INT2 pages), and one that shares a prefix
+    ps = [torch.randint(3, 8192, (n,), generator=g).tolist() for n in (6, 70, 190)]
+    return [*ps, ps[2][:120] + ps[0]]
+
+
+def first_diff(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+
+
+@pytest.mark.shared
+@pytest.mark.parametrize("kv", ["int2", "bf16"])
+def test_tp2_gives_the_tokens_of_tp1(kv: str, kv_head_rotations: Path) -> None:
+    rot = {"rotations": str(kv_head_rotations), "spec": SPEC} if kv == "int2" else {}
+    ps = prompts()
+    want = LLM(str(REF), kv_dtype=kv, **rot, **KW).generate(ps, GREEDY)
+    with LLM(str(REF), kv_dtype=kv, **rot, **KW, tensor_parallel=2) as llm:
+        got = llm.generate(ps, GREEDY)
+        again = llm.generate(ps[-1:], GREEDY)[0]  # served partly from the prefix cache
+        assert "tensor parallel 2" in llm.engine.runner.startup_report()
+        procs = list(llm.engine.workers.procs)
+    for p, a, b in zip(ps, want, got, strict=True):
+        assert a.token_ids == b.token_ids, (kv, len(p), first_diff(a.token_ids, b.token_ids))
+    assert again.num_cached_tokens > 0 and again.token_ids == got[-1].token_ids
+    assert all(p.exitcode == 0 for p in procs)  # stopped cleanly by shutdown()
+
+
+def _generate_bounded(llm: LLM, timeout: float = 60.0) -> BaseException | None:
+    """``llm.generate`` in a thread, so that a hang fails the test instead of stalling it."""
+    box: list[BaseException | None] = [None]
+
+    def go() -> None:
+        try:
+            llm.generate(prompts()[:3], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+        except BaseException as e:
+            box[0] = e
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"the engine hung for {timeout:.0f} s after a worker died"
+    return box[0]
+
+
+@pytest.mark.shared
+@pytest.mark.parametrize("when", ["between steps", "during a step", "raises"])
+def test_a_killed_worker_ends_the_engine_with_a_clear_error(when: str) -> None:
+    llm = LLM(str(REF), kv_dtype="bf16", **KW, tensor_parallel=2)
+    try:
+        (proc,) = llm.engine.workers.procs
+        if when == "between steps":
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join(10)
+        elif when == "during a step":  # mid-generation: in a collective or about to send a step
+            threading.Timer(1.0, os.kill, (proc.pid, signal.SIGKILL)).start()
+        else:  # a step the worker cannot run: it reports its exception and exits
+            llm.engine.workers.send(StepMsg())
+        err = _generate_bounded(llm)
+        assert isinstance(err, TensorParallelError), repr(err)
+        if when == "raises":
+            assert "rank 1 raised" in str(err) and "exit code 1" in str(err), str(err)
+        else:
+            assert "rank 1 of 2 exited" in str(err) and "SIGKILL" in str(err), str(err)
+        with pytest.raises(TensorParallelError):  # the engine stays stopped
+            llm.engine.step() if llm.engine.has_unfinished() else llm.generate([[5, 6]], GREEDY)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.shared
+def test_kv_heads_that_do_not_split_are_refused_before_spawning() -> None:
+    with pytest.raises(ModelError, match=r"num_key_value_heads \(2\).*2 % 4 != 0") as e:
+        LLM(str(REF), kv_dtype="bf16", device="cpu", tensor_parallel=4)
+    assert "1, 2" in e.value.hint
+    assert not mp.active_children()
+
+
+# ---- the sharding arithmetic, in one process -------------------------------------------------
+class _Rank:
+    """A stand-in communicator: reductions are left to the test, which sums the ranks' outputs."""
+
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world = rank, world
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [x] * self.world
+
+
+def test_vocab_parallel_embedding_pads_the_last_shard_and_sums_to_the_whole() -> None:
+    vocab, hidden, world = 11, 4, 3
+    full = torch.randn(vocab, hidden)
+    ids = torch.tensor([0, 3, 4, 7, 8, 10])
+    out = torch.zeros(len(ids), hidden)
+    for r in range(world):
+        start, held, rows = vocab_shard(vocab, world, r)
+        assert rows == 4 and held == (3 if r == 2 else 4)
+        emb = VocabParallelEmbedding(vocab, hidden, _Rank(r, world), dtype=torch.float32, device="cpu")
+        with torch.no_grad():
+            emb.weight[:held] = full[start : start + held]
+        out += emb(ids)
+    assert torch.equal(out, full[ids])
+
+
+def test_checkpoint_shards_cut_heads_columns_and_vocab() -> None:
+    kw = dict(heads=4, kv_heads=2, head_dim=8, inter=12, vocab=10, tp=2, rank=1)
+    shard = lambda key: checkpoint_shard(key, **kw)  # noqa: E731
+    assert shard("model.layers.0.self_attn.q_proj.weight") == (0, 16, 16, 32)
+    assert shard("model.layers.0.self_attn.v_proj.bias") == (0, 8, 8, 16)
+    assert shard("model.layers.0.mlp.up_proj.weight") == (0, 6, 6, 12)
+    assert shard("model.layers.0.self_attn.o_proj.weight") == (1, 16, 16, 32)
+    assert shard("model.layers.0.mlp.down_proj.weight") == (1, 6, 6, 12)
+    assert shard("model.layers.0.self_attn.o_proj.bias") is None  # added once, after the reduce
+    assert shard("model.embed_tokens.weight") == (0, 5, 5, 10)
+    assert shard("model.layers.0.input_layernorm.weight") is None
