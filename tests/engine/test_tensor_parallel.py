@@ -1,5 +1,6 @@
-"""Tensor parallelism on CPU (gloo, two processes): TP=2 gives TP=1's greedy tokens on the 30M
-reference model (2 KV heads) with INT2 and BF16 KV, a killed worker ends the engine with a clear
+"""Tensor parallelism on CPU (gloo, two processes): TP=2 gives TP=1's greedy tokens on a tiny
+random Qwen3 written here and on the 30M reference model (both 4 heads, 2 KV heads, head dim 128)
+with INT2 and BF16 KV, a killed worker ends the engine with a clear
 error (no hang, no orphan), and a model whose heads do not split is refused before any spawn."""
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SHARED_DIR, random_orthogonal
+from conftest import SHARED_DIR, random_orthogonal, tiny_lm_config
 from oscarkv import LLM, QuantSpec, SamplingParams
+from oscarkv.demo import demo_model_path
 from oscarkv.engine.distributed import TensorParallelError
 from oscarkv.engine.model_runner import StepMsg
 from oscarkv.engine.models.parallel import VocabParallelEmbedding, checkpoint_shard, vocab_shard
@@ -38,7 +40,34 @@ def _one_thread():
 
 
 @pytest.fixture(scope="module")
-def kv_head_rotations(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen3 (2 layers, 4 heads, 2 KV heads, head dim 128, vocab 2048, the demo
+    tokenizer): what CI runs without ../shared."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    m = AutoModelForCausalLM.from_config(
+        tiny_lm_config(vocab=2048, layers=2, heads=4, kv_heads=2, head_dim=128)
+    )
+    with torch.no_grad():  # spread the logits so greedy choices are not near-ties
+        m.get_input_embeddings().weight.mul_(40)
+    out = tmp_path_factory.mktemp("tp-tiny")
+    m.save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo_model_path() / f, out / f)
+    return out
+
+
+@pytest.fixture(scope="module", params=["tiny", pytest.param("ref", marks=pytest.mark.shared)])
+def model(request: pytest.FixtureRequest) -> tuple[Path, int, int]:
+    """``(model dir, layers, vocab)``: the tiny model or the 30M reference model (needs ../shared)."""
+    return (REF, 8, 8192) if request.param == "ref" else (request.getfixturevalue("tiny"), 2, 2048)
+
+
+@pytest.fixture(scope="module")
+def kv_head_rotations(model: tuple[Path, int, int], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Random per-KV-head rotations ``[2, 128, 128]`` with channel offsets, so each rank must
     take its own heads' matrices and offsets."""
     g = torch.Generator().manual_seed(3)
@@ -48,16 +77,16 @@ def kv_head_rotations(tmp_path_factory: pytest.TempPathFactory) -> Path:
         off = lambda: 0.05 * torch.randn(2, 128, generator=g)  # noqa: E731
         return LayerRotation(k, v, torch.ones(2, 128), torch.ones(2, 128), k_offset=off(), v_offset=off())
 
-    rs = RotationSet({i: layer() for i in range(8)}, spec=SPEC, granularity="kv_head")
+    rs = RotationSet({i: layer() for i in range(model[1])}, spec=SPEC, granularity="kv_head")
     out = tmp_path_factory.mktemp("tp-rot")
     save_rotations(rs, out)
     return out
 
 
-def prompts() -> list[list[int]]:
+def prompts(vocab: int = 2048) -> list[list[int]]:
     g = torch.Generator().manual_seed(11)
     # inside the sink, across the window, beyond it (INT2 pages), and one that shares a prefix
-    ps = [torch.randint(3, 8192, (n,), generator=g).tolist() for n in (6, 70, 190)]
+    ps = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (6, 70, 190)]
     return [*ps, ps[2][:120] + ps[0]]
 
 
@@ -65,13 +94,13 @@ def first_diff(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
 
 
-@pytest.mark.shared
 @pytest.mark.parametrize("kv", ["int2", "bf16"])
-def test_tp2_gives_the_tokens_of_tp1(kv: str, kv_head_rotations: Path) -> None:
+def test_tp2_gives_the_tokens_of_tp1(kv: str, model: tuple[Path, int, int], kv_head_rotations: Path) -> None:
+    path, _, vocab = model
     rot = {"rotations": str(kv_head_rotations), "spec": SPEC} if kv == "int2" else {}
-    ps = prompts()
-    want = LLM(str(REF), kv_dtype=kv, **rot, **KW).generate(ps, GREEDY)
-    with LLM(str(REF), kv_dtype=kv, **rot, **KW, tensor_parallel=2) as llm:
+    ps = prompts(vocab)
+    want = LLM(str(path), kv_dtype=kv, **rot, **KW).generate(ps, GREEDY)
+    with LLM(str(path), kv_dtype=kv, **rot, **KW, tensor_parallel=2) as llm:
         got = llm.generate(ps, GREEDY)
         again = llm.generate(ps[-1:], GREEDY)[0]  # served partly from the prefix cache
         assert "tensor parallel 2" in llm.engine.runner.startup_report()
@@ -99,10 +128,9 @@ def _generate_bounded(llm: LLM, timeout: float = 60.0) -> BaseException | None:
     return box[0]
 
 
-@pytest.mark.shared
 @pytest.mark.parametrize("when", ["between steps", "during a step", "raises"])
-def test_a_killed_worker_ends_the_engine_with_a_clear_error(when: str) -> None:
-    llm = LLM(str(REF), kv_dtype="bf16", **KW, tensor_parallel=2)
+def test_a_killed_worker_ends_the_engine_with_a_clear_error(when: str, tiny: Path) -> None:
+    llm = LLM(str(tiny), kv_dtype="bf16", **KW, tensor_parallel=2)
     try:
         (proc,) = llm.engine.workers.procs
         if when == "between steps":
@@ -124,10 +152,9 @@ def test_a_killed_worker_ends_the_engine_with_a_clear_error(when: str) -> None:
         llm.shutdown()
 
 
-@pytest.mark.shared
-def test_kv_heads_that_do_not_split_are_refused_before_spawning() -> None:
+def test_kv_heads_that_do_not_split_are_refused_before_spawning(tiny: Path) -> None:
     with pytest.raises(ModelError, match=r"num_key_value_heads \(2\).*2 % 4 != 0") as e:
-        LLM(str(REF), kv_dtype="bf16", device="cpu", tensor_parallel=4)
+        LLM(str(tiny), kv_dtype="bf16", device="cpu", tensor_parallel=4)
     assert "1, 2" in e.value.hint
     assert not mp.active_children()
 
