@@ -57,6 +57,7 @@ def test_options_opt_in_only() -> None:
     assert PluginOptions.from_additional_config({"oscarkv": {}}) == PluginOptions()
     assert PluginOptions.from_additional_config({"oscarkv": True}).kv_dtype == "bf16"
     assert PluginOptions.from_additional_config({"oscarkv": {"kv_dtype": "int2"}}).rotations is None
+    assert PluginOptions.from_additional_config({"oscarkv": {"kv_dtype": "int2"}}).absorb_v
 
 
 @pytest.mark.parametrize(
@@ -66,6 +67,8 @@ def test_options_opt_in_only() -> None:
         ({"rotation": "x"}, "unknown option"),
         ({"kv_dtype": "bf16", "rotations": "x"}, "uses no rotations"),
         ("bf16", "must be a dict"),
+        ({"absorb_v": False}, "kv_dtype='int2' only"),
+        ({"kv_dtype": "int2", "absorb_v": "yes"}, "true or false"),
     ],
 )
 def test_options_errors(raw: object, words: str) -> None:
@@ -137,8 +140,8 @@ def _run_vllm(work: Path, name: str, job: dict) -> tuple[dict, str]:
     return json.loads((work / f"{name}.json").read_text()), log
 
 
-def _int2_config(rot: Path | str) -> dict:
-    return {"oscarkv": {"kv_dtype": "int2", "rotations": str(rot)}}
+def _int2_config(rot: Path | str, absorb_v: bool = True) -> dict:
+    return {"oscarkv": {"kv_dtype": "int2", "rotations": str(rot), "absorb_v": absorb_v}}
 
 
 def _prompts() -> list[list[list[int]]]:
@@ -149,33 +152,34 @@ def _prompts() -> list[list[list[int]]]:
     return [ids[:3], ids[3:]]
 
 
-@pytest.fixture(scope="module")
-def int2_run(model: Path, work: Path, artifact: Path) -> tuple[dict, str]:
+@VLLM
+@pytest.mark.shared
+@pytest.mark.slow
+@pytest.mark.parametrize("absorb_v", [True, False], ids=["absorbed", "rotate_on_write"])
+def test_int2_matches_our_engine(model: Path, work: Path, artifact: Path, absorb_v: bool) -> None:
+    """``absorb_v=True`` (the default, with the ``oscarkv`` load format) against our engine's
+    default; ``absorb_v=False`` (vLLM's own loader, values rotated on write) against ours with
+    ``absorb_v=False``."""
+    from oscarkv import LLM, SamplingParams
+
     llm = {
         "dtype": "float32",  # our engine runs fp32 on CPU: same dtype, same rounding
         "enable_prefix_caching": False,
         "max_num_batched_tokens": 64,
         "max_num_seqs": 8,
-        "additional_config": _int2_config(artifact),
-    }
-    return _run_vllm(
-        work, "int2", {"model": str(model), "llm": llm, "max_tokens": MAX_TOKENS, "batches": _prompts()}
-    )
-
-
-@VLLM
-@pytest.mark.shared
-@pytest.mark.slow
-def test_int2_matches_our_engine(model: Path, artifact: Path, int2_run: tuple[dict, str]) -> None:
-    from oscarkv import LLM, SamplingParams
-
-    res, log = int2_run
+        "additional_config": _int2_config(artifact, absorb_v),
+    } | ({"load_format": "oscarkv"} if absorb_v else {})
+    job = {"model": str(model), "llm": llm, "max_tokens": MAX_TOKENS, "batches": _prompts()}
+    res, log = _run_vllm(work, f"int2_{absorb_v}", job)
     assert "oscarkv: KV pages hold INT2 rows (144 bytes per token per layer)" in log
+    assert ("oscarkv: R_V absorbed into qkv_proj of 8 layers" in log) == absorb_v
     kw = {"device": "cpu", "page_tokens": 16, "max_batched_tokens": 64, "prefix_cache": False}
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    ours = LLM(str(model), rotations=str(artifact), absorb_v=False, **kw)  # vLLM rotates V on write
+    ours = LLM(str(model), rotations=str(artifact), absorb_v=absorb_v, **kw)
     want = [[o.token_ids for o in ours.generate(b, sp)] for b in _prompts()]
     assert res["tokens"] == want
+    if absorb_v:
+        return
     bf16 = LLM(str(model), kv_dtype="bf16", **kw)
     plain = [[o.token_ids for o in bf16.generate(b, sp)] for b in _prompts()]
     assert plain != want  # the INT2 tier really changed something
@@ -216,7 +220,7 @@ def test_openai_server_answers_with_int2(model: Path, work: Path, artifact: Path
     port, log = _free_port(), work / "server.log"
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager",
-           "--no-enable-prefix-caching", "--max-model-len", "1024", "--kv-cache-memory-bytes", str(64 * 2**20),
+           "--no-enable-prefix-caching", "--load-format", "oscarkv", "--max-model-len", "1024", "--kv-cache-memory-bytes", str(64 * 2**20),
            "--additional-config", json.dumps(_int2_config(artifact))]  # fmt: skip
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
@@ -259,7 +263,8 @@ def _fake_vllm_config(model_dir: Path, rot: Path | None, **over: object) -> Simp
         cache_dtype=over.pop("cache_dtype", "auto"), enable_prefix_caching=over.pop("prefix", False)
     )
     cfg = SimpleNamespace(model_config=mc, cache_config=cc, speculative_config=None,
-                          parallel_config=SimpleNamespace(tensor_parallel_size=over.pop("tp", 1)))  # fmt: skip
+                          parallel_config=SimpleNamespace(tensor_parallel_size=over.pop("tp", 1)),
+                          load_config=SimpleNamespace(load_format=over.pop("load_format", "oscarkv")))  # fmt: skip
     cfg.opts = PluginOptions("int2", None if rot is None else str(rot))
     assert not over
     return cfg
@@ -307,6 +312,10 @@ def test_bad_configurations_are_refused(tmp_path: Path) -> None:
         "enc-dec": (_fake_vllm_config(tmp_path, good, is_encoder_decoder=True), "encoder-decoder"),
         "fp8": (_fake_vllm_config(tmp_path, good, cache_dtype="fp8"), "--kv-cache-dtype fp8"),
         "tp": (_fake_vllm_config(tmp_path, good, tp=2), "tensor_parallel_size=1"),
+        "absorb without loader": (
+            _fake_vllm_config(tmp_path, good, load_format="auto"),
+            "needs load_format='oscarkv' (--load-format oscarkv)",
+        ),
     }
     for name, (cfg, words) in cases.items():
         with pytest.raises(OscarkvError) as e:
@@ -333,6 +342,7 @@ def test_bad_configuration_stops_vllm(model: Path, work: Path, artifact: Path) -
             {
                 "additional_config": _int2_config(_kv_head_artifact(work / "kvh", 3)),
                 "enable_prefix_caching": False,
+                "load_format": "oscarkv",
             },
             "KV head count does not match the model",
         ),
@@ -370,3 +380,33 @@ def test_int2_pages_fit_vllms_allocator() -> None:
         out = unify_kv_cache_spec_page_size({"attn": int2, "attn.oscarkv_hp": store})
         assert out["attn"].page_size_bytes == out["attn.oscarkv_hp"].page_size_bytes == cap * hp_row
         assert out["attn"].page_size_padded is None and cap >= 55
+
+
+@VLLM
+def test_register_targets_cpu_and_custom_backends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``register`` overrides ``CPU_ATTN`` and fills the ``CUSTOM`` slot (what ``--attention-backend
+    CUSTOM`` selects on CUDA) with classes vLLM can validate; the CUDA backend itself never ran."""
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.backends import registry
+
+    import oscarkv.vllm_plugin as plugin
+    from oscarkv.vllm_plugin.cuda_backend import OscarCudaAttentionBackend
+
+    calls = []
+    monkeypatch.setattr(registry, "register_backend", lambda member, path: calls.append((member, path)))
+    plugin.register()
+    enum = registry.AttentionBackendEnum
+    assert calls == [(enum.CPU_ATTN, plugin.BACKEND_PATH), (enum.CUSTOM, plugin.CUDA_BACKEND_PATH)]
+    monkeypatch.undo()
+    plugin.register()  # for real: the classes resolve through the registry
+    assert enum.CUSTOM.get_class() is OscarCudaAttentionBackend
+    assert enum[OscarCudaAttentionBackend.get_name()] is enum.CUSTOM  # as the layer maps it back
+    kw = {"head_size": 128, "dtype": torch.bfloat16, "kv_cache_dtype": "auto", "block_size": 16,
+          "use_mla": False, "has_sink": False, "use_sparse": False, "use_mm_prefix": False,
+          "use_per_head_quant_scales": False, "device_capability": DeviceCapability(9, 0),
+          "attn_type": "decoder"}  # fmt: skip
+    assert OscarCudaAttentionBackend.validate_configuration(**kw) == []
+    bad = OscarCudaAttentionBackend.validate_configuration(
+        **(kw | {"kv_cache_dtype": "fp8", "use_mla": True})
+    )
+    assert "kv_cache_dtype not supported" in bad and "MLA not supported" in bad

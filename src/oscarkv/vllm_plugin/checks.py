@@ -24,6 +24,8 @@ from .options import PluginOptions
 __all__ = ["Int2Setup", "check_model", "int2_setup", "store_capacity"]
 
 PREFIX_FLAG = "enable_prefix_caching=False (--no-enable-prefix-caching)"
+LOAD_FORMAT = "oscarkv"  # registered by .loader (which imports vLLM; this module must not)
+LOAD_FLAG = f"load_format={LOAD_FORMAT!r} (--load-format {LOAD_FORMAT})"
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,13 @@ def check_model(vllm_config: Any, opts: PluginOptions) -> None:
         raise InputError("oscarkv: kv_dtype='int2' under vLLM supports tensor_parallel_size=1 only (for now)")
     if vllm_config.speculative_config is not None:
         raise InputError("oscarkv: kv_dtype='int2' does not support speculative decoding under vLLM")
+    load_format = vllm_config.load_config.load_format
+    if opts.absorb_v and load_format != LOAD_FORMAT:
+        raise InputError(
+            f"oscarkv: absorb_v (the default with kv_dtype='int2') folds R_V into qkv_proj at load, "
+            f"which needs {LOAD_FLAG}; got load_format={load_format!r}. Pass it, or set "
+            "absorb_v=false in additional_config['oscarkv'] (values are then rotated on write)"
+        )
 
 
 def _artifact(opts: PluginOptions, model_dir: str) -> str:

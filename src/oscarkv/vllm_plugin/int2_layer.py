@@ -86,8 +86,9 @@ class VllmInt2Layer:
         return output
 
 
-def build_int2_layer(impl: Any, setup: Int2Setup, act_dtype: torch.dtype) -> VllmInt2Layer:
-    """The INT2 state of the vLLM layer whose impl is ``impl`` (found by identity)."""
+def build_int2_layer(impl: Any, setup: Int2Setup, act_dtype: torch.dtype, absorbed: bool) -> VllmInt2Layer:
+    """The INT2 state of the vLLM layer whose impl is ``impl`` (found by identity); ``absorbed``:
+    ``R_V`` is folded into ``qkv_proj`` (:mod:`.loader`), so new values arrive rotated."""
     cfg = get_current_vllm_config()
     ctx = cfg.compilation_config.static_forward_context
     name = next(n for n, m in ctx.items() if getattr(m, "impl", None) is impl)
@@ -104,8 +105,8 @@ def build_int2_layer(impl: Any, setup: Int2Setup, act_dtype: torch.dtype) -> Vll
         v_fmt,
         resolve("auto" if device.type == "cuda" else "torch", device),
         impl.scale,
-        values_prerotated=False,
-        shift=LayerShift.build(lr, impl.num_heads, False, device, act_dtype),
+        values_prerotated=absorbed,
+        shift=LayerShift.build(lr, impl.num_heads, absorbed, device, act_dtype),
     )
     hp_row = 2 * h * d * act_dtype.itemsize
     cap = store_capacity(setup.store_rows, cfg.cache_config.block_size * setup.row_bytes, hp_row)

@@ -16,16 +16,20 @@ __all__ = ["KEY", "PluginOptions"]
 
 KEY = "oscarkv"
 _KV_DTYPES = ("bf16", "int2")
+_KNOWN = ("kv_dtype", "rotations", "absorb_v")
 
 
 @dataclass(frozen=True)
 class PluginOptions:
     """``kv_dtype``: ``"bf16"`` (16-bit passthrough in our page layout) or ``"int2"`` (our
     three-tier format); ``rotations``: the artifact (a directory or ``.safetensors`` file; INT2
-    only; default: a ``rotations.safetensors`` inside the model directory)."""
+    only; default: a ``rotations.safetensors`` inside the model directory); ``absorb_v`` (INT2):
+    fold ``R_V`` into ``qkv_proj`` at load (needs ``load_format="oscarkv"``, :mod:`.loader`),
+    as our engine does by default; ``False`` rotates values on write instead."""
 
     kv_dtype: str = "bf16"
     rotations: str | None = None
+    absorb_v: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_dtype not in _KV_DTYPES:
@@ -36,6 +40,8 @@ class PluginOptions:
                 f"rotations; got rotations={self.rotations!r}",
                 hint="drop 'rotations', or set kv_dtype='int2'",
             )
+        if not isinstance(self.absorb_v, bool):
+            raise InputError(f"oscarkv: absorb_v must be true or false, got {self.absorb_v!r}")
 
     @classmethod
     def from_additional_config(cls, extra: Any) -> PluginOptions | None:
@@ -47,10 +53,14 @@ class PluginOptions:
             raw = {}
         if not isinstance(raw, dict):
             raise InputError(f"oscarkv: additional_config['oscarkv'] must be a dict, got {raw!r}")
-        unknown = sorted(set(raw) - {"kv_dtype", "rotations"})
+        unknown = sorted(set(raw) - set(_KNOWN))
         if unknown:
             raise InputError(
                 f"oscarkv: unknown option(s) {unknown} in additional_config['oscarkv']; "
-                "known: kv_dtype, rotations"
+                f"known: {', '.join(_KNOWN)}"
+            )
+        if "absorb_v" in raw and raw.get("kv_dtype", "bf16") != "int2":
+            raise InputError(
+                "oscarkv: absorb_v applies to kv_dtype='int2' only (16-bit passthrough uses no rotations)"
             )
         return cls(**raw)
