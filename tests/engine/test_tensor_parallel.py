@@ -18,8 +18,8 @@ from conftest import SHARED_DIR, random_orthogonal, tiny_lm_config
 from oscarkv import LLM, QuantSpec, SamplingParams
 from oscarkv.demo import demo_model_path
 from oscarkv.engine.distributed import TensorParallelError
-from oscarkv.engine.model_runner import StepMsg
 from oscarkv.engine.models.parallel import VocabParallelEmbedding, checkpoint_shard, vocab_shard
+from oscarkv.engine.tp_step import StepMsg
 from oscarkv.errors import ModelError
 from oscarkv.rotation import LayerRotation, RotationSet, save_rotations
 

@@ -2,7 +2,7 @@
 per-step message from rank 0, and failures.
 
 Rank 0 is the engine's own process: it owns the scheduler and planner, plans each step on the
-host and sends the plan (a pickled :class:`~oscarkv.engine.model_runner.StepMsg`) to every
+host and sends the plan (a pickled :class:`~oscarkv.engine.tp_step.StepMsg`) to every
 worker over its own pipe; then all ranks run the same forward on their own pools (identical page
 ids) and the collectives inside it (gloo on CPU, NCCL on CUDA) keep them in lock step. A pipe,
 not a collective, carries the steps so that an idle worker waits for work without a timeout and

@@ -16,7 +16,6 @@ import dataclasses
 import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,21 +26,20 @@ from ..errors import InputError
 from ..kernels import resolve
 from ..kernels.devices import resolve_device
 from ..quant import RowFormat
-from ..rotation import LayerRotation, LayerShift, RotationSet, load_rotations
+from ..rotation import LayerShift, RotationSet, load_rotations
 from .attention import EngineAttention
-from .csr import Csr
 from .decode_buffers import DecodeStaging, HostDecode
 from .graphs import DecodeGraphs, batch_bucket, len_bucket
 from .kv_pool import KVPool, budget_bytes, plan_pools
 from .models import load_decoder
-from .models.loader import kv_head_slice
 from .models.parallel import Comm
 from .planner import DecodeTensors, PrefillTensors, plan_decode_host, plan_prefill
 from .request import Batch, SamplingParams
 from .sampler import make_generator, sample
 from .tokenizer import load_tokenizer
+from .tp_step import StepMsg, prefill_to, rank_rotation
 
-__all__ = ["ModelRunner", "StepMsg"]
+__all__ = ["ModelRunner"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -51,46 +49,6 @@ def _config_dict(model_dir: str) -> dict[str, Any]:
     if not p.is_file():
         raise InputError(f"model {model_dir}: no config.json", "pass a model directory")
     return json.loads(p.read_text(encoding="utf-8"))
-
-
-@dataclass(frozen=True)
-class StepMsg:
-    """One step's host plan as rank 0 sends it to the other ranks: a decode (``decode``, with
-    ``n`` real rows) or a prefill (``ids`` int64 ``[T]`` and ``prefill``, both on the CPU)."""
-
-    n: int = 0
-    decode: HostDecode | None = None
-    ids: torch.Tensor | None = None
-    prefill: PrefillTensors | None = None
-
-
-def _prefill_to(p: PrefillTensors, device: torch.device) -> PrefillTensors:
-    """``p`` with every tensor on ``device``."""
-    if device.type == "cpu":
-        return p
-
-    def move(v: object) -> object:
-        if isinstance(v, torch.Tensor):
-            return v.to(device, non_blocking=True)
-        if isinstance(v, Csr):
-            return Csr(v.indptr.to(device, non_blocking=True), v.indices.to(device, non_blocking=True),
-                       v.indptr_host)  # fmt: skip
-        return v
-
-    return PrefillTensors(**{f.name: move(getattr(p, f.name)) for f in dataclasses.fields(p)})
-
-
-def _rank_rotation(lr: LayerRotation, tp: int, rank: int) -> LayerRotation:
-    """``lr`` for one rank's KV heads: per-KV-head rotations and the offsets sliced; per-layer
-    ``[d, d]`` rotations whole."""
-
-    def cut(t: torch.Tensor | None, per_head: bool) -> torch.Tensor | None:
-        return t if t is None or not per_head else kv_head_slice(t, tp, rank)
-
-    return dataclasses.replace(
-        lr, k=cut(lr.k, lr.k.dim() == 3), v=cut(lr.v, lr.v.dim() == 3),
-        k_offset=cut(lr.k_offset, True), v_offset=cut(lr.v_offset, True),
-    )  # fmt: skip
 
 
 class ModelRunner:
@@ -159,7 +117,7 @@ class ModelRunner:
             if self.rotations is not None:
                 lr = self.rotations.layers[i]
                 if tp > 1:
-                    lr = _rank_rotation(lr, tp, rank)
+                    lr = rank_rotation(lr, tp, rank)
                 r_k, r_vv = lr.k.to(self.device, torch.float32), lr.v.to(self.device, torch.float32)
                 shift = LayerShift.build(lr, s.num_heads // tp, absorb, self.device, self.dtype)
             self.attn.append(
@@ -336,7 +294,7 @@ class ModelRunner:
             return self._prefill_logits(input_ids, p)
         p, input_ids = plan_prefill(batch, self.plan, "cpu"), torch.tensor(ids, dtype=torch.long)
         self.publish(StepMsg(ids=input_ids, prefill=p))
-        return self._prefill_logits(input_ids.to(dev, non_blocking=True), _prefill_to(p, dev))
+        return self._prefill_logits(input_ids.to(dev, non_blocking=True), prefill_to(p, dev))
 
     def _prefill_logits(self, input_ids: torch.Tensor, p: PrefillTensors) -> torch.Tensor:
         pool = self.pool
@@ -353,7 +311,7 @@ class ModelRunner:
             return self._decode_logits(step.decode, step.n)
         assert step.ids is not None and step.prefill is not None
         dev = self.device
-        return self._prefill_logits(step.ids.to(dev, non_blocking=True), _prefill_to(step.prefill, dev))
+        return self._prefill_logits(step.ids.to(dev, non_blocking=True), prefill_to(step.prefill, dev))
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[int | None]:
