@@ -50,6 +50,8 @@ __all__ = [
 
 #: the longest a collective (or the start-up rendezvous) may wait for another rank
 TIMEOUT_S = 300.0
+#: how long rank 0, its collective broken, waits for the failed worker to report and exit
+SETTLE_S = 10.0
 
 
 class TensorParallelError(RuntimeError):
@@ -161,6 +163,14 @@ def _release(procs: list[Any], conns: list[Connection], grace: float = 0.0) -> N
         dist.destroy_process_group()
 
 
+def _readable(c: Connection) -> bool:
+    """Whether ``c`` holds a message or has been closed by the worker."""
+    try:
+        return c.poll(0)
+    except (EOFError, OSError):
+        return True
+
+
 class Workers:
     """Rank 0's handle on ranks ``1..world-1``: their processes and pipes."""
 
@@ -203,8 +213,7 @@ class Workers:
         when all workers were alive (rank 0's own failure)."""
         if self.error is not None:
             return self.error
-        sentinels = [p.sentinel for p in self.procs]
-        wait(sentinels, timeout=2.0)  # a worker that took a collective down exits right away
+        self._settle(cause)
         dead = [(r + 1, p.exitcode) for r, p in enumerate(self.procs) if p.exitcode is not None]
         reports = []
         for r, c in enumerate(self.conns, 1):
@@ -237,6 +246,19 @@ class Workers:
             err.add_note("\n".join(f"--- rank {r} ---\n{text}" for r, text in reports))
         self.error = err
         return err
+
+    def _settle(self, cause: BaseException | None) -> None:
+        """Let a failing worker finish reporting and exiting before :meth:`fail` reads what
+        happened: until one worker has exited and every worker that wrote to its pipe has too.
+        A collective error on rank 0 (``RuntimeError``) means a peer went away, so wait up to
+        ``SETTLE_S``; for other failures of rank 0's own, 2 s."""
+        end = time.monotonic() + (SETTLE_S if cause is None or isinstance(cause, RuntimeError) else 2.0)
+        while (left := end - time.monotonic()) > 0:
+            exited = [p.exitcode is not None for p in self.procs]
+            wrote = [_readable(c) for c in self.conns]
+            if any(exited) and all(e or not w for e, w in zip(exited, wrote, strict=True)):
+                return
+            wait([p.sentinel for p in self.procs], timeout=min(left, 0.05))
 
     def shutdown(self, grace: float = 10.0) -> None:
         """Stop the workers (kill after ``grace`` seconds) and leave the process group."""
