@@ -86,6 +86,25 @@ def tiny_lm_config(kind: str = "qwen3", *, vocab: int, layers: int, heads: int, 
     return Qwen3Config(**kw) if kind == "qwen3" else LlamaConfig(**kw)
 
 
+def write_tiny_lm(config, out: Path) -> Path:
+    """A random-weight model of ``config`` (seed 1; embeddings scaled so greedy choices are not
+    near-ties) saved to ``out`` with the demo model's tokenizer."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from oscarkv.demo import demo_model_path
+
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(40)
+    model.save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo_model_path() / f, out / f)
+    return out
+
+
 def oscar_dict(rotations: dict, eigenvalues: dict, objective: str) -> dict:
     """A plain dict exactly as OSCAR's compute_kv_rotation.py writes it (spec §2.9)."""
     return {

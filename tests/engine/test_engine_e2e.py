@@ -4,13 +4,12 @@ chunked prefill, the prefix cache and preemption; sampling, stops, aborts and ba
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import random_orthogonal, random_rotation_set
+from conftest import random_orthogonal, random_rotation_set, write_tiny_lm
 from oscarkv import LLM, OscarCache, QuantSpec, SamplingParams
 from oscarkv.demo import demo_model_path
 from oscarkv.engine import Engine
@@ -42,14 +41,7 @@ def _tiny(kind: str, path: Path) -> Path:
     }[kind]()
     if kind == "qwen2":
         cfg.attention_bias = True  # Qwen2 has q/k/v biases
-    torch.manual_seed(1)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():  # spread the logits so greedy choices are not near-ties
-        model.get_input_embeddings().weight.mul_(40)
-    model.save_pretrained(path)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(demo_model_path() / f, path / f)
-    return path
+    return write_tiny_lm(cfg, path)
 
 
 @pytest.fixture(scope="module")

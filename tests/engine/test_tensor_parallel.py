@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SHARED_DIR, random_orthogonal, tiny_lm_config
+from conftest import SHARED_DIR, random_orthogonal, tiny_lm_config, write_tiny_lm
 from oscarkv import LLM, QuantSpec, SamplingParams
-from oscarkv.demo import demo_model_path
 from oscarkv.engine.distributed import TensorParallelError
 from oscarkv.engine.models.parallel import VocabParallelEmbedding, checkpoint_shard, vocab_shard
 from oscarkv.engine.tp_step import StepMsg
@@ -43,21 +42,8 @@ def _one_thread():
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Qwen3 (2 layers, 4 heads, 2 KV heads, head dim 128, vocab 2048, the demo
     tokenizer): what CI runs without ../shared."""
-    import shutil
-
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(1)
-    m = AutoModelForCausalLM.from_config(
-        tiny_lm_config(vocab=2048, layers=2, heads=4, kv_heads=2, head_dim=128)
-    )
-    with torch.no_grad():  # spread the logits so greedy choices are not near-ties
-        m.get_input_embeddings().weight.mul_(40)
-    out = tmp_path_factory.mktemp("tp-tiny")
-    m.save_pretrained(out)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(demo_model_path() / f, out / f)
-    return out
+    cfg = tiny_lm_config(vocab=2048, layers=2, heads=4, kv_heads=2, head_dim=128)
+    return write_tiny_lm(cfg, tmp_path_factory.mktemp("tp-tiny"))
 
 
 @pytest.fixture(scope="module", params=["tiny", pytest.param("ref", marks=pytest.mark.shared)])

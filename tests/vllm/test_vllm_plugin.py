@@ -24,9 +24,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import SHARED_DIR, random_orthogonal, random_rotation_set, tiny_lm_config
+from conftest import SHARED_DIR, random_orthogonal, random_rotation_set, tiny_lm_config, write_tiny_lm
 from oscarkv.config import QuantSpec
-from oscarkv.demo import demo_model_path
 from oscarkv.errors import InputError, OscarkvError
 from oscarkv.rotation import LayerRotation, RotationSet, save_rotations
 from oscarkv.vllm_plugin.checks import store_capacity
@@ -118,20 +117,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.skip("needs vLLM (the CPU build, docs/vllm.md)")
     if SHARED_DIR.is_dir():
         return SHARED_DIR / "models" / "oscar-ref-qwen3-30m"
-    import shutil
-
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(1)
     cfg = tiny_lm_config("qwen3", vocab=VOCAB, layers=8, heads=4, kv_heads=2, head_dim=128, positions=4096)
-    m = AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():  # spread the logits so greedy choices are not near-ties
-        m.get_input_embeddings().weight.mul_(40)
-    out = tmp_path_factory.mktemp("tiny-qwen3")
-    m.save_pretrained(out)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(demo_model_path() / f, out / f)
-    return out
+    return write_tiny_lm(cfg, tmp_path_factory.mktemp("tiny-qwen3"))
 
 
 @pytest.fixture(scope="module")

@@ -77,8 +77,8 @@ class OscarCPUAttentionImpl(OscarImplMixin, CPUAttentionBackendImpl):
         slot_mapping: torch.Tensor,
     ) -> None:
         if self.opts is None:
-            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        return self._write(key, value, kv_cache, slot_mapping)
+            return CPUAttentionBackendImpl.do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping)
+        return OscarImplMixin.do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping)
 
     def forward(
         self,
@@ -92,10 +92,7 @@ class OscarCPUAttentionImpl(OscarImplMixin, CPUAttentionBackendImpl):
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if self.opts is None:
-            return super().forward(
-                layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
-            )
-        return self._forward(
-            query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+        impl = CPUAttentionBackendImpl if self.opts is None else OscarImplMixin
+        return impl.forward(
+            self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
         )

@@ -163,24 +163,31 @@ class OscarImplMixin:
             raise RuntimeError("oscarkv: absorb_v is on but the 'oscarkv' model loader did not absorb R_V")
         self.int2 = build_int2_layer(self, setup, act_dtype, absorbed)
 
-    def _write(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
-    ) -> None:
-        """``do_kv_cache_update`` when enabled (INT2: ``forward`` writes, by tier)."""
-        if self.int2 is None:
-            write_rows(page_rows(kv_cache, self.num_kv_heads, self.head_size), key, value, slots)
-
-    def _forward(
+    def do_kv_cache_update(
         self,
+        layer: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """vLLM's write hook, ours (INT2: ``forward`` writes, by tier)."""
+        if self.int2 is None:
+            write_rows(page_rows(kv_cache, self.num_kv_heads, self.head_size), key, value, slot_mapping)
+
+    def forward(
+        self,
+        layer: Any,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         attn_metadata: Any,
         output: torch.Tensor,
-        output_scale: torch.Tensor | None,
-        output_block_scale: torch.Tensor | None,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """vLLM's attention call, ours: passthrough or INT2."""
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("oscarkv: fused output quantization is not supported")
         if attn_metadata is None:  # profiling / warm-up run

@@ -100,29 +100,3 @@ class OscarCudaAttentionImpl(OscarImplMixin, AttentionImpl[StepMetadata]):
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         self._build_int2(act_dtype)
-
-    def do_kv_cache_update(
-        self,
-        layer: torch.nn.Module,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        self._write(key, value, kv_cache, slot_mapping)
-
-    def forward(
-        self,
-        layer: Any,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: StepMetadata | None,
-        output: torch.Tensor,
-        output_scale: torch.Tensor | None = None,
-        output_block_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self._forward(
-            query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
-        )
