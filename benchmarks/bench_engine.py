@@ -202,14 +202,19 @@ def bench_one(
     base = EngineConfig(model=str(mdir), rotations=str(rot) if rot else None, kv_dtype=kv_dtype,
                         device=args.device, backend=args.backend, kv_budget_gb=budget / GIB,
                         load_format="dummy", max_model_len=tokens + 1,
-                        max_batched_tokens=args.max_batched_tokens)  # fmt: skip
+                        max_batched_tokens=args.max_batched_tokens,
+                        graph_capture=args.graph_capture)  # fmt: skip
     mr = (
         capacity(base, SHAPES[args.shape], tokens, budget, dtype)
         if args.max_running == "auto"
         else int(args.max_running)
     )
     cfg = dataclasses.replace(base, max_running=mr)
+    t0 = time.perf_counter()
     eng = Engine(cfg)
+    start_s = time.perf_counter() - t0
+    g = eng.runner.graphs
+    n0, s0 = (len(g.graphs), g.capture_s) if g is not None else (0, 0.0)
     # warm-up: one request of the workload's prompt length compiles the kernels, captures the
     # decode graph of its context bucket (captures are lazy) and fills the allocator's cache; its
     # tokens reversed, so that no job's prompt hits the prefix cache
@@ -229,6 +234,10 @@ def bench_one(
     else:
         res = run_jobs(eng, prompts, args.gen_len, args.device)
     rep = eng.memory_report()
+    if g is not None:  # graphs captured at start-up, and lazily (warm-up and timed run)
+        res.update(graphs_startup=n0, graphs_startup_s=s0, graphs_lazy=len(g.graphs) - n0,
+                   graphs_lazy_s=g.capture_s - s0)  # fmt: skip
+    res.update(engine_start_s=start_s)
     res.update(max_running=mr, pool_bytes=rep["total_bytes"], int2_bytes=rep["int2_bytes"],
                hp_paged_bytes=rep["hp_paged_bytes"], ring_bytes=rep["ring_bytes"],
                backend=eng.runner.ops.backend.value)  # fmt: skip
@@ -247,14 +256,17 @@ ROWS = (("jobs/min", "jobs_per_min", "{:.2f}"), ("output tok/s", "output_tok_s",
         ("max_running", "max_running", "{}"), ("preemptions", "preemptions", "{}"), ("steps", "steps", "{}"),
         ("KV pools GiB", "pool_bytes", "gib"), ("  INT2 pages GiB", "int2_bytes", "gib"),
         ("  16-bit pages GiB", "hp_paged_bytes", "gib"), ("  rings GiB", "ring_bytes", "gib"),
-        ("peak GPU GiB", "peak_gpu_gib", "{:.1f}"), ("wall s", "wall_s", "{:.1f}"))  # fmt: skip
+        ("peak GPU GiB", "peak_gpu_gib", "{:.1f}"), ("wall s", "wall_s", "{:.1f}"),
+        ("engine start s", "engine_start_s", "{:.1f}"),
+        ("graphs at start-up (s)", ("graphs_startup", "graphs_startup_s"), "{:.4g}"),
+        ("graphs captured later (s)", ("graphs_lazy", "graphs_lazy_s"), "{:.4g}"))  # fmt: skip
 
 
 def _cell(r: dict, key, fmt: str) -> str:
     keys = key if isinstance(key, tuple) else (key,)
     if fmt == "gib":
         return " / ".join(f"{r[k] / GIB:.2f}" for k in keys)
-    return " / ".join(fmt.format(r[k]) for k in keys)
+    return " / ".join(fmt.format(r[k]) if k in r else "-" for k in keys)
 
 
 def table(res: dict[str, dict]) -> str:
@@ -276,6 +288,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     ap.add_argument("--max-running", default="auto", help="auto (each side's capacity) or an integer")
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--kv-dtypes", default="int2,bf16")
+    ap.add_argument("--graph-capture", choices=("startup", "lazy"), default="startup",
+                    help="startup: every decode graph before the timed run (steady state); lazy: as the run needs them")  # fmt: skip
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--name", help="result name (default: bench_engine_<shape>_<workload>)")

@@ -308,6 +308,7 @@ def test_bad_engine_configs(models, demo_rotations, tmp_path: Path) -> None:
         ({"kv_dtype": "int4"}, "kv_dtype"),
         ({"kv_dtype": "bf16", "cuda_graphs": "yes"}, "cuda_graphs"),
         ({"kv_dtype": "bf16", "cuda_graphs": "on"}, "cuda_graphs on cannot run"),
+        ({"kv_dtype": "bf16", "graph_capture": "eager"}, "graph_capture"),
         ({"nonsense": 1}, "unknown option"),
     ]:
         with pytest.raises(OscarkvError, match=words):

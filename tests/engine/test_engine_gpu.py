@@ -58,6 +58,23 @@ def test_graph_replay_equals_eager(kv: str, rot: Path) -> None:
     assert a == b
 
 
+@pytest.mark.parametrize("kv", ["int2", "bf16"])
+def test_startup_capture_covers_every_step(kv: str, rot: Path) -> None:
+    """graph_capture="startup" captures before the first request every graph that steps can use:
+    a run that crosses batch and length buckets captures nothing more, and equals lazy capture."""
+    prompts = _prompts((5, 40, 300, 700))
+    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    eager = _llm(kv, rot, cuda_graphs="on", graph_capture="startup", max_model_len=1024)
+    g = eager.engine.runner.graphs
+    assert g is not None
+    keys = set(g.graphs)
+    assert {k[0] for k in keys} == {1, 2, 4, 8, 16} and g.capture_s > 0
+    a = [o.token_ids for o in eager.generate(prompts, params)]
+    assert set(g.graphs) == keys, f"captured after start-up: {sorted(set(g.graphs) - keys)}"
+    lazy = _llm(kv, rot, cuda_graphs="on", max_model_len=1024)
+    assert a == [o.token_ids for o in lazy.generate(prompts, params)]
+
+
 def _live_rows(llm: LLM) -> tuple[set[int], set[int]]:
     """(INT2 rows, 16-bit rows) that running requests own, plus the dummy page of each pool."""
     eng, plan = llm.engine, llm.engine.runner.plan

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from oscarkv import QuantSpec
 from oscarkv.engine.csr import PageList, Segments
 from oscarkv.engine.decode_buffers import DecodeLayout, DecodeStaging
-from oscarkv.engine.graphs import len_bucket
+from oscarkv.engine.graphs import len_bucket, len_buckets
 from oscarkv.engine.kv_pool import PoolPlan
 from oscarkv.engine.planner import DecodeTensors, _check, _post, _Step, plan_decode, plan_decode_host
 from oscarkv.engine.request import Batch, SamplingParams, Sequence, StepSeq
@@ -186,6 +186,14 @@ def test_plan_decode_equals_device_built(int2: bool, data: st.DataObject) -> Non
     assert ids.tolist() == [it.seq.tokens[it.start] for it in batch.items] + [0] * (b - n)
     assert got.positions.data_ptr() == h.h64[h.layout.s64("positions")].data_ptr()  # views, no copy
     assert h.used32 <= h.layout.n32
+
+
+@given(st.integers(0, 70_000))
+def test_len_buckets_hold_every_bucket_up_to_n(n: int) -> None:
+    """Start-up capture relies on it: every length a step can plan is among the buckets."""
+    bs = len_buckets(n)
+    assert bs == sorted(set(bs)) and bs[-1] == len_bucket(n)
+    assert {len_bucket(m) for m in (0, 1, n // 3, n // 2, n - 1, n) if 0 <= m <= n} <= set(bs)
 
 
 def test_plan_decode_refuses_too_many_demotions() -> None:

@@ -58,6 +58,11 @@ class EngineConfig:
         "capture decode steps in CUDA graphs: auto (on CUDA with the triton backend) | on | off",
         default="auto",
     )
+    graph_capture: str = help_field(
+        "when decode graphs are captured: lazy (a step's first use of its shape) | startup (every "
+        "batch and length bucket up to max_running and max_model_len, before the first request)",
+        default="lazy",
+    )
     check_invariants: bool = help_field("check page accounting after every step (tests)", default=False)
     spec: QuantSpec | None = field(default=None, metadata={"help": "QuantSpec override", "cli": False})
 
@@ -73,6 +78,8 @@ class EngineConfig:
             raise field_error(n, "dtype", "auto | bf16 | fp16 | fp32", self.dtype, True)
         if self.cuda_graphs not in ("auto", "on", "off"):
             raise field_error(n, "cuda_graphs", "auto | on | off", self.cuda_graphs, True)
+        if self.graph_capture not in ("lazy", "startup"):
+            raise field_error(n, "graph_capture", "lazy | startup", self.graph_capture, True)
         if self.backend not in ("auto", "torch", "triton"):
             raise field_error(n, "backend", "auto | torch | triton", self.backend, True)
         b = self.kv_budget_gb

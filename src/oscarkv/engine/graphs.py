@@ -5,7 +5,7 @@ captured or not, so a graph replay and an eager step launch the same kernels wit
 and give the same tokens. Padding rows write nothing: their new K/V rows go to ``-1`` (skipped),
 their demotions move the dummy 16-bit row 0 to the dummy INT2 row 0, and their lists are empty.
 
-A graph is captured the first time its key is seen: one eager run on the static buffers (all
+A graph is captured the first time its key is seen (or all at start-up, :meth:`DecodeGraphs.capture_all`): one eager run on the static buffers (all
 lists empty, no writes outside the dummy pages) compiles and warms every kernel, then the capture.
 The static inputs are views of two flat device buffers (int64, int32) laid out like the host
 step (:class:`~oscarkv.engine.decode_buffers.DecodeLayout`, lists sized for the bucket), so a
@@ -15,6 +15,7 @@ states are a view of the graph's output (the LM head runs eagerly).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ import torch
 
 from .decode_buffers import DecodeLayout, DecodeStaging, DecodeTensors, HostDecode
 
-__all__ = ["DecodeGraphs", "batch_bucket", "len_bucket"]
+__all__ = ["DecodeGraphs", "batch_bucket", "len_bucket", "len_buckets"]
 
 #: the shortest list-length bucket; above it, powers of two
 MIN_LEN_BUCKET = 256
@@ -37,6 +38,14 @@ def batch_bucket(n: int, max_batch: int) -> int:
         step = 8 if n <= 64 else 16
         b = -(-n // step) * step
     return min(b, max_batch)
+
+
+def len_buckets(n: int) -> list[int]:
+    """Every :func:`len_bucket` value of lists of 0 to ``n`` tokens, ascending."""
+    out = [0]
+    while out[-1] < len_bucket(n):
+        out.append(max(MIN_LEN_BUCKET, 2 * out[-1]))
+    return out
 
 
 def len_bucket(n: int) -> int:
@@ -62,14 +71,41 @@ class DecodeGraphs:
     steps reach them through ``staging``'s copies."""
 
     def __init__(
-        self, forward: Forward, device: torch.device, demote_block: int, int2: bool, staging: DecodeStaging
+        self, forward: Forward, device: torch.device, demote_block: int, window: int, staging: DecodeStaging
     ):
+        """``window``: the most 16-bit rows an INT2 sequence keeps (sink + ring + demotion
+        slack); 0 for 16-bit pools."""
         self.forward, self.device, self.staging = forward, device, staging
-        self.demote_rows = demote_block if int2 else 0
+        self.demote_rows, self.window = (demote_block if window else 0), window
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        self.capture_s = 0.0  # wall time spent capturing (kernel compiles included)
 
     def capture(self, b: int, lens: tuple[int, int]) -> _Graph:
+        torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        g = self._capture(b, lens)
+        torch.cuda.synchronize(self.device)
+        self.capture_s += time.perf_counter() - t0
+        return g
+
+    def capture_all(self, max_batch: int, max_len: int) -> int:
+        """Capture the graph of every key that steps of at most ``max_batch`` rows over sequences
+        of at most ``max_len`` tokens can use; returns how many were new."""
+        before = len(self.graphs)
+        if self.window:  # INT2: the 16-bit lists hold the sink and the ring (plus demotion slack)
+            q_max, hp_max = max_len, self.window
+        else:
+            q_max, hp_max = 0, max_len
+        batches = sorted({batch_bucket(n, max_batch) for n in range(1, max_batch + 1)})
+        for b in batches:
+            for q in len_buckets(q_max):
+                for h in len_buckets(hp_max)[1:]:  # a step always stores one 16-bit row
+                    if (b, q, h) not in self.graphs:
+                        self.capture(b, (q, h))
+        return len(self.graphs) - before
+
+    def _capture(self, b: int, lens: tuple[int, int]) -> _Graph:
         layout = DecodeLayout.bucketed(b, b * self.demote_rows, lens)
         d64 = torch.zeros(layout.n64, dtype=torch.long, device=self.device)
         d64[layout.s64("decode_dst")] = -1

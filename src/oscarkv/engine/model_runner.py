@@ -129,6 +129,8 @@ class ModelRunner:
         self.pad_decode = self.device.type == "cuda"
         self.staging = DecodeStaging(self.device, pinned=rank == 0)
         self.graphs = self._graphs()
+        if self.graphs is not None and cfg.graph_capture == "startup":
+            self.graphs.capture_all(self.plan.max_running, self.max_model_len)
 
     @torch.inference_mode()
     def _profile_prefill(self) -> int:
@@ -171,7 +173,14 @@ class ModelRunner:
         else:
             tiers = f"{plan.hp_pages - 1} 16-bit pages ({(plan.hp_pages - 1) * ps} tokens)"
         peak = f", prefill peak {self.activation_peak / gib:.2f} GiB reserved" if self.activation_peak else ""
-        graphs = "on" if self.graphs is not None else "off"
+        g = self.graphs
+        graphs = (
+            "off"
+            if g is None
+            else f"on ({len(g.graphs)} captured in {g.capture_s:.1f} s)"
+            if g.graphs
+            else "on"
+        )
         tp = f"; tensor parallel {self.tp} (pools per rank)" if self.tp > 1 else ""
         return (
             f"KV pools {plan.total_bytes / gib:.2f} GiB ({self.cfg.kv_dtype}): {tiers}; max_running "
@@ -187,9 +196,9 @@ class ModelRunner:
         elif self.tp > 1 and mode == "auto":  # NCCL inside captured graphs is untested here
             return None
         if why is None and mode != "off":
-            return DecodeGraphs(
-                self._decode_hidden, self.device, self.spec.demote_block, self.plan.int2, self.staging
-            )
+            sp = self.spec
+            window = sp.sink_tokens + sp.recent_tokens + sp.demote_block if self.plan.int2 else 0
+            return DecodeGraphs(self._decode_hidden, self.device, sp.demote_block, window, self.staging)
         if mode == "on" and why is not None:
             raise InputError(
                 f"cuda_graphs on cannot run: {why}", "use cuda_graphs auto or off (--cuda-graphs)"
