@@ -4,7 +4,7 @@
 set -u
 . lab/gpu_lib.sh
 step "decode-heavy 40 x 1K+4K, bf16 fits 8"
-timeout 560 python benchmarks/bench_engine.py --shape qwen3-8b --workload decode --gen-len 4096 --jobs 40 \
-  --name bench_engine_qwen3-8b_decode_4k 2>&1 | grep -E "^\||int2 / bf16|jobs/min"
+timeout 560 python benchmarks/bench_engine.py --shape qwen3-8b --workload decode --gen-len ${GEN:-4096} --jobs ${JOBS:-40} \
+  --name bench_engine_qwen3-8b_decode_${GEN:-4096} 2>&1 | grep -E "^\||int2 / bf16|jobs/min"
 sync_out
 step done

@@ -8,10 +8,11 @@ top of the budget-3.0 recipe.
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 from oscarkv.rotation import RotationSet, load_rotations, save_rotations
 
-root, rank = sys.argv[1], json.load(open(sys.argv[2]))
+root, rank = sys.argv[1], json.loads(Path(sys.argv[2]).read_text())
 
 
 def k4(lr):
