@@ -14,6 +14,7 @@ from conftest import random_rotation_set
 from oscarkv import LLM, SamplingParams
 from oscarkv.demo import demo_model_path
 from oscarkv.engine import model_runner
+from oscarkv.errors import InputError
 from oscarkv.kernels import ref
 from oscarkv.rotation import save_rotations
 
@@ -73,6 +74,16 @@ def test_startup_capture_covers_every_step(kv: str, rot: Path) -> None:
     assert set(g.graphs) == keys, f"captured after start-up: {sorted(set(g.graphs) - keys)}"
     lazy = _llm(kv, rot, cuda_graphs="on", max_model_len=1024)
     assert a == [o.token_ids for o in lazy.generate(prompts, params)]
+
+
+def test_startup_capture_refuses_what_memory_cannot_hold(rot: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The graphs' static inputs are sized before any capture; more than half the free memory is
+    a clear InputError naming the fix, not an out-of-memory error mid-capture."""
+    free = 1 << 20  # 1 MiB "free": the 40 graphs of 16 x 1024 tokens need 0.87 MiB of inputs
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 << 30))
+    with pytest.raises(InputError, match="graph_capture startup: the static inputs of") as e:
+        _llm("int2", rot, cuda_graphs="on", graph_capture="startup", max_model_len=1024)
+    assert "lower max_running or max_model_len" in e.value.hint
 
 
 def _live_rows(llm: LLM) -> tuple[set[int], set[int]]:

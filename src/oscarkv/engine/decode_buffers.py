@@ -88,6 +88,11 @@ class DecodeLayout:
     def n32(self) -> int:
         return self.s32("q_ids").stop
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the two flat buffers (int64, int32) of a step in this layout."""
+        return 8 * self.n64 + 4 * self.n32
+
     def views(
         self,
         d64: torch.Tensor,

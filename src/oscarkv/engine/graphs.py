@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InputError
 from .decode_buffers import DecodeLayout, DecodeStaging, DecodeTensors, HostDecode
 
 __all__ = ["DecodeGraphs", "batch_bucket", "len_bucket", "len_buckets"]
@@ -91,22 +92,36 @@ class DecodeGraphs:
 
     def capture_all(self, max_batch: int, max_len: int) -> int:
         """Capture the graph of every key that steps of at most ``max_batch`` rows over sequences
-        of at most ``max_len`` tokens can use; returns how many were new."""
+        of at most ``max_len`` tokens can use; returns how many were new. Raises
+        :class:`InputError` before capturing when their static inputs would take more than half
+        of the free device memory."""
         before = len(self.graphs)
         if self.window:  # INT2: the 16-bit lists hold the sink and the ring (plus demotion slack)
             q_max, hp_max = max_len, self.window
         else:
             q_max, hp_max = 0, max_len
         batches = sorted({batch_bucket(n, max_batch) for n in range(1, max_batch + 1)})
-        for b in batches:
-            for q in len_buckets(q_max):
-                for h in len_buckets(hp_max)[1:]:  # a step always stores one 16-bit row
-                    if (b, q, h) not in self.graphs:
-                        self.capture(b, (q, h))
+        # a step always stores one 16-bit row, so its 16-bit bucket is never 0
+        keys = [(b, q, h) for b in batches for q in len_buckets(q_max) for h in len_buckets(hp_max)[1:]]
+        keys = [k for k in keys if k not in self.graphs]
+        need = sum(self._layout(b, (q, h)).nbytes for b, q, h in keys)
+        free = torch.cuda.mem_get_info(self.device)[0]
+        if need > free // 2:
+            raise InputError(
+                f"graph_capture startup: the static inputs of {len(keys)} decode graphs (batch up to "
+                f"{max_batch}, sequences up to {max_len} tokens) take {need / 2**30:.1f} GiB, more than "
+                f"half of the {free / 2**30:.1f} GiB free",
+                "lower max_running or max_model_len, or use graph_capture lazy",
+            )
+        for b, q, h in keys:
+            self.capture(b, (q, h))
         return len(self.graphs) - before
 
+    def _layout(self, b: int, lens: tuple[int, int]) -> DecodeLayout:
+        return DecodeLayout.bucketed(b, b * self.demote_rows, lens)
+
     def _capture(self, b: int, lens: tuple[int, int]) -> _Graph:
-        layout = DecodeLayout.bucketed(b, b * self.demote_rows, lens)
+        layout = self._layout(b, lens)
         d64 = torch.zeros(layout.n64, dtype=torch.long, device=self.device)
         d64[layout.s64("decode_dst")] = -1
         d32 = torch.zeros(layout.n32, dtype=torch.int32, device=self.device)
