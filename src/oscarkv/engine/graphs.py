@@ -5,8 +5,9 @@ captured or not, so a graph replay and an eager step launch the same kernels wit
 and give the same tokens. Padding rows write nothing: their new K/V rows go to ``-1`` (skipped),
 their demotions move the dummy 16-bit row 0 to the dummy INT2 row 0, and their lists are empty.
 
-A graph is captured the first time its key is seen (or all at start-up, :meth:`DecodeGraphs.capture_all`): one eager run on the static buffers (all
-lists empty, no writes outside the dummy pages) compiles and warms every kernel, then the capture.
+A graph is captured the first time its key is seen, or every graph at start-up
+(:meth:`DecodeGraphs.capture_all`): one eager run on the static buffers (all lists empty, no
+writes outside the dummy pages) compiles and warms every kernel, then the capture.
 The static inputs are views of two flat device buffers (int64, int32) laid out like the host
 step (:class:`~oscarkv.engine.decode_buffers.DecodeLayout`, lists sized for the bucket), so a
 replay is one copy per dtype from the pinned staging buffers, then the replay; the final hidden
@@ -74,8 +75,8 @@ class DecodeGraphs:
     def __init__(
         self, forward: Forward, device: torch.device, demote_block: int, window: int, staging: DecodeStaging
     ):
-        """``window``: the most 16-bit rows an INT2 sequence keeps (sink + ring + demotion
-        slack); 0 for 16-bit pools."""
+        """``window``: the most 16-bit rows an INT2 sequence keeps (its sink and ring slab); 0
+        for 16-bit pools."""
         self.forward, self.device, self.staging = forward, device, staging
         self.demote_rows, self.window = (demote_block if window else 0), window
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
@@ -96,7 +97,7 @@ class DecodeGraphs:
         :class:`InputError` before capturing when their static inputs would take more than half
         of the free device memory."""
         before = len(self.graphs)
-        if self.window:  # INT2: the 16-bit lists hold the sink and the ring (plus demotion slack)
+        if self.window:  # INT2: the 16-bit lists hold the sink and the ring
             q_max, hp_max = max_len, self.window
         else:
             q_max, hp_max = 0, max_len

@@ -196,9 +196,11 @@ class ModelRunner:
         elif self.tp > 1 and mode == "auto":  # NCCL inside captured graphs is untested here
             return None
         if why is None and mode != "off":
-            sp = self.spec
-            window = sp.sink_tokens + sp.recent_tokens + sp.demote_block if self.plan.int2 else 0
-            return DecodeGraphs(self._decode_hidden, self.device, sp.demote_block, window, self.staging)
+            plan = self.plan  # an INT2 sequence's 16-bit rows: its sink pages and its ring slab
+            window = plan.sink_pages * plan.page_tokens + plan.ring_cap if plan.int2 else 0
+            return DecodeGraphs(
+                self._decode_hidden, self.device, self.spec.demote_block, window, self.staging
+            )
         if mode == "on" and why is not None:
             raise InputError(
                 f"cuda_graphs on cannot run: {why}", "use cuda_graphs auto or off (--cuda-graphs)"
