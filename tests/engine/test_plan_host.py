@@ -9,6 +9,7 @@ padded or not, in INT2 and BF16 mode; the flat-buffer layout must keep its regio
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,7 +22,16 @@ from oscarkv.engine.csr import PageList, Segments
 from oscarkv.engine.decode_buffers import DecodeLayout, DecodeStaging
 from oscarkv.engine.graphs import len_bucket, len_buckets
 from oscarkv.engine.kv_pool import PoolPlan
-from oscarkv.engine.planner import DecodeTensors, _check, _post, _Step, plan_decode, plan_decode_host
+from oscarkv.engine.planner import (
+    DecodeTensors,
+    _check,
+    _post,
+    _Step,
+    _tables_for,
+    fill_lists,
+    plan_decode,
+    plan_decode_host,
+)
 from oscarkv.engine.request import Batch, SamplingParams, Sequence, StepSeq
 from oscarkv.quant.tiers import Moves, TierState, plan_moves, window_limit
 
@@ -80,8 +90,11 @@ def test_ring_wraps_and_rows_np_checks_out() -> None:
 
 
 # ---- plan_decode: host-built == device-built -----------------------------------------------
-def _plan_decode_torch(batch: Batch, plan: PoolPlan, bs_pad: int | None, demote_block: int) -> DecodeTensors:
-    """The device-built ``plan_decode`` this change replaced (torch ops over the same tables)."""
+def _plan_decode_torch(
+    batch: Batch, plan: PoolPlan, bs_pad: int | None, demote_block: int
+) -> SimpleNamespace:
+    """The device-built ``plan_decode`` the host planner replaced (torch ops over segment tables
+    that list every stored row): the oracle of the page-table plan."""
     step, lens_q, lens_h = _Step(batch, plan), [0], [0]
     n = len(batch.items)
     b_pad = n if bs_pad is None else bs_pad
@@ -106,7 +119,7 @@ def _plan_decode_torch(batch: Batch, plan: PoolPlan, bs_pad: int | None, demote_
         fixed = bs_pad * demote_block
         src = torch.cat([src, src.new_zeros(fixed - src.numel())])
         dst = torch.cat([dst, dst.new_zeros(fixed - dst.numel())])
-    return DecodeTensors(
+    return SimpleNamespace(
         positions=torch.tensor(pos + [0] * (b_pad - n), dtype=torch.long),
         decode_dst=decode_dst,
         demote_src=src,
@@ -153,7 +166,7 @@ def decode_steps(draw: st.DrawFn, int2: bool) -> tuple[Batch, PoolPlan, QuantSpe
     return Batch("decode", tuple(items)), plan, spec
 
 
-def _assert_same(got: DecodeTensors, want: DecodeTensors) -> None:
+def _assert_same(got: DecodeTensors, want: SimpleNamespace) -> None:
     for f in ("positions", "decode_dst", "demote_src", "demote_dst"):
         g, w = getattr(got, f), getattr(want, f)
         assert g.dtype == w.dtype == torch.long and g.tolist() == w.tolist(), f
@@ -175,17 +188,24 @@ def test_plan_decode_equals_device_built(int2: bool, data: st.DataObject) -> Non
     b = data.draw(st.integers(n, n + 3))
     want = _plan_decode_torch(batch, plan, b, db)
     _assert_same(plan_decode(batch, plan, "cpu", bs_pad=b, demote_block=db), want)
-    # what CUDA runs: bucketed lens and a graph's capacities, in one buffer per dtype
-    h = plan_decode_host(batch, plan, b, db, bucket=len_bucket)
-    ids, got = h.tensors("cpu")
+    # what CUDA runs: bucketed lens and a graph's capacities, in one buffer per dtype, the lists
+    # filled from page tables that earlier steps brought up to date
+    tables = _tables_for(batch, plan)
+    h = plan_decode_host(batch, plan, b, db, bucket=len_bucket, tables=tables)
+    got = h.views(h.h64, h.h32)
+    fill_lists(got, tables, plan)
     lens = want.lens_hint
     _assert_same(
-        got, DecodeTensors(**{**vars(want), "lens_hint": (len_bucket(lens[0]), len_bucket(lens[1]))})
+        got, SimpleNamespace(**{**vars(want), "lens_hint": (len_bucket(lens[0]), len_bucket(lens[1]))})
     )
     assert h.layout == DecodeLayout.bucketed(b, b * db if plan.int2 else 0, h.lens_hint)
-    assert ids.tolist() == [it.seq.tokens[it.start] for it in batch.items] + [0] * (b - n)
+    assert got.ids.tolist() == [it.seq.tokens[it.start] for it in batch.items] + [0] * (b - n)
+    assert got.slots.tolist()[:n] == [it.seq.slot for it in batch.items]
     assert got.positions.data_ptr() == h.h64[h.layout.s64("positions")].data_ptr()  # views, no copy
-    assert h.used32 <= h.layout.n32
+    assert h.used32 == h.layout.meta32 <= h.layout.n32
+    assert h.changes.shape[1] == sum(len(it.seq.q_pages) + len(it.seq.hp_pages) for it in batch.items)
+    # the next step of the same sequences sends no page that the tables already hold
+    assert plan_decode_host(batch, plan, b, db, bucket=len_bucket, tables=tables).changes.shape[1] == 0
 
 
 @given(st.integers(0, 70_000))
@@ -214,15 +234,16 @@ def test_layout_regions_are_aligned_and_apart(b: int, nd: int, cap_h: int, cap_q
     lay = DecodeLayout(b, nd, cap_h, cap_q)
     for names, get, n, align in (
         (("ids", "positions", "decode_dst", "demote_src", "demote_dst"), lay.s64, lay.n64, 32),
-        (("q_indptr", "hp_indptr", "hp_ids", "q_ids"), lay.s32, lay.n32, 64),
+        (("q_indptr", "hp_indptr", "slots", "n_sink", "head", "hp_ids", "q_ids"), lay.s32, lay.n32, 64),
     ):
         spans = [get(x) for x in names]
         assert all(s.start % align == 0 for s in spans)
         assert all(a.stop <= c.start for a, c in itertools.pairwise(spans)) and spans[-1].stop == n
-    ids, t = lay.views(
+    t = lay.views(
         torch.zeros(lay.n64, dtype=torch.long), torch.zeros(lay.n32, dtype=torch.int32), lens=(7, 9)
     )
-    assert ids.numel() == t.positions.numel() == t.decode_dst.numel() == b and t.demote_src.numel() == nd
+    assert t.ids.numel() == t.positions.numel() == t.decode_dst.numel() == t.slots.numel() == b
+    assert t.demote_src.numel() == nd and lay.meta32 == lay.s32("hp_ids").start
     assert (t.q.indices.numel(), t.hp.indices.numel(), t.lens_hint) == (cap_q, cap_h, (7, 9))
     assert t.q.indptr_host == (0,) * (b + 1) and t.hp.indptr.numel() == b + 1
 
@@ -261,10 +282,10 @@ def test_pinned_staging_is_not_refilled_before_its_copy_ran() -> None:
         d32 = torch.empty(h.layout.n32, dtype=torch.int32, device=dev)
         staging.copy(h, d64, d32)
         got.append(h.views(d64, d32))
-        want.append(plan_decode_host(batch, plan, 4, spec.demote_block, len_bucket).tensors("cpu"))
+        w = plan_decode_host(batch, plan, 4, spec.demote_block, len_bucket)
+        want.append(w.views(w.h64, w.h32))
     torch.cuda.synchronize()
-    for (g_ids, g), (w_ids, w) in zip(got, want, strict=True):
-        assert g_ids.tolist() == w_ids.tolist()
-        _assert_same(
-            DecodeTensors(**{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in vars(g).items()}), w
-        )
+    for g, w in zip(got, want, strict=True):
+        for f in ("ids", "positions", "decode_dst", "demote_src", "demote_dst", "slots", "n_sink", "head"):
+            assert getattr(g, f).tolist() == getattr(w, f).tolist(), f
+        assert g.q.indptr.tolist() == w.q.indptr.tolist() and g.hp.indptr.tolist() == w.hp.indptr.tolist()

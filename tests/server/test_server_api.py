@@ -286,15 +286,15 @@ def test_non_stream_disconnect_aborts(srv: RunningServer) -> None:
 def test_health_and_metrics_during_long_prefill(srv: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
     _wait_idle(srv)
     runner = srv.engine.runner
-    real, in_prefill = runner.run, threading.Event()
+    real, in_prefill = runner.launch, threading.Event()
 
-    def slow(batch: Any) -> Any:
+    def slow(batch: Any, host: Any = None) -> Any:
         if not batch.is_decode:
             in_prefill.set()
             time.sleep(3.0)
-        return real(batch)
+        return real(batch, host)
 
-    monkeypatch.setattr(runner, "run", slow)
+    monkeypatch.setattr(runner, "launch", slow)
     res: dict = {}
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
     t = threading.Thread(
@@ -328,10 +328,10 @@ def test_queue_full_503_and_engine_death(tmp_path: Path) -> None:
             assert s.async_engine.num_live == 1
         _wait_idle(s)
 
-        def boom(batch: Any) -> Any:
+        def boom(batch: Any, host: Any = None) -> Any:
             raise RuntimeError("simulated device failure")
 
-        s.engine.runner.run = boom  # type: ignore[method-assign]
+        s.engine.runner.launch = boom  # type: ignore[method-assign]
         r3 = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
         assert "simulated" not in _assert_error(r3, 503)["message"]
         assert httpx.get(s.url + "/health").status_code == 503

@@ -63,6 +63,14 @@ class EngineConfig:
         "batch and length bucket up to max_running and max_model_len, before the first request)",
         default="lazy",
     )
+    overlap: str = help_field(
+        "overlapped scheduling: the host plans step N+1 while the device runs step N: auto (on "
+        "CUDA with one rank) | on | off",
+        default="auto",
+    )
+    step_timing: bool = help_field(
+        "record each step's host time, device time and the device's idle gap (benchmarks)", default=False
+    )
     check_invariants: bool = help_field("check page accounting after every step (tests)", default=False)
     spec: QuantSpec | None = field(default=None, metadata={"help": "QuantSpec override", "cli": False})
 
@@ -80,6 +88,10 @@ class EngineConfig:
             raise field_error(n, "cuda_graphs", "auto | on | off", self.cuda_graphs, True)
         if self.graph_capture not in ("lazy", "startup"):
             raise field_error(n, "graph_capture", "lazy | startup", self.graph_capture, True)
+        if self.overlap not in ("auto", "on", "off"):
+            raise field_error(n, "overlap", "auto | on | off", self.overlap, True)
+        if self.overlap == "on" and self.tensor_parallel > 1:  # workers take input ids from the host
+            raise field_error(n, "overlap", "auto or off with tensor_parallel > 1", self.overlap, True)
         if self.backend not in ("auto", "torch", "triton"):
             raise field_error(n, "backend", "auto | torch | triton", self.backend, True)
         b = self.kv_budget_gb

@@ -11,6 +11,7 @@ fresh tensors and the step's tensors are views of them, with no copy at all.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,16 +26,25 @@ __all__ = ["Alloc", "DecodeLayout", "DecodeStaging", "DecodeTensors", "HostDecod
 class DecodeTensors:
     """A decode step over ``B`` sequences (``B_pad`` rows with padding), one token each.
 
+    ``ids [B_pad]``: the input token of each row where the host knows it, else ``-1`` (the token
+    the last step sampled for that request slot, still on the device: overlapped scheduling).
     ``decode_dst [B_pad]``: the 16-bit row of each new token (ring row; BF16: page row; ``-1`` on
     padding). ``demote_src/dst``: 16-bit rows → INT2 rows demoted before the write (padded to
-    ``B_pad·demote_block`` with the dummy rows 0 → 0 when ``bs_pad`` is given). ``q``/``hp``: the
-    *post-step* lists (padding rows empty). ``lens_hint``: host ints ≥ the longest lists.
+    ``B_pad·demote_block`` with the dummy rows 0 → 0 when ``bs_pad`` is given). ``slots``,
+    ``n_sink``, ``head`` (int32 ``[B_pad]``): each row's request slot, sink rows and ring head
+    (BF16: ``n_sink`` = its list length), from which :func:`~.page_table.expand_lists` fills the
+    *post-step* lists ``q``/``hp`` on the device (padding rows empty). ``lens_hint``: host ints ≥
+    the longest lists. ``filled``: whether the lists' ids are written yet.
     """
 
+    ids: torch.Tensor  # long [B_pad]
     positions: torch.Tensor  # long [B_pad]
     decode_dst: torch.Tensor  # long [B_pad]
     demote_src: torch.Tensor
     demote_dst: torch.Tensor
+    slots: torch.Tensor  # int32 [B_pad]
+    n_sink: torch.Tensor  # int32 [B_pad]
+    head: torch.Tensor  # int32 [B_pad]
     q: Csr
     hp: Csr
     lens_hint: tuple[int, int]
@@ -45,7 +55,8 @@ def _up(n: int, m: int) -> int:
 
 
 _F64 = ("ids", "positions", "decode_dst", "demote_src", "demote_dst")
-_F32 = ("q_indptr", "hp_indptr", "hp_ids", "q_ids")
+_F32 = ("q_indptr", "hp_indptr", "slots", "n_sink", "head", "hp_ids", "q_ids")
+_META32 = 5  # the int32 fields the host writes; the lists after them are filled on the device
 
 
 @dataclass(frozen=True)
@@ -55,9 +66,9 @@ class DecodeLayout:
 
     * int64 ``[n64]``: ``ids``, ``positions``, ``decode_dst`` (``b`` each), ``demote_src``,
       ``demote_dst`` (``nd`` each);
-    * int32 ``[n32]``: ``q_indptr``, ``hp_indptr`` (``b+1`` each), ``hp_ids`` (``cap_h``),
-      ``q_ids`` (``cap_q``): the long INT2 lists last, so a step copies only the prefix up to its
-      last INT2 id.
+    * int32 ``[n32]``: ``q_indptr``, ``hp_indptr`` (``b+1`` each), ``slots``, ``n_sink``, ``head``
+      (``b`` each), then ``hp_ids`` (``cap_h``) and ``q_ids`` (``cap_q``), which only the device
+      writes: a step copies the prefix up to ``meta32``.
     """
 
     b: int
@@ -76,9 +87,10 @@ class DecodeLayout:
         return slice(o, o + (self.b if i < 3 else self.nd))
 
     def s32(self, name: str) -> slice:
-        i, a = _F32.index(name), _up(self.b + 1, 64)
-        o = min(i, 2) * a + (i == 3) * _up(self.cap_h, 64)
-        return slice(o, o + (self.b + 1, self.b + 1, self.cap_h, self.cap_q)[i])
+        i = _F32.index(name)
+        sizes = (self.b + 1, self.b + 1, self.b, self.b, self.b, self.cap_h, self.cap_q)
+        o = sum(_up(n, 64) for n in sizes[:i])
+        return slice(o, o + sizes[i])
 
     @property
     def n64(self) -> int:
@@ -87,6 +99,11 @@ class DecodeLayout:
     @property
     def n32(self) -> int:
         return self.s32("q_ids").stop
+
+    @property
+    def meta32(self) -> int:
+        """The int32 prefix the host writes (everything before the lists)."""
+        return self.s32(_F32[_META32]).start
 
     @property
     def nbytes(self) -> int:
@@ -100,32 +117,36 @@ class DecodeLayout:
         q_ptr: tuple[int, ...] | None = None,
         hp_ptr: tuple[int, ...] | None = None,
         lens: tuple[int, int] = (0, 0),
-    ) -> tuple[torch.Tensor, DecodeTensors]:
-        """Input ids ``[b]`` and :class:`DecodeTensors` (``lens_hint = lens``) as views of
-        ``d64``/``d32``, the lists sized by a step's host indptrs ``q_ptr``/``hp_ptr``; without
-        them, a graph's static tensors (indptrs of empty lists, ids at full capacity)."""
+    ) -> DecodeTensors:
+        """:class:`DecodeTensors` (``lens_hint = lens``) as views of ``d64``/``d32``, the lists
+        sized by a step's host indptrs ``q_ptr``/``hp_ptr``; without them, a graph's static
+        tensors (indptrs of empty lists, lists at full capacity)."""
         if q_ptr is None or hp_ptr is None:
             q_ptr = hp_ptr = (0,) * (self.b + 1)
             nq, nh = self.cap_q, self.cap_h
         else:
             nq, nh = q_ptr[-1], hp_ptr[-1]
         qi, hi = self.s32("q_ids").start, self.s32("hp_ids").start
-        t = DecodeTensors(
+        return DecodeTensors(
+            ids=d64[self.s64("ids")],
             positions=d64[self.s64("positions")],
             decode_dst=d64[self.s64("decode_dst")],
             demote_src=d64[self.s64("demote_src")],
             demote_dst=d64[self.s64("demote_dst")],
+            slots=d32[self.s32("slots")],
+            n_sink=d32[self.s32("n_sink")],
+            head=d32[self.s32("head")],
             q=Csr(d32[self.s32("q_indptr")], d32[qi : qi + nq], q_ptr),
             hp=Csr(d32[self.s32("hp_indptr")], d32[hi : hi + nh], hp_ptr),
             lens_hint=lens,
         )
-        return d64[self.s64("ids")], t
 
 
 @dataclass(frozen=True)
 class HostDecode:
-    """A decode step built on the host: ``h64`` int64 ``[n64]`` and ``h32`` int32 ``[n32]`` (CPU
-    tensors laid out by ``layout``) with the host indptrs and ``lens_hint`` of its lists."""
+    """A decode step built on the host: ``h64`` int64 and ``h32`` int32 (CPU tensors laid out by
+    ``layout``; ``h64`` continues past ``layout.n64`` with the page-table ``changes``, int64
+    ``[2, U]``), with the host indptrs and ``lens_hint`` of its lists."""
 
     layout: DecodeLayout
     h64: torch.Tensor
@@ -136,20 +157,21 @@ class HostDecode:
 
     @property
     def used32(self) -> int:
-        """The int32 prefix that holds the step (up to its last INT2 id)."""
-        return self.layout.s32("q_ids").start + self.q_ptr[-1]
+        """The int32 prefix the host wrote (everything before the lists)."""
+        return self.layout.meta32
 
-    def views(self, d64: torch.Tensor, d32: torch.Tensor) -> tuple[torch.Tensor, DecodeTensors]:
-        """Input ids ``[b]`` and the step's tensors as views of buffers holding this step."""
+    @property
+    def changes(self) -> torch.Tensor:
+        """The page-table changes of this step, int64 ``[2, U]`` (a view of ``h64``)."""
+        return self.h64[self.layout.n64 :].view(2, -1)
+
+    def views(self, d64: torch.Tensor, d32: torch.Tensor) -> DecodeTensors:
+        """The step's tensors as views of buffers holding this step (lists not filled yet)."""
         return self.layout.views(d64, d32, self.q_ptr, self.hp_ptr, self.lens_hint)
 
-    def tensors(self, device: torch.device | str) -> tuple[torch.Tensor, DecodeTensors]:
-        """Input ids and tensors on ``device``: views of ``h64``/``h32`` on the CPU, else of one
-        plain copy per dtype (the engine's CUDA steps go through :class:`DecodeStaging`)."""
-        device = torch.device(device)
-        if device.type == "cpu":
-            return self.views(self.h64, self.h32)
-        return self.views(self.h64.to(device), self.h32[: self.used32].to(device))
+    def wire(self) -> HostDecode:
+        """A copy holding just this step (``h64``/``h32`` may view reused staging buffers)."""
+        return dataclasses.replace(self, h64=self.h64.clone(), h32=self.h32[: self.used32].clone())
 
 
 Alloc = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]  # (n64, n32) -> host int64, int32
@@ -198,20 +220,29 @@ class DecodeStaging:
             self._pairs[self._turn] = (b64, b32)
         return b64[:n64], b32[:n32]
 
-    def copy(self, h: HostDecode, d64: torch.Tensor, d32: torch.Tensor) -> None:
+    def copy(self, h: HostDecode, d64: torch.Tensor, d32: torch.Tensor) -> torch.Tensor:
         """Step ``h`` into device buffers laid out as ``h.layout``: one copy per dtype (the int32
-        one up to the last INT2 id), then the event that guards ``h``'s host buffers."""
-        n = h.used32
-        d64.copy_(h.h64, non_blocking=True)
+        one up to the lists), then the event that guards ``h``'s host buffers. Returns the
+        page-table changes on the device (int64 ``[2, U]``; copied only when there are any)."""
+        n, n64 = h.used32, h.layout.n64
+        d64.copy_(h.h64[:n64], non_blocking=True)
         d32[:n].copy_(h.h32[:n], non_blocking=True)
+        changes = h.changes
+        if changes.numel():
+            changes = changes.to(self.device, non_blocking=True)
         if self.pinned:
             self._events[self._turn].record()
+        return changes
 
-    def tensors(self, h: HostDecode) -> tuple[torch.Tensor, DecodeTensors]:
-        """Input ids and tensors of step ``h`` on the device (views of ``h``'s buffers on the CPU)."""
+    def tensors(self, h: HostDecode) -> tuple[DecodeTensors, torch.Tensor]:
+        """The step's tensors on the device (views of ``h``'s buffers on the CPU) and its
+        page-table changes there."""
         if self.device.type == "cpu":
-            return h.views(h.h64, h.h32)
+            h32 = h.h32
+            if h32.numel() < h.layout.n32:  # a wire copy (tensor parallelism): room for the lists
+                h32 = torch.cat([h32, h32.new_zeros(h.layout.n32 - h32.numel())])
+            return h.views(h.h64, h32), h.changes
         d64 = torch.empty(h.layout.n64, dtype=torch.long, device=self.device)
-        d32 = torch.empty(h.used32, dtype=torch.int32, device=self.device)
-        self.copy(h, d64, d32)
-        return h.views(d64, d32)
+        d32 = torch.empty(h.layout.n32, dtype=torch.int32, device=self.device)
+        changes = self.copy(h, d64, d32)
+        return h.views(d64, d32), changes

@@ -8,24 +8,35 @@ page mutation happens inside ``step``, in the caller's thread.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..config import EngineConfig
 from .check import check
 from .detok import IncrementalDetokenizer
-from .model_runner import ModelRunner
+from .model_runner import Launched, ModelRunner
 from .pages import PagePool
 from .prefix_cache import PrefixCache
-from .request import FinishReason, RequestOutput, SamplingParams, Sequence
+from .request import RequestOutput, SamplingParams, Sequence
 from .scheduler import Scheduler
+from .timing import StepTimer, StepTiming
 from .tokenizer import encode_prompt
 
 if TYPE_CHECKING:
     from .distributed import Workers
 
 __all__ = ["Engine"]
+
+
+def _overlap(cfg: EngineConfig, device: Any) -> bool:
+    """Whether steps overlap: ``auto`` on CUDA with one rank (tensor-parallel workers take each
+    step's input ids from rank 0's host; the config refuses ``on`` there)."""
+    if cfg.overlap == "auto":
+        return device.type == "cuda" and cfg.tensor_parallel == 1
+    return cfg.overlap == "on"
 
 
 class Engine:
@@ -55,6 +66,9 @@ class Engine:
             cfg, self.hp, self.q, prefix, spec=spec, eos_ids=self.runner.shape.eos_token_ids,
             max_model_len=self.runner.max_model_len,
         )  # fmt: skip
+        self.overlap = _overlap(cfg, self.runner.device)
+        self.timer = StepTimer(self.runner.device, cfg.step_timing)
+        self._in_flight: Launched | None = None  # overlap: the step whose tokens are unread
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._aborted: list[Sequence] = []
         self._ids = itertools.count()
@@ -87,51 +101,78 @@ class Engine:
             self._aborted.append(seq)
 
     def has_unfinished(self) -> bool:
-        return not self.scheduler.idle or bool(self._aborted)
+        return not self.scheduler.idle or bool(self._aborted) or self._in_flight is not None
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one batch; outputs for the requests that gained text or finished in it. Under
-        tensor parallelism, raises ``TensorParallelError`` once any rank has failed."""
+        """Run one batch; outputs for the requests that gained text or finished. With overlapped
+        scheduling (``overlap``) the batch is queued on the device and the outputs are those of
+        the batch before it, read while this one runs. Under tensor parallelism, raises
+        ``TensorParallelError`` once any rank has failed."""
         if self.workers is not None:
             self.workers.check()
         outs: list[RequestOutput] = [self._output(s, True) for s in self._drain_aborted()]
+        launched = None
         batch = self.scheduler.schedule()
-        if batch is None:
-            return outs
-        toks = self.runner.run(batch) if self.workers is None else self._run_parallel(batch)
-        finished = {s.rid: s for s in self.scheduler.postprocess(batch, toks)}
-        self.stats["steps"] += 1
-        key = "decode_tokens" if batch.is_decode else "prefill_tokens"
-        self.stats[key] += batch.num_tokens
-        for it, tok in zip(batch.items, toks, strict=True):
-            seq = it.seq
-            if tok is None and seq.rid not in finished:
-                continue
-            det = self._detok.get(seq.rid)
-            if det is not None and tok is not None and seq.out and seq.out[-1] == tok:
-                det.add([tok])
-                if det.stopped and seq.rid not in finished:
-                    self.scheduler.finish(seq, FinishReason.STOP)
-                    finished[seq.rid] = seq
-            outs.append(self._output(seq, seq.rid in finished))
-        for rid, seq in finished.items():  # aborted mid-flight: not among the batch's items
-            if not any(o.rid == rid for o in outs):
-                outs.append(self._output(seq, True))
+        if batch is not None:
+            self.timer.begin(batch.kind, len(batch.items), batch.num_tokens)
+            with self._guard():
+                host = self.runner.plan_decode(batch) if batch.is_decode else None
+                self.timer.launching()
+                launched = self.runner.launch(batch, host)
+            self.timer.launched()
+            self.stats["steps"] += 1
+            self.stats["decode_tokens" if batch.is_decode else "prefill_tokens"] += batch.num_tokens
+        if self.overlap:
+            done, self._in_flight = self._in_flight, launched
+        else:
+            done = launched
+        if done is not None:
+            outs += self._process(done)
+        if batch is not None:
+            self.timer.end()
         if self.cfg.check_invariants:
             check(self.scheduler)
         return outs
 
-    def _run_parallel(self, batch: Any) -> list[int | None]:
-        """``runner.run`` with every rank alive; any failure stops all ranks and raises."""
-        assert self.workers is not None
+    def _process(self, launched: Launched) -> list[RequestOutput]:
+        """Read a launched step's tokens and apply them: finishes, text, outputs."""
+        with self.timer.waiting(), self._guard():
+            toks = self.runner.collect(launched)
+        gained: dict[str, Sequence] = {}
+        finished = self.scheduler.postprocess(
+            launched.batch, toks, lambda seq, tok: self._on_token(seq, tok, gained)
+        )
+        outs = [self._output(seq, False) for rid, seq in gained.items() if seq not in finished]
+        return outs + [self._output(seq, True) for seq in finished]
+
+    def _on_token(self, seq: Sequence, tok: int, gained: dict[str, Sequence]) -> bool:
+        """A kept token: feed the detokenizer; True when the text now holds a stop string."""
+        gained[seq.rid] = seq
+        det = self._detok.get(seq.rid)
+        if det is None:
+            return False
+        det.add([tok])
+        return det.stopped
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Under tensor parallelism: any failure stops all ranks and raises the rank's error."""
+        if self.workers is None:
+            yield
+            return
         try:
-            return self.runner.run(batch)
+            yield
         except BaseException as e:
             err = self.workers.fail(e)
             if err is e:
                 raise
             raise err from e
+
+    def step_timings(self) -> list[StepTiming]:
+        """The timings of the steps whose device work has completed since the last call
+        (``step_timing=True``; else empty): host time, device time, the device's idle gap."""
+        return self.timer.drain()
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do with one rank); idempotent."""
@@ -163,7 +204,7 @@ class Engine:
         t = seq.times
         return RequestOutput(
             rid=seq.rid,
-            prompt_token_ids=list(seq.prompt),
+            prompt_token_ids=seq.prompt,
             token_ids=list(seq.out),
             text=text,
             finished=finished,

@@ -9,9 +9,10 @@ A graph is captured the first time its key is seen, or every graph at start-up
 (:meth:`DecodeGraphs.capture_all`): one eager run on the static buffers (all lists empty, no
 writes outside the dummy pages) compiles and warms every kernel, then the capture.
 The static inputs are views of two flat device buffers (int64, int32) laid out like the host
-step (:class:`~oscarkv.engine.decode_buffers.DecodeLayout`, lists sized for the bucket), so a
-replay is one copy per dtype from the pinned staging buffers, then the replay; the final hidden
-states are a view of the graph's output (the LM head runs eagerly).
+step (:class:`~oscarkv.engine.decode_buffers.DecodeLayout`: per-row fields, then lists sized for
+the bucket, which the graph fills from the device page tables), so a replay is one copy per dtype
+from the pinned staging buffers (plus the page-table changes, when any), then the replay; the
+final hidden states are a view of the graph's output (the LM head runs eagerly).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
-from .decode_buffers import DecodeLayout, DecodeStaging, DecodeTensors, HostDecode
+from .decode_buffers import DecodeLayout, DecodeTensors, HostDecode
 
 __all__ = ["DecodeGraphs", "batch_bucket", "len_bucket", "len_buckets"]
 
@@ -65,19 +66,17 @@ class _Graph:
     out: torch.Tensor  # final hidden states [B, hidden]
 
 
-Forward = Callable[[torch.Tensor, DecodeTensors], torch.Tensor]  # (ids [B], tensors) -> [B, hidden]
+Forward = Callable[[DecodeTensors], torch.Tensor]  # tensors -> hidden [B, hidden]
 
 
 class DecodeGraphs:
-    """Lazily captured decode graphs over ``forward(ids [B], tensors) -> hidden [B, hidden]``;
-    steps reach them through ``staging``'s copies."""
+    """Lazily captured decode graphs over ``forward(tensors) -> hidden [B, hidden]``; a step
+    copies its host buffers into :meth:`graph_for`'s static inputs and replays it."""
 
-    def __init__(
-        self, forward: Forward, device: torch.device, demote_block: int, window: int, staging: DecodeStaging
-    ):
+    def __init__(self, forward: Forward, device: torch.device, demote_block: int, window: int):
         """``window``: the most 16-bit rows an INT2 sequence keeps (its sink and ring slab); 0
         for 16-bit pools."""
-        self.forward, self.device, self.staging = forward, device, staging
+        self.forward, self.device = forward, device
         self.demote_rows, self.window = (demote_block if window else 0), window
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -126,26 +125,24 @@ class DecodeGraphs:
         d64 = torch.zeros(layout.n64, dtype=torch.long, device=self.device)
         d64[layout.s64("decode_dst")] = -1
         d32 = torch.zeros(layout.n32, dtype=torch.int32, device=self.device)
-        ids, t = layout.views(d64, d32, lens=lens)
+        t = layout.views(d64, d32, lens=lens)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # compile and warm up outside the capture
-            self.forward(ids, t)
+            self.forward(t)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self.forward(ids, t)
+            out = self.forward(t)
         g = _Graph(graph, layout, d64, d32, out)
         self.graphs[(b, *lens)] = g
         return g
 
-    def run(self, h: HostDecode) -> torch.Tensor:
-        """Replay the graph of step ``h``'s padded batch and (bucketed) ``lens_hint``, capturing
-        it first if new. Returns the graph's output (a view valid until the next replay)."""
+    def graph_for(self, h: HostDecode) -> _Graph:
+        """The graph of step ``h``'s padded batch and (bucketed) ``lens_hint``, captured first if
+        new. Its ``out`` is a view valid until the next replay."""
         b = h.layout.b
         g = self.graphs.get((b, *h.lens_hint)) or self.capture(b, h.lens_hint)
         if h.layout != g.layout:
             raise RuntimeError(f"decode step laid out as {h.layout}, its graph as {g.layout}")
-        self.staging.copy(h, g.d64, g.d32)
-        g.graph.replay()
-        return g.out
+        return g

@@ -33,13 +33,15 @@ from .graphs import DecodeGraphs, batch_bucket, len_bucket
 from .kv_pool import KVPool, budget_bytes, plan_pools
 from .models import load_decoder
 from .models.parallel import Comm
-from .planner import DecodeTensors, PrefillTensors, plan_decode_host, plan_prefill
+from .page_table import PageTables
+from .planner import DecodeTensors, PrefillTensors, fill_lists, plan_decode_host, plan_prefill
+from .prefix_cache import tokens_between
 from .request import Batch, SamplingParams
 from .sampler import make_generator, sample
 from .tokenizer import load_tokenizer
 from .tp_step import StepMsg, prefill_to, rank_rotation
 
-__all__ = ["ModelRunner"]
+__all__ = ["Launched", "ModelRunner"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -49,6 +51,23 @@ def _config_dict(model_dir: str) -> dict[str, Any]:
     if not p.is_file():
         raise InputError(f"model {model_dir}: no config.json", "pass a model directory")
     return json.loads(p.read_text(encoding="utf-8"))
+
+
+@dataclasses.dataclass
+class Launched:
+    """A step queued on the device: its batch and its sampled tokens (``tokens`` on the device,
+    ``host`` their pinned copy once ``event`` has passed; on the CPU ``tokens`` is final)."""
+
+    batch: Batch
+    tokens: torch.Tensor | None  # long [R]: one per item that samples, in item order
+    host: torch.Tensor | None = None
+    event: torch.cuda.Event | None = None
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A small host list as a long device tensor, copied without a device sync on CUDA."""
+    t = torch.tensor(values, dtype=torch.long)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 class ModelRunner:
@@ -124,6 +143,9 @@ class ModelRunner:
                 EngineAttention(i, r_k, r_vv, kf, vf, self.ops, scale, values_prerotated=absorb, shift=shift)
             )
         self.generators: dict[str, torch.Generator] = {}
+        # each request slot's page ids (host and device) and the last token sampled for it
+        self.tables = PageTables.for_plan(self.plan, self.max_model_len, self.device)
+        self.last_tok = torch.zeros(self.plan.max_running, dtype=torch.long, device=self.device)
         self.fingerprint = self._fingerprint(config)
         # on CUDA decode steps are padded and bucketed, so eager and graph steps run the same plans
         self.pad_decode = self.device.type == "cuda"
@@ -198,9 +220,7 @@ class ModelRunner:
         if why is None and mode != "off":
             plan = self.plan  # an INT2 sequence's 16-bit rows: its sink pages and its ring slab
             window = plan.sink_pages * plan.page_tokens + plan.ring_cap if plan.int2 else 0
-            return DecodeGraphs(
-                self._decode_hidden, self.device, self.spec.demote_block, window, self.staging
-            )
+            return DecodeGraphs(self._decode_hidden, self.device, self.spec.demote_block, window)
         if mode == "on" and why is not None:
             raise InputError(
                 f"cuda_graphs on cannot run: {why}", "use cuda_graphs auto or off (--cuda-graphs)"
@@ -263,42 +283,50 @@ class ModelRunner:
     def release(self, rid: str) -> None:
         self.generators.pop(rid, None)
 
-    def _decode_hidden(self, input_ids: torch.Tensor, p: DecodeTensors) -> torch.Tensor:
+    def _decode_hidden(self, p: DecodeTensors) -> torch.Tensor:
         """The decode forward over tensors ``p`` up to the final hidden states (eager, or under a
-        graph capture; the LM head runs outside graphs, so no graph holds a logits buffer)."""
+        graph capture; the LM head runs outside graphs, so no graph holds a logits buffer): the
+        row lists from the page tables, the input ids (the host's, or the token last sampled for
+        the row's slot), then the layers."""
         pool = self.pool
+        fill_lists(p, self.tables, self.plan)
+        ids = torch.where(p.ids >= 0, p.ids, self.last_tok[p.slots.long()])
 
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return self.attn[layer].decode(q, k, v, pool.layer(layer), p)
 
-        return self.model.hidden_states(input_ids, p.positions, attn)
+        return self.model.hidden_states(ids, p.positions, attn)
 
-    def _decode(self, batch: Batch) -> torch.Tensor:
+    def plan_decode(self, batch: Batch) -> HostDecode:
+        """The host part of a decode step (page-table changes and per-row fields)."""
         n, staging = len(batch.items), self.staging
         if not self.pad_decode:
-            h = plan_decode_host(batch, self.plan, alloc=staging.alloc)
-        else:
-            b = batch_bucket(n, self.cfg.max_running)
-            h = plan_decode_host(
-                batch, self.plan, b, self.spec.demote_block, bucket=len_bucket, alloc=staging.alloc
-            )
+            return plan_decode_host(batch, self.plan, alloc=staging.alloc, tables=self.tables)
+        b = batch_bucket(n, self.cfg.max_running)
+        return plan_decode_host(batch, self.plan, b, self.spec.demote_block, bucket=len_bucket,
+                                alloc=staging.alloc, tables=self.tables)  # fmt: skip
+
+    def _decode(self, batch: Batch, h: HostDecode) -> torch.Tensor:
+        n = len(batch.items)
         if self.publish is not None:  # a copy of just the step (h may view a reused staging buffer)
-            wire = dataclasses.replace(h, h64=h.h64.clone(), h32=h.h32[: h.used32].clone())
-            self.publish(StepMsg(n, decode=wire))
+            self.publish(StepMsg(n, decode=h.wire()))
         return self._decode_logits(h, n)
 
     def _decode_logits(self, h: HostDecode, n: int) -> torch.Tensor:
-        if not self.pad_decode:
-            return self.model.logits(self._decode_hidden(*self.staging.tensors(h)))
         if self.graphs is not None:
-            hidden = self.graphs.run(h)
+            g = self.graphs.graph_for(h)
+            self.tables.apply(self.staging.copy(h, g.d64, g.d32))
+            g.graph.replay()
+            hidden = g.out
         else:
-            hidden = self._decode_hidden(*self.staging.tensors(h))
+            p, changes = self.staging.tensors(h)
+            self.tables.apply(changes)
+            hidden = self._decode_hidden(p)
         return self.model.logits(hidden[:n])
 
     def _prefill(self, batch: Batch) -> torch.Tensor:
         dev = self.device
-        ids = [t for it in batch.items for t in it.seq.tokens[it.start : it.start + it.n_new]]
+        ids = [t for it in batch.items for t in tokens_between(it.seq, it.start, it.start + it.n_new)]
         if self.publish is None:
             p = plan_prefill(batch, self.plan, dev)
             input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
@@ -325,16 +353,48 @@ class ModelRunner:
         return self._prefill_logits(step.ids.to(dev, non_blocking=True), prefill_to(step.prefill, dev))
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> list[int | None]:
-        """Run ``batch``; one sampled token per item that ends its prompt (or decodes), else None."""
-        logits = self._decode(batch) if batch.is_decode else self._prefill(batch)
-        rows = [it for it in batch.items if batch.is_decode or it.ends_prompt]
+    def launch(self, batch: Batch, host: HostDecode | None = None) -> Launched:
+        """Queue ``batch`` on the device (a decode with its host part ``host`` from
+        :meth:`plan_decode`, made here when not given): the forward, the sampling of one token
+        per item that ends its prompt (every decode item), the tokens written to their slots'
+        ``last_tok`` and copied to pinned host memory. :meth:`collect` reads them."""
+        if batch.is_decode:
+            logits = self._decode(batch, host if host is not None else self.plan_decode(batch))
+        else:
+            logits = self._prefill(batch)
+        rows = [it for it in batch.items if it.ends_prompt]
         if not rows:
-            return [None] * len(batch.items)
+            return Launched(batch, None)
         params = [it.seq.params for it in rows]
         gens = [self.generator(it.seq.rid, it.seq.params) for it in rows]
-        toks = iter(sample(logits, params, gens).tolist())
-        return [next(toks) if (batch.is_decode or it.ends_prompt) else None for it in batch.items]
+        toks = sample(logits, params, gens)
+        slots = [it.seq.slot or 0 for it in rows]
+        self.last_tok.index_copy_(0, _to_device(slots, self.device), toks)
+        if self.device.type != "cuda":
+            return Launched(batch, toks)
+        out = torch.empty(toks.shape, dtype=toks.dtype, pin_memory=True)
+        out.copy_(toks, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        return Launched(batch, toks, out, ev)
+
+    @staticmethod
+    def collect(step: Launched) -> list[int | None]:
+        """The tokens of a launched step, one per item (None for chunks that do not end a prompt);
+        blocks until the device has produced them."""
+        if step.tokens is None:
+            return [None] * len(step.batch.items)
+        if step.event is not None:
+            assert step.host is not None
+            step.event.synchronize()
+            toks = iter(step.host.tolist())
+        else:
+            toks = iter(step.tokens.tolist())
+        return [next(toks) if it.ends_prompt else None for it in step.batch.items]
+
+    def run(self, batch: Batch) -> list[int | None]:
+        """:meth:`launch`, then :meth:`collect` (no overlap)."""
+        return self.collect(self.launch(batch))
 
     def memory_report(self, tokens_quantized: int = 0, tokens_hp: int = 0) -> dict[str, Any]:
         return self.pool.memory_report(tokens_quantized, tokens_hp)

@@ -19,6 +19,7 @@ A step's new tokens split in token order into ``to_sink`` (sink positions ``pre.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,9 +29,10 @@ from ..quant.tiers import TierState, apply_moves
 from .csr import Csr, PageList, Segments
 from .decode_buffers import Alloc, DecodeLayout, DecodeTensors, HostDecode, fresh_buffers
 from .kv_pool import PoolPlan
+from .page_table import PageTables, expand_lists
 from .request import Batch, Sequence, StepSeq
 
-__all__ = ["DecodeTensors", "PrefillTensors", "plan_decode", "plan_decode_host", "plan_prefill"]
+__all__ = ["DecodeTensors", "PrefillTensors", "fill_lists", "plan_decode", "plan_decode_host", "plan_prefill"]
 
 _LONG = torch.long
 
@@ -162,8 +164,20 @@ def plan_prefill(batch: Batch, plan: PoolPlan, device: torch.device | str) -> Pr
 
 
 def _token(seq: Sequence, pos: int) -> int:
+    """The token at ``pos``, or -1 while it is still on the device (sampled, not yet read)."""
     n = len(seq.prompt)  # not seq.tokens: that concatenates the whole sequence
-    return seq.prompt[pos] if pos < n else seq.out[pos - n]
+    if pos < n:
+        return seq.prompt[pos]
+    return seq.out[pos - n] if pos - n < len(seq.out) else -1
+
+
+def _row(pages: list[int], x: int, ps: int, rid: str) -> int:
+    if x // ps >= len(pages):
+        raise ValueError(
+            f"{rid}: list index {x} needs page {x // ps} of a sequence holding only {len(pages)} pages "
+            "(the scheduler allocated too few)"
+        )
+    return pages[x // ps] * ps + x % ps
 
 
 def plan_decode_host(
@@ -173,70 +187,117 @@ def plan_decode_host(
     demote_block: int = 0,
     bucket: Callable[[int], int] | None = None,
     alloc: Alloc = fresh_buffers,
+    tables: PageTables | None = None,
 ) -> HostDecode:
-    """A decode ``batch`` built on the host into buffers from ``alloc``. With ``bs_pad`` (CUDA),
-    rows ``B .. bs_pad-1`` are padding and the demote lists have the fixed length
-    ``bs_pad·demote_block``; with ``bucket``, ``lens_hint`` is bucketed and the lists get a graph's
-    capacities (:meth:`DecodeLayout.bucketed`), else exactly their lengths."""
-    step, n = _Step(batch, plan), len(batch.items)
+    """A decode ``batch`` built on the host into buffers from ``alloc``: per-row fields and the
+    page-table changes, work in proportion to the batch (not to the tokens it holds). With
+    ``bs_pad`` (CUDA), rows ``B .. bs_pad-1`` are padding and the demote lists have the fixed
+    length ``bs_pad·demote_block``; with ``bucket``, ``lens_hint`` is bucketed and the lists get a
+    graph's capacities (:meth:`DecodeLayout.bucketed`), else exactly their lengths. ``tables``:
+    the engine's :class:`PageTables` (updated here); by default fresh ones for this batch."""
+    n, ps, ring = len(batch.items), plan.page_tokens, plan.ring
     b = n if bs_pad is None else bs_pad
     if b < n:
         raise ValueError(f"bs_pad {bs_pad} is smaller than the batch ({n})")
-    ids, pos, lens_q, lens_h = [], [], [0], [0]
-    for i, it in enumerate(batch.items):
+    if tables is None:
+        tables = _tables_for(batch, plan)
+    ids, pos, dst, slots, sinks, heads = [], [], [], [], [], []
+    dem_src, dem_dst, lens_q, lens_h = [], [], [], []
+    for it in batch.items:
         _check(it, plan)
-        if it.n_new != 1 or it.moves.to_int2:
-            raise ValueError(
-                f"{it.seq.rid}: a decode step stores 1 token per sequence in 16 bits; got {it.moves}"
-            )
-        post = _post(it, plan)
-        step.stored(i, it, post, it.start + 1)
-        step.writes(i, it, i)
-        ids.append(_token(it.seq, it.start))
+        seq, pre, m = it.seq, it.pre, it.moves
+        if it.n_new != 1 or m.to_int2:
+            raise ValueError(f"{seq.rid}: a decode step stores 1 token per sequence in 16 bits; got {m}")
+        slot = seq.slot or 0
+        ids.append(_token(seq, it.start))
         pos.append(it.start)
-        lens_q.append(post.n_q)
-        lens_h.append(post.n_sink + post.n_recent if plan.int2 else it.start + 1)
-    t = step.tabs
-    for _ in range(b - n):  # padding rows: empty lists
-        t["lq"].end_seq()
-        t["lh"].end_seq()
-    n_dem, lens = t["dem_src"].total, (max(lens_q), max(lens_h))
+        slots.append(slot)
+        if plan.int2:
+            post = _post(it, plan)
+            base = plan.ring_base(slot)
+            for k in range(m.demote):
+                dem_src.append(base + (pre.head + k) % ring)
+                dem_dst.append(_row(seq.q_pages, pre.n_q + k, ps, seq.rid))
+            if m.to_sink:
+                dst.append(_row(seq.hp_pages, pre.n_sink, ps, seq.rid))
+            else:
+                dst.append(base + (pre.head + pre.n_recent) % ring)
+            if post.n_q:
+                _row(seq.q_pages, post.n_q - 1, ps, seq.rid)
+            if post.n_sink:
+                _row(seq.hp_pages, post.n_sink - 1, ps, seq.rid)
+            lens_q.append(post.n_q)
+            lens_h.append(post.n_sink + post.n_recent)
+            sinks.append(post.n_sink)
+            heads.append(post.head)
+        else:
+            dst.append(_row(seq.hp_pages, it.start, ps, seq.rid))
+            lens_q.append(0)
+            lens_h.append(it.start + 1)
+            sinks.append(it.start + 1)
+            heads.append(0)
+    pad = b - n
+    n_dem = len(dem_src)
     nd = bs_pad * demote_block if bs_pad is not None and plan.int2 else n_dem
     if n_dem > nd:
         raise ValueError(f"{n_dem} demotions exceed the fixed {nd} (bs_pad × demote_block)")
+    q_ptr = tuple(itertools.accumulate(lens_q + [0] * pad, initial=0))
+    hp_ptr = tuple(itertools.accumulate(lens_h + [0] * pad, initial=0))
+    lens = (max(lens_q, default=0), max(lens_h, default=0))
     if bucket is not None:
         lens = (bucket(lens[0]), bucket(lens[1]))
         lay = DecodeLayout.bucketed(b, nd, lens)
     else:
-        lay = DecodeLayout(b, nd, t["lh"].total, t["lq"].total)
-    h64, h32 = alloc(lay.n64, lay.n32)
+        lay = DecodeLayout(b, nd, hp_ptr[-1], q_ptr[-1])
+    changes = tables.update(it.seq for it in batch.items)
+    h64, h32 = alloc(lay.n64 + changes.size, lay.n32)  # the lists: filled on the device (CPU: here)
     a64, a32 = h64.numpy(), h32.numpy()
-    pages = step.pages.array()
-    a64[lay.s64("ids")] = ids + [0] * (b - n)
-    a64[lay.s64("positions")] = pos + [0] * (b - n)
-    # the small lists in one expansion: the new rows (16-bit writes: a decode token never goes
-    # to INT2 directly), then the demotions
-    small = Segments.joined(t["hp"], t["dem_src"], t["dem_dst"]).rows_np(pages)
-    n_hp = t["hp"].total
-    dst = a64[lay.s64("decode_dst")]
-    dst.fill(-1)  # padding rows write nothing
-    dst[t["hp"].tok_np()] = small[:n_hp]
-    for i, name in enumerate(("demote_src", "demote_dst")):
-        out = a64[lay.s64(name)]
-        out[:n_dem] = small[n_hp + i * n_dem : n_hp + (i + 1) * n_dem]
-        out[n_dem:] = 0  # padding: DUMMY_H row 0 -> DUMMY_Q row 0
-    ptrs = []
-    for tab, kind in ((t["lq"], "q"), (t["lh"], "hp")):
-        ptrs.append(tab.indptr())
-        a32[lay.s32(f"{kind}_indptr")] = ptrs[-1]
-        at = lay.s32(f"{kind}_ids").start
-        tab.rows_np(pages, out=a32[at : at + ptrs[-1][-1]])
-    return HostDecode(lay, h64, h32, ptrs[0], ptrs[1], lens)
+    zeros = [0] * pad
+    a64[lay.s64("ids")] = ids + zeros
+    a64[lay.s64("positions")] = pos + zeros
+    a64[lay.s64("decode_dst")] = dst + [-1] * pad  # padding rows write nothing
+    a64[lay.s64("demote_src")] = dem_src + [0] * (nd - n_dem)  # padding: DUMMY_H row 0 -> DUMMY_Q row 0
+    a64[lay.s64("demote_dst")] = dem_dst + [0] * (nd - n_dem)
+    a64[lay.n64 :] = changes.reshape(-1)
+    a32[lay.s32("q_indptr")] = q_ptr
+    a32[lay.s32("hp_indptr")] = hp_ptr
+    a32[lay.s32("slots")] = slots + zeros
+    a32[lay.s32("n_sink")] = sinks + zeros
+    a32[lay.s32("head")] = heads + zeros
+    return HostDecode(lay, h64, h32, q_ptr, hp_ptr, lens)
+
+
+def _tables_for(batch: Batch, plan: PoolPlan) -> PageTables:
+    """Fresh page tables wide enough for ``batch`` (one-off plans: tests, tools)."""
+    wq = max((len(it.seq.q_pages) for it in batch.items), default=0)
+    wh = max((len(it.seq.hp_pages) for it in batch.items), default=0)
+    return PageTables(plan, wq, wh, torch.device("cpu"))
+
+
+def fill_lists(p: DecodeTensors, tables: PageTables, plan: PoolPlan) -> None:
+    """Write ``p``'s row lists from the device page tables (inside the step's graph on CUDA)."""
+    q_tab, hp_tab = tables.device_views()
+    expand_lists(q_tab, hp_tab, p.slots, p.q.indptr, p.hp.indptr, p.n_sink, p.head, p.q.indices,
+                 p.hp.indices, plan)  # fmt: skip
 
 
 def plan_decode(
     batch: Batch, plan: PoolPlan, device: torch.device | str, bs_pad: int | None = None, demote_block: int = 0
 ) -> DecodeTensors:
-    """The tensors of a decode ``batch`` on ``device`` (:func:`plan_decode_host`, then
-    :meth:`HostDecode.tensors`)."""
-    return plan_decode_host(batch, plan, bs_pad, demote_block).tensors(device)[1]
+    """The tensors of a decode ``batch`` on ``device``, lists filled (:func:`plan_decode_host`
+    with fresh page tables, then :func:`fill_lists`; the engine's steps fill theirs in the graph)."""
+    device = torch.device(device)
+    tables = _tables_for(batch, plan)
+    h = plan_decode_host(batch, plan, bs_pad, demote_block, tables=tables)
+    if device.type == "cpu":
+        p = h.views(h.h64, h.h32)
+    else:
+        d64, d32 = (
+            h.h64[: h.layout.n64].to(device),
+            torch.zeros(h.layout.n32, dtype=torch.int32, device=device),
+        )
+        d32[: h.used32] = h.h32.to(device)
+        tables.dev = torch.from_numpy(tables.host).to(device)
+        p = h.views(d64, d32)
+    fill_lists(p, tables, plan)
+    return p

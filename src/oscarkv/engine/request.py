@@ -101,6 +101,8 @@ class Sequence:
     status: Status = Status.WAITING
     sink_len: int | None = None  # 16-bit sink length, pinned at first admission, kept on preemption
     n_computed: int = 0  # tokens whose K/V are stored
+    n_pending: int = 0  # tokens sampled on the device and not yet read (overlapped scheduling)
+    epoch: int = -1  # admission number (its page-table rows are rewritten on a new one)
     slot: int | None = None  # request slot: its ring slab (int2) and page-table row
     hp_pages: list[int] = field(default_factory=list)  # sink pages (int2) or every page (bf16)
     q_pages: list[int] = field(default_factory=list)  # INT2 pages, in INT2-list order
@@ -114,11 +116,13 @@ class Sequence:
 
     @property
     def tokens(self) -> list[int]:
+        """The known tokens (prompt and output read so far)."""
         return self.prompt + self.out
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.out)
+        """Tokens of the sequence, the ones still on the device included."""
+        return len(self.prompt) + len(self.out) + self.n_pending
 
     @property
     def finished(self) -> bool:
@@ -135,11 +139,13 @@ class StepSeq:
     n_new: int
     pre: TierState
     moves: Moves
+    #: whether this step computes the sequence's last token (so it samples one); by default
+    #: from the sequence at construction (the scheduler counts the sampled token as pending next)
+    ends_prompt: bool = None  # type: ignore[assignment]
 
-    @property
-    def ends_prompt(self) -> bool:
-        """Whether this step computes the sequence's last known token (so it samples one)."""
-        return self.start + self.n_new == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        if self.ends_prompt is None:
+            object.__setattr__(self, "ends_prompt", self.start + self.n_new == self.seq.num_tokens)
 
 
 @dataclass(frozen=True)

@@ -2,17 +2,25 @@
 
 Pure Python over ints. :meth:`Scheduler.schedule` allocates every page and slot a step writes
 and advances its sequences (each :class:`StepSeq` carries the tiers before and the moves);
-:meth:`Scheduler.postprocess` appends sampled tokens, publishes, finishes and releases. Prefill
-first (the partial prompt, then FCFS); decode otherwise; when the growing tier runs out the
-newest running sequence is preempted by recompute.
+:meth:`Scheduler.postprocess` appends sampled tokens and decides every finish (EOS, stop ids,
+length, and the caller's stop-string check), then publishes and releases. Prefill first (the
+partial prompt, then FCFS); decode otherwise; when the growing tier runs out the newest running
+sequence is preempted by recompute.
+
+Overlapped scheduling: the next batch may be scheduled while the last one is in flight (its
+tokens not read yet: ``Sequence.n_pending``). A request never runs past ``max_tokens`` or
+``max_model_len`` that way (those finishes are known in advance); one that ends on EOS, a stop
+id or a stop string in step N may already be in step N+1, whose token is then dropped. Its KV
+rows are released with the rest of its pages (the device runs the steps in order).
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from ..config import EngineConfig, QuantSpec
@@ -55,8 +63,9 @@ class Scheduler:
         self.prompt_end: dict[str, int] = {}  # rid -> tokens to prefill since its last admission
         # rid -> [("admit", n), ("hit", m)?, ("prefill"|"decode", n_new), ...] (check_invariants)
         self.trace: dict[str, list[tuple[str, int]]] | None = {} if cfg.check_invariants else None
-        self._inflight: Batch | None = None
+        self._inflight: deque[Batch] = deque()  # scheduled, tokens not read yet (oldest first)
         self._pending: dict[str, FinishReason] = {}
+        self._epochs = itertools.count()
 
     # ---- requests -------------------------------------------------------------------------
     def sink_target(self, seq: Sequence) -> int:
@@ -104,7 +113,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: FinishReason) -> bool:
         """Finish ``seq`` now (True), or, while a batch is in flight, at the step boundary: it
         then comes back from :meth:`postprocess`. The engine calls this for stop strings."""
-        if seq.rid in self.live and self._inflight is not None:
+        if seq.rid in self.live and self._inflight:
             self._pending.setdefault(seq.rid, reason)
         elif seq.rid in self.live:
             self._finish(seq, reason)
@@ -113,7 +122,7 @@ class Scheduler:
 
     def preempt_newest(self) -> Sequence | None:
         """Preempt the newest running sequence by recompute (at a step boundary)."""
-        assert self._inflight is None, "preempt at a step boundary only"
+        assert not self._inflight, "preempt at a step boundary only"
         seq = self.running[-1] if self.running else None
         if seq is not None:
             self._preempt(seq)
@@ -125,30 +134,55 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> Batch | None:
-        """The next batch (None when there is nothing to run); pages are allocated already."""
-        if self._inflight is not None:
-            raise AssertionError("schedule() called again before postprocess() of the last batch")
-        self._inflight = self._prefill() or self._decode()
+        """The next batch (None when there is nothing to run); pages are allocated already. The
+        batches scheduled before it may still be in flight (their tokens not yet postprocessed)."""
+        batch = self._prefill() or self._decode()
+        if batch is not None:
+            for it in batch.items:
+                if it.ends_prompt:
+                    it.seq.n_pending += 1
+            self._inflight.append(batch)
         if self.cfg.check_invariants:
             check(self)
-        return self._inflight
+        return batch
 
-    def postprocess(self, batch: Batch, sampled: list[int | None]) -> list[Sequence]:
-        """Apply one step's sampled tokens (None for chunks that do not end a prompt); returns
-        the sequences that finished, their pages and slots already released."""
-        if batch is not self._inflight:
-            raise AssertionError("postprocess() of a batch that is not the one in flight")
-        self._inflight, done = None, []
+    @property
+    def in_flight(self) -> int:
+        """Batches scheduled whose tokens are not postprocessed yet."""
+        return len(self._inflight)
+
+    def postprocess(
+        self,
+        batch: Batch,
+        sampled: list[int | None],
+        on_token: Callable[[Sequence, int], bool] | None = None,
+    ) -> list[Sequence]:
+        """Apply the oldest in-flight step's sampled tokens (None for chunks that do not end a
+        prompt); returns the sequences that finished, their pages and slots already released.
+        ``on_token(seq, tok)`` sees every token kept and returns True when the text it completes
+        holds a stop string (the request then finishes with "stop"). Tokens of requests that
+        finished earlier (a step run past EOS or a stop, or an abort) are dropped."""
+        if not self._inflight or batch is not self._inflight[0]:
+            raise AssertionError("postprocess() of a batch that is not the oldest in flight")
+        self._inflight.popleft()
+        done = []
         for item, tok in zip(batch.items, sampled, strict=True):
             seq, reason = item.seq, None
             if (tok is None) == item.ends_prompt:
                 raise ValueError(f"{seq.rid!r}: sample a token exactly when a step ends the prompt")
-            if tok is not None and seq.rid not in self._pending:
+            if tok is not None:
+                seq.n_pending -= 1
+                if seq.status is Status.FINISHED or seq.rid in self._pending:
+                    continue
                 seq.out.append(tok)
                 if seq.times.first_token is None:
                     seq.times.first_token = time.perf_counter()
                 reason = self._stop_reason(seq, tok)
-            if self.prefix is not None:
+                if on_token is not None and on_token(seq, tok) and reason is None:
+                    reason = FinishReason.STOP
+            if seq.status is Status.FINISHED:
+                continue
+            if self.prefix is not None and seq.status is Status.RUNNING:
                 self.prefix.publish_ready(seq)
             if reason is not None:
                 self._finish(seq, reason)
@@ -167,9 +201,24 @@ class Scheduler:
         p = seq.params
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
             return FinishReason.STOP
-        if len(seq.out) >= p.max_tokens or (self.max_model_len and seq.num_tokens >= self.max_model_len):
+        if self._at_length(seq, len(seq.out)):
             return FinishReason.LENGTH
         return None
+
+    def _at_length(self, seq: Sequence, n_out: int) -> bool:
+        """Whether ``n_out`` output tokens reach ``max_tokens`` or ``max_model_len``."""
+        mml = self.max_model_len
+        return n_out >= seq.params.max_tokens or bool(mml and len(seq.prompt) + n_out >= mml)
+
+    def _decodes(self, seq: Sequence) -> bool:
+        """Whether ``seq`` takes a decode step: its prompt is done, its next token may still be
+        wanted (the tokens in flight do not reach a length limit) and no finish is pending."""
+        return (
+            seq.status is Status.RUNNING
+            and not self._prefilling(seq)
+            and not self._at_length(seq, len(seq.out) + seq.n_pending)
+            and seq.rid not in self._pending
+        )
 
     def _prefilling(self, seq: Sequence) -> bool:
         return seq.n_computed < self.prompt_end[seq.rid]
@@ -189,12 +238,12 @@ class Scheduler:
         return Batch("prefill", tuple(items)) if items else None
 
     def _decode(self) -> Batch | None:
-        ready = [s for s in self.running if not self._prefilling(s)]  # oldest first: victims come later
+        ready = [s for s in self.running if self._decodes(s)]  # oldest first: victims come later
         items = [i for s in ready if s.status is Status.RUNNING and (i := self._step(s, 1, True, True))]
         return Batch("decode", tuple(items)) if items else None
 
     def _admit(self, seq: Sequence, budget: int) -> StepSeq | None:
-        if not self.free_slots:
+        if not self.free_slots or seq.n_pending:  # a preempted request's last token is in flight
             return None
         if seq.sink_len is None:
             seq.sink_len = min(len(seq.prompt), self.spec.sink_tokens)
@@ -212,6 +261,7 @@ class Scheduler:
             return None
         self.running.append(self.waiting.popleft())
         seq.status, seq.slot, seq.n_cached = Status.RUNNING, heapq.heappop(self.free_slots), seq.n_computed
+        seq.epoch = next(self._epochs)
         self.prompt_end[seq.rid] = n
         seq.times.first_scheduled = seq.times.first_scheduled or time.perf_counter()
         if self.trace is not None:
