@@ -304,7 +304,8 @@ class ModelRunner:
             return plan_decode_host(batch, self.plan, alloc=staging.alloc, tables=self.tables)
         b = batch_bucket(n, self.cfg.max_running)
         return plan_decode_host(batch, self.plan, b, self.spec.demote_block, bucket=len_bucket,
-                                alloc=staging.alloc, tables=self.tables)  # fmt: skip
+                                alloc=staging.alloc, tables=self.tables,
+                                host_lists=self.device.type == "cpu")  # fmt: skip
 
     def _decode(self, batch: Batch, h: HostDecode) -> torch.Tensor:
         n = len(batch.items)

@@ -188,13 +188,16 @@ def plan_decode_host(
     bucket: Callable[[int], int] | None = None,
     alloc: Alloc = fresh_buffers,
     tables: PageTables | None = None,
+    host_lists: bool = True,
 ) -> HostDecode:
     """A decode ``batch`` built on the host into buffers from ``alloc``: per-row fields and the
     page-table changes, work in proportion to the batch (not to the tokens it holds). With
     ``bs_pad`` (CUDA), rows ``B .. bs_pad-1`` are padding and the demote lists have the fixed
     length ``bs_pad·demote_block``; with ``bucket``, ``lens_hint`` is bucketed and the lists get a
     graph's capacities (:meth:`DecodeLayout.bucketed`), else exactly their lengths. ``tables``:
-    the engine's :class:`PageTables` (updated here); by default fresh ones for this batch."""
+    the engine's :class:`PageTables` (updated here); by default fresh ones for this batch.
+    ``host_lists``: leave room for the lists in the int32 host buffer (CPU steps fill them there;
+    CUDA steps fill them on the device only)."""
     n, ps, ring = len(batch.items), plan.page_tokens, plan.ring
     b = n if bs_pad is None else bs_pad
     if b < n:
@@ -250,7 +253,7 @@ def plan_decode_host(
     else:
         lay = DecodeLayout(b, nd, hp_ptr[-1], q_ptr[-1])
     changes = tables.update(it.seq for it in batch.items)
-    h64, h32 = alloc(lay.n64 + changes.size, lay.n32)  # the lists: filled on the device (CPU: here)
+    h64, h32 = alloc(lay.n64 + changes.size, lay.n32 if host_lists else lay.meta32)
     a64, a32 = h64.numpy(), h32.numpy()
     zeros = [0] * pad
     a64[lay.s64("ids")] = ids + zeros
