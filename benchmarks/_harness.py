@@ -38,6 +38,50 @@ def import_package_copy(src: str | Path, name: str) -> ModuleType:
     return importlib.import_module(name)
 
 
+CPU_COPY_CAP = 256 << 20  # bytes: the largest copy timed on a CPU
+
+
+def copy_bandwidth(device: Any = "cuda", nbytes: int = 4 << 30, reps: int = 20) -> float:
+    """The device's copy bandwidth in bytes/s, counting **read + write**: one device-to-device
+    ``copy_`` of ``nbytes`` moves ``2 × nbytes``; that over the median time of ``reps`` copies
+    (after two warm-up copies; CUDA events on a GPU). On a CPU the buffer is capped at
+    ``CPU_COPY_CAP``, so the code path runs there too."""
+    import statistics
+    import time
+
+    import torch
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        nbytes = min(nbytes, CPU_COPY_CAP)
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
+    if dev.type == "cuda":
+        a.normal_()
+    else:  # the values do not matter; normal_ is slow on a CPU
+        a.fill_(1.0)
+    b = torch.empty_like(a)
+    times = []
+    for i in range(reps + 2):
+        if dev.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            ev[0].record()
+            b.copy_(a)
+            ev[1].record()
+            ev[1].synchronize()
+            s = ev[0].elapsed_time(ev[1]) / 1e3
+        else:
+            t = time.perf_counter()
+            b.copy_(a)
+            s = time.perf_counter() - t
+        if i >= 2:
+            times.append(s)
+    moved = 2 * a.numel() * a.element_size()
+    del a, b
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return moved / statistics.median(times)
+
+
 def git_commit() -> str:
     # a run on the GPU machine works on a copy of the tree whose .git (if any) may be stale: the
     # run command carries the hash in results/.commit (ignored by git), which then wins

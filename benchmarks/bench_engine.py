@@ -1,5 +1,5 @@
-"""Job throughput of the engine at a fixed KV budget: ``kv_dtype`` int2 vs bf16, same engine, same
-budget, same jobs (engine.md §7.1).
+"""Job throughput and steady-state decode of the engine at a fixed KV budget: ``kv_dtype`` int2 vs
+bf16, same engine, same budget, same jobs (engine.md §7.1), each against its memory roofline.
 
 N jobs are submitted at once to one ``Engine`` with random weights of a model's shape
 (``load_format="dummy"``; speed needs no trained weights) and random rotations. The budget counts
@@ -16,6 +16,27 @@ preemption); an integer sets it for both.
 Reports jobs/min, output tok/s, TTFT and TPOT p50/p90, mean and peak running requests,
 preemptions, bytes per tier and peak GPU memory, and the int2/bf16 ratios; results through
 ``_harness.save`` as ``bench_engine_<shape>_<workload>``.
+
+**Steady state** (``--steady L``): each side holds its capacity of requests (``max_running`` =
+the most requests of ``L + max_tokens`` tokens its pools hold, unless ``--max-running`` sets it),
+one prompt of ``L`` random tokens each (distinct: no prefix-cache hits), ``max_tokens = --steps +
+--warmup + 2``, ``ignore_eos``. It steps until every request decodes, runs ``--warmup`` decode
+steps, then times ``--steps`` decode steps: decode tok/s (tokens decoded ÷ wall), the step time,
+and the int2/bf16 tok/s ratio next to the capacity ratio. Unless ``--kv-budget-gb`` is given, bf16
+holds ``--bf16-fit`` such requests. Results as ``bench_engine_<shape>_steady_<L>``.
+
+    python benchmarks/bench_engine.py --shape qwen3-8b --steady 4096 --steps 64
+
+**Roofline** (both modes, ``roofline.py``): a decode step must read every weight once (of the
+embedding only the rows looked up, unless tied to the LM head) and every stored KV byte of the
+requests it decodes, per tier. Those bytes over the device's copy bandwidth (read + write bytes of
+a device-to-device copy over its time, ``_harness.copy_bandwidth``, measured in the same run) are
+the roofline step time, reported next to the measured step time (wall), the device time per step,
+the host time per step and its share on the critical path (the device's idle gap before a step),
+all medians over the decode steps (job mode: the decode-only steps, each step's roofline from the
+requests decoding in it; steady mode: the roofline of the timed window's middle step), and the
+fraction roofline ÷ wall ("% of roofline"). Timings come from ``EngineConfig(step_timing=True)``;
+off CUDA there is no device time or gap ("-"). ``--overlap`` sets ``EngineConfig.overlap``.
 """
 
 from __future__ import annotations
@@ -38,7 +59,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import save
+from _harness import copy_bandwidth, save
+from roofline import ROWS as ROOF_ROWS
+from roofline import Roofline, StepBytes, cell, step_figures
 
 from oscarkv.config import EngineConfig, QuantSpec
 from oscarkv.engine import Engine, SamplingParams
@@ -138,7 +161,13 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
 
 
-def run_jobs(eng: Engine, prompts: list[list[int]], gen: int, device: str) -> dict[str, Any]:
+def default_budget(shape: dict[str, Any], tokens: int, fit: int, elt: int) -> int:
+    """The budget where bf16 holds ``fit`` requests of ``tokens`` tokens (plus the dummy page)."""
+    per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * elt
+    return (1 + fit * -(-tokens // 16)) * 16 * per_token
+
+
+def run_jobs(eng: Engine, prompts: list[list[int]], gen: int, device: str, rf: Roofline) -> dict[str, Any]:
     """Submit every prompt at once and step to the end; per-request and per-step figures."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -151,6 +180,8 @@ def run_jobs(eng: Engine, prompts: list[list[int]], gen: int, device: str) -> di
     done: dict[str, Any] = {}
     running: list[int] = []
     decode_ms: list[float] = []  # wall time of the steps that ran decode tokens only
+    snaps: list[StepBytes] = []  # what each of those steps reads (roofline)
+    timings: list[Any] = []
     total = len(prompts) * gen
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} tok"),
                   TimeElapsedColumn(), transient=True) as bar:  # fmt: skip
@@ -158,18 +189,22 @@ def run_jobs(eng: Engine, prompts: list[list[int]], gen: int, device: str) -> di
         produced = 0
         while eng.has_unfinished():
             running.append(len(eng.scheduler.running))
-            pre, t = eng.stats["prefill_tokens"], time.perf_counter()
+            snap = rf.snapshot(eng.scheduler.running)
+            pre, dec, t = eng.stats["prefill_tokens"], eng.stats["decode_tokens"], time.perf_counter()
             for out in eng.step():
                 if out.finished:
                     done[out.rid] = out
-            if eng.stats["prefill_tokens"] == pre:
+            if eng.stats["prefill_tokens"] == pre and eng.stats["decode_tokens"] > dec:
                 decode_ms.append(1e3 * (time.perf_counter() - t))
+                snaps.append(snap)
+            timings += eng.step_timings()
             n = sum(len(s.out) for s in eng.scheduler.running) + sum(len(o.token_ids) for o in done.values())
             bar.advance(task, n - produced)
             produced = n
     if device == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    timings += eng.step_timings()
     outs = [done[r] for r in rids]
     ntok = sum(len(o.token_ids) for o in outs)
     ttft = [o.ttft_s for o in outs if o.ttft_s is not None]
@@ -191,30 +226,114 @@ def run_jobs(eng: Engine, prompts: list[list[int]], gen: int, device: str) -> di
         "steps": eng.stats["steps"],
         "preemptions": eng.stats["preemptions"],
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / GIB if device == "cuda" else float("nan"),
+        **step_figures(rf, snaps, pct(decode_ms, 50), timings),
     }
 
 
-def bench_one(
-    args, kv_dtype: str, mdir: Path, rot: Path | None, budget: int, prompts: list[list[int]]
-) -> dict:
+def steady_tokens(steps: int, warmup: int) -> int:
+    """``max_tokens`` of a steady-state request: the timed and warm-up steps, the first token
+    (sampled by the prefill) and one spare step."""
+    return steps + warmup + 2
+
+
+def run_steady(eng: Engine, prompts: list[list[int]], warmup: int, steps: int, device: str,
+               rf: Roofline) -> dict[str, Any]:  # fmt: skip
+    """Fill every slot with one prompt each, step until all of them decode, run ``warmup`` decode
+    steps, then time ``steps`` decode steps (steady state: the same batch throughout)."""
+    n, sched, st = len(prompts), eng.scheduler, eng.stats
+    params = SamplingParams(max_tokens=steady_tokens(steps, warmup), temperature=0.0, ignore_eos=True)
+    for p in prompts:
+        eng.add_request(p, params)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0, d0 = time.perf_counter(), st["decode_tokens"]
+    while (held := rf.snapshot(sched.running).batch) < n:  # prefill has priority: no decode in between
+        if not eng.has_unfinished() or st["decode_tokens"] > d0:
+            raise SystemExit(
+                f"{eng.cfg.kv_dtype}: only {held} of {n} requests decode at once; lower --max-running"
+            )
+        eng.step()
+    fill_s = time.perf_counter() - t0
+    while st["decode_tokens"] - d0 < warmup * n:
+        eng.step()
+    eng.step_timings()  # drop the fill's and the warm-up's
+    first, s0 = rf.snapshot(sched.running), dict(st)
+    t0 = time.perf_counter()
+    while st["steps"] - s0["steps"] < steps:
+        eng.step()
+    wall = time.perf_counter() - t0
+    last = rf.snapshot(sched.running)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    timings = eng.step_timings()
+    d = {k: st[k] - s0[k] for k in ("steps", "decode_tokens", "prefill_tokens")}
+    while eng.has_unfinished():
+        eng.step()
+    step_ms = 1e3 * wall / d["steps"]
+    return {
+        "requests": n,
+        "batch": min(first.batch, last.batch),
+        "fill_s": fill_s,
+        "wall_s": wall,
+        "steps": d["steps"],
+        "decode_tokens": d["decode_tokens"],
+        "decode_tok_s": d["decode_tokens"] / wall,
+        "prefill_tokens_in_window": d["prefill_tokens"],
+        "peak_gpu_gib": torch.cuda.max_memory_allocated() / GIB if device == "cuda" else float("nan"),
+        # the window's middle step: KV grows by one token per request per step
+        **step_figures(rf, [first, last], step_ms, timings),
+    }
+
+
+def make_engine(
+    args, kv_dtype: str, mdir: Path, rot: Path | None, budget: int, tokens: int
+) -> tuple[Engine, dict]:
+    """An engine of ``max_running`` = the side's capacity at ``tokens`` (or ``--max-running``),
+    timing its steps; and the facts of its start."""
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    tokens = args.prompt_len + args.gen_len
     base = EngineConfig(model=str(mdir), rotations=str(rot) if rot else None, kv_dtype=kv_dtype,
                         device=args.device, backend=args.backend, kv_budget_gb=budget / GIB,
                         load_format="dummy", max_model_len=tokens + 1,
-                        max_batched_tokens=args.max_batched_tokens,
-                        graph_capture=args.graph_capture)  # fmt: skip
+                        max_batched_tokens=args.max_batched_tokens, graph_capture=args.graph_capture,
+                        overlap=args.overlap, step_timing=True)  # fmt: skip
     mr = (
         capacity(base, SHAPES[args.shape], tokens, budget, dtype)
         if args.max_running == "auto"
         else int(args.max_running)
     )
-    cfg = dataclasses.replace(base, max_running=mr)
     t0 = time.perf_counter()
-    eng = Engine(cfg)
-    start_s = time.perf_counter() - t0
+    eng = Engine(dataclasses.replace(base, max_running=mr))
     g = eng.runner.graphs
-    n0, s0 = (len(g.graphs), g.capture_s) if g is not None else (0, 0.0)
+    facts = {"max_running": mr, "engine_start_s": time.perf_counter() - t0, "overlap": args.overlap}
+    if g is not None:  # graphs captured at start-up (any later ones: see engine_facts)
+        facts.update(graphs_startup=len(g.graphs), graphs_startup_s=g.capture_s)
+    return eng, facts
+
+
+def engine_facts(eng: Engine, facts: dict) -> dict[str, Any]:
+    """``facts`` with the pool bytes per tier, the backend and the graphs captured after start-up."""
+    rep, g = eng.memory_report(), eng.runner.graphs
+    out = dict(facts, pool_bytes=rep["total_bytes"], int2_bytes=rep["int2_bytes"],
+               hp_paged_bytes=rep["hp_paged_bytes"], ring_bytes=rep["ring_bytes"],
+               backend=eng.runner.ops.backend.value)  # fmt: skip
+    if g is not None:
+        out.update(graphs_lazy=len(g.graphs) - facts["graphs_startup"],
+                   graphs_lazy_s=g.capture_s - facts["graphs_startup_s"])  # fmt: skip
+    return out
+
+
+def free(device: str) -> None:
+    """Give the memory of a dropped engine back (before the next side's starts)."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def bench_one(args, kv_dtype: str, mdir: Path, rot: Path | None, budget: int, prompts: list[list[int]],
+              bw: float) -> dict:  # fmt: skip
+    eng, facts = make_engine(args, kv_dtype, mdir, rot, budget, args.prompt_len + args.gen_len)
+    rf = Roofline.of(eng, bw)
     # warm-up: one request of the workload's prompt length compiles the kernels, captures the
     # decode graph of its context bucket (captures are lazy) and fills the allocator's cache; its
     # tokens reversed, so that no job's prompt hits the prefix cache
@@ -222,57 +341,64 @@ def bench_one(
     eng.add_request(warm, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     while eng.has_unfinished():
         eng.step()
+    eng.step_timings()
     eng.stats.update(steps=0, preemptions=0)
     if args.profile:  # the host's share of each step, by function (the GPU shows as waits in a sync)
         prof = cProfile.Profile()
-        res = prof.runcall(run_jobs, eng, prompts, args.gen_len, args.device)
+        res = prof.runcall(run_jobs, eng, prompts, args.gen_len, args.device, rf)
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.profile)
         path = Path(__file__).parent / "results" / f"{args.name or 'bench_engine'}_{kv_dtype}.profile.txt"
         path.write_text(out.getvalue())
         print(out.getvalue()[:4000])
     else:
-        res = run_jobs(eng, prompts, args.gen_len, args.device)
-    rep = eng.memory_report()
-    if g is not None:  # graphs captured at start-up, and lazily (warm-up and timed run)
-        res.update(graphs_startup=n0, graphs_startup_s=s0, graphs_lazy=len(g.graphs) - n0,
-                   graphs_lazy_s=g.capture_s - s0)  # fmt: skip
-    res.update(engine_start_s=start_s)
-    res.update(max_running=mr, pool_bytes=rep["total_bytes"], int2_bytes=rep["int2_bytes"],
-               hp_paged_bytes=rep["hp_paged_bytes"], ring_bytes=rep["ring_bytes"],
-               backend=eng.runner.ops.backend.value)  # fmt: skip
+        res = run_jobs(eng, prompts, args.gen_len, args.device, rf)
+    res.update(engine_facts(eng, facts))
     del eng
-    gc.collect()
-    if args.device == "cuda":
-        torch.cuda.empty_cache()
+    free(args.device)
     return res
 
 
+def bench_steady(args, kv_dtype: str, mdir: Path, rot: Path | None, budget: int, bw: float) -> dict:
+    eng, facts = make_engine(
+        args, kv_dtype, mdir, rot, budget, args.steady + steady_tokens(args.steps, args.warmup)
+    )
+    g = torch.Generator().manual_seed(0)  # the same prompts on both sides, as far as both go
+    vocab = min(int(SHAPES[args.shape]["vocab_size"]), 2048)
+    prompts = [
+        torch.randint(3, vocab, (args.steady,), generator=g).tolist() for _ in range(facts["max_running"])
+    ]
+    res = run_steady(eng, prompts, args.warmup, args.steps, args.device, Roofline.of(eng, bw))
+    res.update(engine_facts(eng, facts), context=args.steady)
+    del eng
+    free(args.device)
+    return res
+
+
+_TAIL = (("max_running", "max_running", "{}"), ("KV pools GiB", "pool_bytes", "gib"),
+         ("  INT2 pages GiB", "int2_bytes", "gib"), ("  16-bit pages GiB", "hp_paged_bytes", "gib"),
+         ("  rings GiB", "ring_bytes", "gib"), ("peak GPU GiB", "peak_gpu_gib", "{:.1f}"),
+         ("wall s", "wall_s", "{:.1f}"), ("engine start s", "engine_start_s", "{:.1f}"),
+         ("graphs at start-up (s)", ("graphs_startup", "graphs_startup_s"), "{:.4g}"),
+         ("graphs captured later (s)", ("graphs_lazy", "graphs_lazy_s"), "{:.4g}"))  # fmt: skip
 ROWS = (("jobs/min", "jobs_per_min", "{:.2f}"), ("output tok/s", "output_tok_s", "{:.0f}"),
         ("TTFT p50 / p90 s", ("ttft_p50_s", "ttft_p90_s"), "{:.2f}"),
         ("TPOT p50 / p90 ms", ("tpot_p50_ms", "tpot_p90_ms"), "{:.1f}"),
         ("decode-only step p50 ms", "decode_step_p50_ms", "{:.1f}"), ("decode-only steps", "decode_steps", "{}"),
-        ("running mean / peak", ("running_mean", "running_peak"), "{:.1f}"),
-        ("max_running", "max_running", "{}"), ("preemptions", "preemptions", "{}"), ("steps", "steps", "{}"),
-        ("KV pools GiB", "pool_bytes", "gib"), ("  INT2 pages GiB", "int2_bytes", "gib"),
-        ("  16-bit pages GiB", "hp_paged_bytes", "gib"), ("  rings GiB", "ring_bytes", "gib"),
-        ("peak GPU GiB", "peak_gpu_gib", "{:.1f}"), ("wall s", "wall_s", "{:.1f}"),
-        ("engine start s", "engine_start_s", "{:.1f}"),
-        ("graphs at start-up (s)", ("graphs_startup", "graphs_startup_s"), "{:.4g}"),
-        ("graphs captured later (s)", ("graphs_lazy", "graphs_lazy_s"), "{:.4g}"))  # fmt: skip
+        *ROOF_ROWS, ("running mean / peak", ("running_mean", "running_peak"), "{:.1f}"),
+        ("preemptions", "preemptions", "{}"), ("steps", "steps", "{}"), *_TAIL)  # fmt: skip
+STEADY_ROWS = (("requests held (decoding at once)", ("requests", "batch"), "{}"),
+               ("decode tok/s", "decode_tok_s", "{:.0f}"), ("decode steps timed", "steps", "{}"),
+               *ROOF_ROWS, ("fill (prefill) s", "fill_s", "{:.1f}"), *_TAIL)  # fmt: skip
 
 
-def _cell(r: dict, key, fmt: str) -> str:
-    keys = key if isinstance(key, tuple) else (key,)
-    if fmt == "gib":
-        return " / ".join(f"{r[k] / GIB:.2f}" for k in keys)
-    return " / ".join(fmt.format(r[k]) if k in r else "-" for k in keys)
-
-
-def table(res: dict[str, dict]) -> str:
+def table(res: dict[str, dict], rows: tuple = ROWS) -> str:
     names = list(res)
     lines = ["| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-    lines += [f"| {label} | " + " | ".join(_cell(res[n], k, f) for n in names) + " |" for label, k, f in ROWS]
+    for label, key, fmt in rows:
+        keys = key if isinstance(key, tuple) else (key,)
+        cells = [" / ".join(cell(res[n].get(k), fmt) for k in keys) for n in names]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -283,6 +409,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     ap.add_argument("--prompt-len", type=int, help="prompt tokens (default: the workload's)")
     ap.add_argument("--gen-len", type=int, help="generated tokens (default: the workload's)")
     ap.add_argument("--jobs", type=int, default=40)
+    ap.add_argument("--steady", type=int, metavar="L", help="steady-state decode at context L (no jobs)")
+    ap.add_argument("--steps", type=int, default=64, help="--steady: decode steps timed")
+    ap.add_argument("--warmup", type=int, default=8, help="--steady: decode steps before the timed ones")
     ap.add_argument("--kv-budget-gb", type=float, help="KV budget (default: bf16 fits --bf16-fit jobs)")
     ap.add_argument("--bf16-fit", type=int, default=8)
     ap.add_argument("--max-running", default="auto", help="auto (each side's capacity) or an integer")
@@ -290,11 +419,13 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     ap.add_argument("--kv-dtypes", default="int2,bf16")
     ap.add_argument("--graph-capture", choices=("startup", "lazy"), default="startup",
                     help="startup: every decode graph before the timed run (steady state); lazy: as the run needs them")  # fmt: skip
+    ap.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
+                    help="overlapped scheduling (EngineConfig.overlap)")  # fmt: skip
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--backend", default="auto")
-    ap.add_argument("--name", help="result name (default: bench_engine_<shape>_<workload>)")
+    ap.add_argument("--name", help="result name (default: bench_engine_<shape>_<workload> or _steady_<L>)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
-                    help="cProfile the timed runs; write each side's top N functions by own time")  # fmt: skip
+                    help="cProfile the timed runs (job mode); write each side's top N functions by own time")  # fmt: skip
     ap.add_argument(
         "--write-model",
         metavar="DIR",
@@ -306,25 +437,29 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         model_dir(args.shape, root, int(sh["max_position_embeddings"]))
         random_rotations(sh["num_hidden_layers"], sh["head_dim"], root / f"{args.shape}-rot")
         return {}
-    p, g = WORKLOADS[args.workload]
-    args.prompt_len, args.gen_len = args.prompt_len or p, args.gen_len or g
+    steady = args.steady is not None
+    if steady:
+        if args.steady < 1 or args.steps < 1 or args.warmup < 0:
+            raise SystemExit("--steady and --steps must be >= 1, --warmup >= 0")
+        tokens = args.steady + steady_tokens(args.steps, args.warmup)
+    else:
+        p, g = WORKLOADS[args.workload]
+        args.prompt_len, args.gen_len = args.prompt_len or p, args.gen_len or g
+        tokens = args.prompt_len + args.gen_len
     shape = SHAPES[args.shape]
-    tokens = args.prompt_len + args.gen_len
+    budget = (int(args.kv_budget_gb * GIB) if args.kv_budget_gb
+              else default_budget(shape, tokens, args.bf16_fit, 2 if args.device == "cuda" else 4))  # fmt: skip
+    bw = copy_bandwidth(args.device)  # before any engine holds the device's memory
+    print(f"device copy: {bw / 1e9:.0f} GB/s (read + write)", flush=True)
     root = Path(tempfile.mkdtemp(prefix="bench_engine_"))
     try:
         mdir = model_dir(args.shape, root, tokens + 1)
-        layers, heads, d = shape["num_hidden_layers"], shape["num_key_value_heads"], shape["head_dim"]
-        elt = 2 if args.device == "cuda" else 4
-        if args.kv_budget_gb:
-            budget = int(args.kv_budget_gb * GIB)
-        else:  # the dummy page plus bf16-fit jobs of full length
-            pages = 1 + args.bf16_fit * -(-tokens // 16)
-            budget = pages * 16 * 2 * layers * heads * d * elt
+        layers, d = shape["num_hidden_layers"], shape["head_dim"]
         g = torch.Generator().manual_seed(0)
         vocab = min(int(shape["vocab_size"]), 2048)
-        prompts = [
+        prompts = [] if steady else [
             torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.jobs)
-        ]
+        ]  # fmt: skip
         res: dict[str, dict] = {}
         for kv in args.kv_dtypes.split(","):
             rot = None
@@ -332,23 +467,51 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
                 rot = root / "rot"
                 if not rot.exists():
                     random_rotations(layers, d, rot)
-            res[kv] = bench_one(args, kv, mdir, rot, budget, prompts)
-            print(f"{kv}: {res[kv]['jobs_per_min']:.2f} jobs/min, {res[kv]['output_tok_s']:.0f} tok/s, "
-                  f"max_running {res[kv]['max_running']}, wall {res[kv]['wall_s']:.1f} s", flush=True)  # fmt: skip
+            if steady:
+                r = res[kv] = bench_steady(args, kv, mdir, rot, budget, bw)
+                print(f"{kv}: {r['decode_tok_s']:.0f} decode tok/s at batch {r['batch']}, step {r['step_ms']:.2f} ms, "
+                      f"roofline {r['roofline_ms']:.2f} ms", flush=True)  # fmt: skip
+            else:
+                r = res[kv] = bench_one(args, kv, mdir, rot, budget, prompts, bw)
+                print(f"{kv}: {r['jobs_per_min']:.2f} jobs/min, {r['output_tok_s']:.0f} tok/s, "
+                      f"max_running {r['max_running']}, wall {r['wall_s']:.1f} s", flush=True)  # fmt: skip
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    head = (f"**{args.shape}**, {args.workload}: {args.jobs} jobs of {args.prompt_len} prompt + {args.gen_len} "
-            f"generated tokens (greedy, ignore_eos), KV budget {budget / GIB:.2f} GiB for every side.")  # fmt: skip
-    md = head + "\n\n" + table(res)
+    if steady:
+        head = (f"**{args.shape}**, steady state: every slot holds a request at context {args.steady}, "
+                f"{args.steps} decode steps timed after {args.warmup} warm-up steps, overlap {args.overlap}, "
+                f"KV budget {budget / GIB:.3g} GiB for every side.")  # fmt: skip
+        keys = ("decode_tok_s", "max_running")
+    else:
+        head = (f"**{args.shape}**, {args.workload}: {args.jobs} jobs of {args.prompt_len} prompt + {args.gen_len} "
+                f"generated tokens (greedy, ignore_eos), overlap {args.overlap}, KV budget {budget / GIB:.3g} GiB "
+                "for every side.")  # fmt: skip
+        keys = ("jobs_per_min", "output_tok_s", "max_running")
+    md = head + "\n\n" + table(res, STEADY_ROWS if steady else ROWS)
+    ratios: dict[str, float] = {}
     if "int2" in res and "bf16" in res:
         a, b = res["int2"], res["bf16"]
-        ratios = {k: a[k] / b[k] for k in ("jobs_per_min", "output_tok_s", "max_running")}
+        ratios = {k: a[k] / b[k] for k in keys}
         md += "\n\nint2 / bf16: " + ", ".join(f"{k} {v:.2f}×" for k, v in ratios.items())
+        if steady:
+            md += f" (decode tok/s next to capacity: max_running {a['max_running']} / {b['max_running']})"
     print(md)
-    name = args.name or f"bench_engine_{args.shape}_{args.workload}"
-    hist = [(f"{args.shape}-{args.workload}-{kv}", m, float(r[m])) for kv, r in res.items()
-            for m in ("jobs_per_min", "output_tok_s", "tpot_p50_ms")]  # fmt: skip
-    save(name, {"args": vars(args), "budget_bytes": budget, "results": res}, md, hist)
+    mode = f"steady_{args.steady}" if steady else args.workload
+    name = args.name or f"bench_engine_{args.shape}_{mode}"
+    metrics = (
+        ("decode_tok_s", "step_ms", "roofline_frac")
+        if steady
+        else ("jobs_per_min", "output_tok_s", "tpot_p50_ms")
+    )
+    hist = [(f"{args.shape}-{mode}-{kv}", m, float(r[m])) for kv, r in res.items() for m in metrics]
+    payload = {
+        "args": vars(args),
+        "budget_bytes": budget,
+        "copy_bytes_per_s": bw,
+        "results": res,
+        "ratios": ratios,
+    }
+    save(name, payload, md, hist)
     return res
 
 

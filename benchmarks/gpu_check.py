@@ -31,7 +31,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import import_package_copy, save
+from _harness import copy_bandwidth, import_package_copy, save
 
 from oscarkv.config import QuantSpec
 from oscarkv.kernels import ref, resolve
@@ -53,13 +53,6 @@ def bench(fn, rep=100) -> float:
 def bench_graph(fn, rep=100) -> float:
     """Median ms per call replayed from a CUDA graph (device time only, as serving engines run decode)."""
     return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
-
-
-def copy_bandwidth(nbytes: int = 4 << 30) -> float:
-    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=DEV).normal_()
-    b = torch.empty_like(a)
-    ms = bench(lambda: b.copy_(a))
-    return 2 * nbytes / ms / 1e9  # read + write, TB/s
 
 
 def make_pools(b: int, lq: int, lh: int, hkv: int, d: int, fmt: RowFormat, dtype=torch.bfloat16):
@@ -335,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.baseline:
         import_package_copy(args.baseline, "oscarkv_baseline")
         sides["baseline"] = importlib.import_module("oscarkv_baseline.kernels").resolve("triton", DEV)
-    copy_tbps = copy_bandwidth()
+    copy_tbps = copy_bandwidth(DEV) / 1e12  # read + write bytes of a device copy, TB/s
     payload = {
         "copy_TBps": copy_tbps,
         "baseline": args.baseline,

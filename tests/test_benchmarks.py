@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
+# the benchmark modules the tests import, dropped after each (each test patches _harness anew)
+MODULES = ("e2e_decode", "_harness", "calibration_speed", "gpu_check", "gpu_lane", "roofline", "bench_engine")
 
 
 @pytest.fixture
@@ -24,7 +28,7 @@ def bench(monkeypatch, tmp_path):
     monkeypatch.setattr(_harness, "HISTORY", tmp_path / "history.csv")
     monkeypatch.setattr(_harness, "git_commit", lambda: "test")
     yield tmp_path
-    for mod in ("e2e_decode", "_harness", "calibration_speed", "gpu_check", "gpu_lane"):
+    for mod in MODULES:
         sys.modules.pop(mod, None)
 
 
@@ -137,7 +141,87 @@ def test_bench_engine_runs_both_kv_dtypes_at_one_budget(bench):
         assert r["jobs"] == 3 and r["preemptions"] == 0 and r["running_peak"] == 3
         assert r["output_tok_s"] > 0 and r["pool_bytes"] <= saved["budget_bytes"]
         assert saved["results"][kv]["max_running"] == r["max_running"] >= 3
+        check_roofline(r, saved["copy_bytes_per_s"])
+        assert r["timed_steps"] == r["decode_steps"] == 4  # 5 tokens: 1 from the prefill, 4 decoded
     assert res["int2"]["int2_bytes"] > 0 and res["bf16"]["int2_bytes"] == 0
-    assert "int2 / bf16" in (bench / "smoke.md").read_text()
+    md = (bench / "smoke.md").read_text()
+    assert "int2 / bf16" in md and "% of roofline" in md
     assert {r["benchmark"] for r in history(bench / "history.csv")} == {"smoke"}
     sys.modules.pop("bench_engine", None)
+
+
+def check_roofline(r: dict, bw: float) -> None:
+    """The roofline columns of one side (CPU: no device time, no gap)."""
+    assert bw > 0 and r["copy_GBps"] == pytest.approx(bw / 1e9)
+    assert r["weight_bytes"] > 0 and r["kv_bytes"] > 0
+    assert r["step_bytes"] == pytest.approx(r["weight_bytes"] + r["kv_bytes"], abs=1)
+    assert r["roofline_ms"] == pytest.approx(1e3 * r["step_bytes"] / bw)
+    assert r["step_ms"] > 0 and r["host_ms"] > 0
+    assert r["roofline_frac"] == pytest.approx(r["roofline_ms"] / r["step_ms"])
+    assert math.isnan(r["gpu_ms"]) and math.isnan(r["gap_ms"])
+
+
+def test_bench_engine_steady_state_holds_every_slot_and_reports_the_roofline(bench):
+    import bench_engine
+
+    res = bench_engine.main(["--shape", "demo", "--device", "cpu", "--backend", "torch", "--steady", "48",
+                             "--steps", "3", "--warmup", "1", "--kv-budget-gb", "0.002", "--overlap", "off"])  # fmt: skip
+    name = "bench_engine_demo_steady_48"
+    saved = json.loads((bench / f"{name}.json").read_text())
+    assert saved["args"]["overlap"] == "off" and saved["args"]["steady"] == 48
+    assert saved["budget_bytes"] == int(0.002 * 2**30)
+    for kv in ("int2", "bf16"):
+        r = saved["results"][kv]
+        assert res[kv]["batch"] == r["batch"] and res[kv]["decode_tok_s"] == r["decode_tok_s"]
+        assert r["batch"] == r["requests"] == r["max_running"] >= 1 and r["overlap"] == "off"
+        assert r["steps"] == r["timed_steps"] == 3 and r["prefill_tokens_in_window"] == 0
+        assert r["decode_tokens"] == 3 * r["batch"] and r["decode_tok_s"] > 0
+        assert r["step_ms"] == pytest.approx(1e3 * r["wall_s"] / 3)
+        check_roofline(r, saved["copy_bytes_per_s"])
+    int2, bf16 = saved["results"]["int2"], saved["results"]["bf16"]
+    # every token of a 48-token context is 16-bit in both modes (sink + recent window > 48)
+    per_token = bf16["kv_bytes"] / bf16["batch"]
+    assert int2["kv_bytes"] / int2["batch"] == pytest.approx(per_token)
+    ratios = saved["ratios"]
+    assert ratios["decode_tok_s"] == pytest.approx(int2["decode_tok_s"] / bf16["decode_tok_s"])
+    assert ratios["max_running"] == pytest.approx(int2["max_running"] / bf16["max_running"])
+    md = (bench / f"{name}.md").read_text()
+    assert "decode tok/s" in md and "% of roofline" in md and "int2 / bf16" in md
+    rows = history(bench / "history.csv")
+    assert {r["benchmark"] for r in rows} == {name}
+    assert {r["metric"] for r in rows} == {"decode_tok_s", "step_ms", "roofline_frac"}
+
+
+def test_roofline_counts_each_weight_once_and_the_kv_bytes_per_tier(bench):
+    import roofline
+    from torch import nn
+
+    from oscarkv.quant.tiers import TierState
+
+    class Model(nn.Module):
+        def __init__(self, tied: bool):
+            super().__init__()
+            self.embed_tokens = nn.Embedding(100, 8)  # 800 fp32 = 3200 bytes, one row 32
+            self.proj = nn.Linear(8, 8, bias=False)  # 256 bytes
+            self.lm_head = None if tied else nn.Linear(8, 100, bias=False)  # 3200 bytes
+
+    def engine(model: nn.Module, int2: bool) -> SimpleNamespace:
+        plan = SimpleNamespace(page_tokens=16, q_page_bytes=16 * 10, hp_page_bytes=16 * 64, int2=int2)
+        return SimpleNamespace(runner=SimpleNamespace(model=model, plan=plan))
+
+    def seq(n_sink: int, n_q: int, n_recent: int, prompt: int, out: int) -> SimpleNamespace:
+        st = TierState(n_sink=n_sink, n_q=n_q, n_recent=n_recent)
+        return SimpleNamespace(tiers=st, n_computed=n_sink + n_q + n_recent, num_tokens=prompt + out)
+
+    running = [seq(4, 100, 20, 120, 5), seq(4, 0, 12, 16, 1), seq(4, 0, 12, 40, 0)]  # the last: prefilling
+    rf = roofline.Roofline.of(engine(Model(tied=False), True), bandwidth=1e9)
+    assert (rf.weights, rf.embed_row, rf.q_tok, rf.hp_tok) == (256 + 3200, 32, 10, 64)
+    snap = rf.snapshot(running)
+    assert snap == roofline.StepBytes(2, 100 * 10 + 24 * 64 + 16 * 64)
+    assert rf.step_bytes(snap) == 3456 + 2 * 32 + snap.kv and rf.step_s(snap) == rf.step_bytes(snap) / 1e9
+    tied = roofline.Roofline.of(engine(Model(tied=True), False), bandwidth=1e9)
+    assert (tied.weights, tied.embed_row) == (3200 + 256, 0)  # the table counts once, as the LM head
+    assert tied.snapshot(running) == roofline.StepBytes(2, (124 + 16) * 64)  # bf16: every token 16-bit
+    fig = roofline.step_figures(rf, [snap], 2 * 1e3 * rf.step_s(snap), [])
+    assert fig["roofline_frac"] == pytest.approx(0.5) and math.isnan(fig["host_ms"])
+    assert roofline.cell(float("nan"), "{:.1f}") == roofline.cell(None, "{}") == "-"
