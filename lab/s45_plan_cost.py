@@ -10,11 +10,10 @@ import torch
 
 from oscarkv import QuantSpec
 from oscarkv.engine.graphs import len_bucket
-from oscarkv.engine.kv_pool import PoolPlan
-from oscarkv.engine.page_table import PageTables
 from oscarkv.engine.planner import fill_lists, plan_decode_host
 from oscarkv.engine.request import Batch, SamplingParams, Sequence, StepSeq
 from oscarkv.quant.tiers import TierState, apply_moves, plan_moves, window_limit
+from oscarkv.store import PageTables, PoolPlan
 
 spec = QuantSpec()
 ps, B = 16, 49
@@ -36,13 +35,21 @@ for ctx in (1024, 16384, 32768):
         nxt += nq
         seqs.append(s)
     times, dev_ms = [], []
-    for k in range(30):
+    for _k in range(30):
         items = []
         for s in seqs:
             m = plan_moves(s.tiers, 1, True, spec, sink_target=spec.sink_tokens)
             items.append(StepSeq(s, ctx, 1, TierState(**vars(s.tiers)), m, True))
         t = time.perf_counter()
-        h = plan_decode_host(Batch("decode", tuple(items)), plan, 56, spec.demote_block, len_bucket, tables=tables, host_lists=dev.type == "cpu")
+        h = plan_decode_host(
+            Batch("decode", tuple(items)),
+            plan,
+            56,
+            spec.demote_block,
+            len_bucket,
+            tables=tables,
+            host_lists=dev.type == "cpu",
+        )
         times.append(time.perf_counter() - t)
         if dev.type == "cuda":
             d64 = h.h64[: h.layout.n64].to(dev)
@@ -57,5 +64,11 @@ for ctx in (1024, 16384, 32768):
             torch.cuda.synchronize()
             dev_ms.append(a.elapsed_time(b))
     times.sort()
-    print(f"{B} x {ctx}: host plan median {1e3 * times[len(times) // 2]:.3f} ms (first {1e3 * max(times):.2f} ms)"
-          + (f", device list expansion median {sorted(dev_ms)[len(dev_ms) // 2] * 1e3:.0f} us" if dev_ms else ""))
+    print(
+        f"{B} x {ctx}: host plan median {1e3 * times[len(times) // 2]:.3f} ms (first {1e3 * max(times):.2f} ms)"
+        + (
+            f", device list expansion median {sorted(dev_ms)[len(dev_ms) // 2] * 1e3:.0f} us"
+            if dev_ms
+            else ""
+        )
+    )

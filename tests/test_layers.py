@@ -22,21 +22,27 @@ LAYER = {
     "quant": 1,
     "rotation": 1,
     "kernels": 2,
-    "calibration": 3,
-    "hf": 3,
-    "engine": 4,
-    "eval": 5,
-    "server": 5,
-    "vllm_plugin": 5,
-    "demo": 6,
-    "cli": 6,
-    "__main__": 6,
-    "__init__": 6,
+    "store": 3,
+    "calibration": 4,
+    "hf": 4,
+    "engine": 5,
+    "eval": 6,
+    "server": 6,
+    "vllm_plugin": 6,
+    "demo": 7,
+    "cli": 7,
+    "__main__": 7,
+    "__init__": 7,
 }
-#: packages a package never imports, whatever the layer numbers allow
+#: packages a package never imports, whatever the layer numbers allow: the tiered store has one
+#: owner (``store``), which the three hosts (``hf``, ``engine``, ``vllm_plugin``) call; no host
+#: reaches into another
 NEVER = {
-    "engine": frozenset({"hf", "eval", "calibration", "cli", "demo", "server"}),
-    "server": frozenset({"hf", "eval", "calibration", "cli", "demo"}),
+    "store": frozenset({"hf", "engine", "vllm_plugin", "server", "eval", "calibration", "cli", "demo"}),
+    "hf": frozenset({"engine", "vllm_plugin", "server", "eval", "cli", "demo"}),
+    "engine": frozenset({"hf", "eval", "calibration", "cli", "demo", "server", "vllm_plugin"}),
+    "vllm_plugin": frozenset({"engine", "hf", "server", "eval", "calibration", "cli", "demo"}),
+    "server": frozenset({"hf", "eval", "calibration", "cli", "demo", "vllm_plugin"}),
 }
 #: third-party packages a layer may not import at module level or anywhere in it
 FORBIDDEN = {
@@ -283,7 +289,7 @@ def test_from_dot_dot_import_of_a_module_is_that_module(tmp_path: Path) -> None:
 )
 def test_root_import_from_a_lower_layer_fails(tmp_path: Path, text: str) -> None:
     assert check(_tree(tmp_path, calibration__y=text)) == [
-        "calibration/y.py:1 (layer 3) imports oscarkv (layer 6)"
+        "calibration/y.py:1 (layer 4) imports oscarkv (layer 7)"
     ]
 
 
@@ -311,6 +317,35 @@ def test_higher_layer_import_fails(tmp_path: Path) -> None:
         (
             {"server__s": "from oscarkv.hf import loading\n"},
             "server/s.py:1: server never imports hf (oscarkv.hf)",
+        ),
+        # the hosts of the tiered store reach it through ``store``, never through another host
+        (
+            {"vllm_plugin__x": "from ..engine import tokenizer\n"},
+            "vllm_plugin/x.py:1: vllm_plugin never imports engine (oscarkv.engine.tokenizer)",
+        ),
+        (
+            {"vllm_plugin__x": "def f():\n    import oscarkv.engine\n"},
+            "vllm_plugin/x.py:2: vllm_plugin never imports engine (oscarkv.engine)",
+        ),
+        (
+            {"vllm_plugin__x": "from oscarkv.hf import cache\n"},
+            "vllm_plugin/x.py:1: vllm_plugin never imports hf (oscarkv.hf.cache)",
+        ),
+        (
+            {"hf__x": "from ..engine import tokenizer\n"},
+            "hf/x.py:1 (layer 4) imports oscarkv.engine.tokenizer (layer 5)",
+        ),
+        (
+            {"engine__x": "from oscarkv.vllm_plugin import x\n", "vllm_plugin__x": ""},
+            "engine/x.py:1 (layer 5) imports oscarkv.vllm_plugin.x (layer 6)",
+        ),
+        (
+            {"store__s": "from ..hf import cache\n"},
+            "store/s.py:1 (layer 3) imports oscarkv.hf.cache (layer 4)",
+        ),
+        (
+            {"store__s": "from ..engine.models import m\n"},
+            "store/s.py:1 (layer 3) imports oscarkv.engine.models.m (layer 5)",
         ),
     ],
 )
@@ -373,6 +408,13 @@ def test_package_init_edges_are_not_cycles(tmp_path: Path) -> None:
     assert cycles(import_graph(_tree(tmp_path, hf__cache="from . import C\n"))) == []
     root = _tree(tmp_path / "b", hf__cache="from .pools import P\n", hf__pools="from .cache import C\n")
     assert cycles(import_graph(root)) == [["oscarkv.hf.cache", "oscarkv.hf.pools", "oscarkv.hf.cache"]]
+
+
+@pytest.mark.parametrize(("pkg", "other"), [("store", "hf"), ("store", "engine"), ("store", "vllm_plugin"),
+                                            ("store", "server"), ("hf", "engine"), ("vllm_plugin", "engine")])  # fmt: skip
+def test_never_rules_hold_whatever_the_layers(pkg: str, other: str) -> None:
+    # the hosts and the store stay apart even if the layer numbers are ever reordered
+    assert other in NEVER[pkg]
 
 
 def test_rule_tables_name_real_packages() -> None:

@@ -14,8 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from oscarkv.demo import demo_model_path
-from oscarkv.engine.detok import IncrementalDetokenizer, hits_stop_token
-from oscarkv.engine.request import SamplingParams
+from oscarkv.engine.detok import IncrementalDetokenizer
 from oscarkv.engine.tokenizer import apply_chat, encode_prompt, eos_token_ids, load_tokenizer
 from oscarkv.errors import InputError, ModelError
 
@@ -166,14 +165,6 @@ def test_decode_window_stays_short() -> None:
     out = "".join(d.add([i]) for i in ids) + d.flush()
     assert out == TEXT * 8
     assert counting.longest <= 12 < len(ids)  # a short window each step, not the whole output
-
-
-def test_hits_stop_token() -> None:
-    p = SamplingParams(stop_token_ids=(7,))
-    assert hits_stop_token(7, p, (0,)) and hits_stop_token(0, p, (0,))
-    assert not hits_stop_token(5, p, (0,))
-    assert not hits_stop_token(0, SamplingParams(ignore_eos=True), (0,))
-    assert hits_stop_token(7, SamplingParams(stop_token_ids=(7,), ignore_eos=True), (0,))
 
 
 @pytest.mark.parametrize("stop", [("a",), ("ab", "b"), ("é",)])

@@ -1,4 +1,4 @@
-"""``EngineAttention`` on paged pools against the HF ``OscarCacheLayer`` (engine.md §8.3(a)), BF16 mode
+"""``TierAttention`` on paged pools against the HF ``OscarCacheLayer`` (engine.md §8.3(a)), BF16 mode
 against plain causal SDPA, and the planner's row lists (CPU, torch backend).
 
 A tiny stand-in for the scheduler builds each :class:`StepSeq` (``plan_moves`` with
@@ -18,9 +18,7 @@ import torch
 from conftest import random_orthogonal
 from oscarkv import QuantSpec
 from oscarkv.config import EngineConfig
-from oscarkv.engine.attention import EngineAttention
-from oscarkv.engine.csr import PageList, Segments
-from oscarkv.engine.kv_pool import KVPool, PoolPlan, plan_pools
+from oscarkv.engine.kv_pool import KVPool, plan_pools
 from oscarkv.engine.planner import plan_decode, plan_prefill
 from oscarkv.engine.request import Batch, SamplingParams, Sequence, StepSeq
 from oscarkv.hf.cache import OscarCache
@@ -28,6 +26,7 @@ from oscarkv.kernels import resolve
 from oscarkv.quant import RowFormat
 from oscarkv.quant.tiers import TierState, apply_moves, plan_moves, ring_spans
 from oscarkv.rotation import LayerRotation, RotationSet
+from oscarkv.store import PageList, PoolPlan, Segments, TierAttention
 
 SPEC = QuantSpec(sink_tokens=8, recent_tokens=8, demote_block=4)
 PS, HQ, HKV, D = 4, 4, 2, 32
@@ -142,7 +141,7 @@ def test_engine_attention_equals_oscar_cache_layer(kind, granularity, prerotated
     r_k, r_v = make_rotation(granularity, seed=3, kind=kind)
     plan, pool, kf, vf = int2_setup(dtype)
     views = pool.layer(0)
-    attn = EngineAttention(0, r_k, r_v, kf, vf, OPS, SCALE, values_prerotated=prerotated)
+    attn = TierAttention(0, r_k, r_v, kf, vf, OPS, SCALE, values_prerotated=prerotated)
     sched = MiniScheduler(plan, seed=7)
     rot = RotationSet({0: LayerRotation(r_k, r_v, torch.ones(r_k.shape[:-1]), torch.ones(r_v.shape[:-1]))}, SPEC, granularity)  # fmt: skip
     seqs, hf, data = {}, {}, {}
@@ -212,7 +211,7 @@ def test_padded_decode_writes_nothing_outside_dummy_rows():
     """``bs_pad`` rows (CUDA graphs) change neither the real outputs nor any live pool row."""
     r_k, r_v = make_rotation("layer", seed=5)
     plan, pool, kf, vf = int2_setup(torch.float32)
-    attn = EngineAttention(0, r_k, r_v, kf, vf, OPS, SCALE)
+    attn = TierAttention(0, r_k, r_v, kf, vf, OPS, SCALE)
     sched = MiniScheduler(plan, seed=1)
     seqs = [sched.admit("A", 20), sched.admit("B", 9)]
     data = [streams(40, seed=s, dtype=torch.float32) for s in (1, 2)]
@@ -244,7 +243,7 @@ def test_bf16_mode_equals_causal_sdpa():
     plan = plan_pools(cfg, None, 1, HKV, D, torch.float32, 1 << 18)
     pool = KVPool(plan, 1, HKV, D, torch.float32, None, "cpu")
     views = pool.layer(0)
-    attn = EngineAttention(0, None, None, views.k_fmt, views.v_fmt, OPS, SCALE)
+    attn = TierAttention(0, None, None, views.k_fmt, views.v_fmt, OPS, SCALE)
     sched = MiniScheduler(plan, seed=3)
     seqs = {"A": sched.admit("A", 11), "B": sched.admit("B", 3)}
     data = {"A": streams(20, 1, torch.float32), "B": streams(20, 2, torch.float32)}

@@ -18,22 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oscarkv import QuantSpec
-from oscarkv.engine.csr import PageList, Segments
 from oscarkv.engine.decode_buffers import DecodeLayout, DecodeStaging
 from oscarkv.engine.graphs import len_bucket, len_buckets
-from oscarkv.engine.kv_pool import PoolPlan
-from oscarkv.engine.planner import (
-    DecodeTensors,
-    _check,
-    _post,
-    _Step,
-    _tables_for,
-    fill_lists,
-    plan_decode,
-    plan_decode_host,
-)
+from oscarkv.engine.planner import _check, _post, _tables_for, fill_lists, plan_decode, plan_decode_host
 from oscarkv.engine.request import Batch, SamplingParams, Sequence, StepSeq
 from oscarkv.quant.tiers import Moves, TierState, plan_moves, window_limit
+from oscarkv.store import DecodeTensors, PagedStep, PageList, PoolPlan, Segments
 
 CPU = torch.device("cpu")
 
@@ -95,15 +85,18 @@ def _plan_decode_torch(
 ) -> SimpleNamespace:
     """The device-built ``plan_decode`` the host planner replaced (torch ops over segment tables
     that list every stored row): the oracle of the page-table plan."""
-    step, lens_q, lens_h = _Step(batch, plan), [0], [0]
+    step, lens_q, lens_h = PagedStep(plan), [0], [0]
+    for it in batch.items:
+        step.add_seq(it.seq.hp_pages, it.seq.q_pages)
     n = len(batch.items)
     b_pad = n if bs_pad is None else bs_pad
     pos = []
     for i, it in enumerate(batch.items):
         _check(it, plan)
         post = _post(it, plan)
-        step.stored(i, it, post, it.start + 1)
-        step.writes(i, it, i)
+        slot = it.seq.slot or 0
+        step.stored(i, slot, post, it.start + 1)
+        step.writes(i, slot, it.pre, it.moves, it.start, it.n_new, i)
         pos.append(it.start)
         lens_q.append(post.n_q)
         lens_h.append(post.n_sink + post.n_recent if plan.int2 else it.start + 1)

@@ -8,6 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from oscarkv import LLM, SamplingParams
 from oscarkv.demo import demo_model_path
+from oscarkv.engine.load import EngineLoad, PoolLoad
 from oscarkv.engine.request import RequestOutput
 from oscarkv.server.metrics import ServerMetrics
 
@@ -73,6 +74,10 @@ def test_metrics_mirror_a_real_engine(llm: LLM) -> None:
     used = eng.hp.capacity - eng.hp.n_free
     assert used > 0 and value(got, "oscarkv_kv_pages_used", tier="hp") == used
     assert value(got, "oscarkv_requests_running") == len(eng.scheduler.running) > 0
+    load = eng.load()  # the engine's public read of the same state
+    assert (load.running, load.waiting) == (len(eng.scheduler.running), len(eng.scheduler.waiting))
+    assert load.pools["hp"] == PoolLoad(eng.hp.n_free, eng.hp.n_cached, eng.hp.capacity)
+    assert "int2" not in load.pools  # bf16 engine: no INT2 pool
     drain(llm, m, done)
     first = next(o for o in done if o.prompt_token_ids == PROMPT)
 
@@ -138,17 +143,14 @@ def test_registries_are_private_and_engine_counters_follow_the_totals() -> None:
     assert value(got_b, "oscarkv_requests_finished_total", finish_reason="length") == 0
     assert value(got_b, "oscarkv_time_to_first_token_seconds_count") == 0
 
-    class Pool:
-        capacity, n_free, n_cached = 10, 7, 2
-
-    class Sched:
-        running, waiting = [1], [2, 3]
+    pool = PoolLoad(free=7, cached=2, capacity=10)
 
     class Eng:
-        hp, q, scheduler = Pool(), Pool(), Sched()
-
         def __init__(self) -> None:
             self.stats = {"steps": 5, "prefill_tokens": 40, "decode_tokens": 9, "preemptions": 1}
+
+        def load(self) -> EngineLoad:
+            return EngineLoad(running=1, waiting=2, pools={"hp": pool, "int2": pool})
 
         def memory_report(self) -> dict:
             return {"hp_bytes": 1000, "int2_bytes": 250}

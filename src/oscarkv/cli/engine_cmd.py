@@ -115,7 +115,7 @@ def generate_engine(args: argparse.Namespace, gen: Any) -> int:
     with LLM.from_config(cfg) as llm:
         prompts = [apply_chat(llm.tokenizer, v) if k == "messages" else v for k, v in reqs]
         outs = llm.generate(prompts, params)
-        report = llm.engine.runner.startup_report()
+        report = llm.engine.startup_report()
     secs = time.perf_counter() - t0
     lines = [
         json.dumps(

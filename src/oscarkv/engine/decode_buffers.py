@@ -1,9 +1,10 @@
 """A decode step's index data as two flat buffers, one per dtype (engine.md §5.5, §5.8).
 
 The planner fills host buffers with numpy (:func:`~oscarkv.engine.planner.plan_decode_host`);
-the device gets one copy of each, and :class:`DecodeTensors` are views of the device buffers
-(:class:`DecodeLayout` says where each field lives). A CUDA graph's static inputs are views of
-its own device buffers in the same layout, so a replay costs two host-to-device copies.
+the device gets one copy of each, and the step's :class:`~oscarkv.store.DecodeTensors` are views
+of the device buffers (:class:`DecodeLayout` says where each field lives). A CUDA graph's static
+inputs are views of its own device buffers in the same layout, so a replay costs two
+host-to-device copies.
 
 On CUDA the host buffers are pinned and reused (:class:`DecodeStaging`); on the CPU they are
 fresh tensors and the step's tensors are views of them, with no copy at all.
@@ -17,37 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .csr import Csr
+from ..store import Csr, DecodeTensors
 
-__all__ = ["Alloc", "DecodeLayout", "DecodeStaging", "DecodeTensors", "HostDecode", "fresh_buffers"]
-
-
-@dataclass(frozen=True)
-class DecodeTensors:
-    """A decode step over ``B`` sequences (``B_pad`` rows with padding), one token each.
-
-    ``ids [B_pad]``: the input token of each row where the host knows it, else ``-1`` (the token
-    the last step sampled for that request slot, still on the device: overlapped scheduling).
-    ``decode_dst [B_pad]``: the 16-bit row of each new token (ring row; BF16: page row; ``-1`` on
-    padding). ``demote_src/dst``: 16-bit rows → INT2 rows demoted before the write (padded to
-    ``B_pad·demote_block`` with the dummy rows 0 → 0 when ``bs_pad`` is given). ``slots``,
-    ``n_sink``, ``head`` (int32 ``[B_pad]``): each row's request slot, sink rows and ring head
-    (BF16: ``n_sink`` = its list length), from which :func:`~.page_table.expand_lists` fills the
-    *post-step* lists ``q``/``hp`` on the device (padding rows empty). ``lens_hint``: host ints ≥
-    the longest lists. ``filled``: whether the lists' ids are written yet.
-    """
-
-    ids: torch.Tensor  # long [B_pad]
-    positions: torch.Tensor  # long [B_pad]
-    decode_dst: torch.Tensor  # long [B_pad]
-    demote_src: torch.Tensor
-    demote_dst: torch.Tensor
-    slots: torch.Tensor  # int32 [B_pad]
-    n_sink: torch.Tensor  # int32 [B_pad]
-    head: torch.Tensor  # int32 [B_pad]
-    q: Csr
-    hp: Csr
-    lens_hint: tuple[int, int]
+__all__ = ["Alloc", "DecodeLayout", "DecodeStaging", "HostDecode", "fresh_buffers"]
 
 
 def _up(n: int, m: int) -> int:

@@ -12,17 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .request import SamplingParams
-
-__all__ = ["IncrementalDetokenizer", "hits_stop_token"]
+__all__ = ["IncrementalDetokenizer"]
 
 _PROMPT_CONTEXT = 5  # prompt tokens decoded as left context of the first output tokens (as vLLM)
 _REPLACEMENT = "\ufffd"
-
-
-def hits_stop_token(token_id: int, params: SamplingParams, eos_ids: Sequence[int]) -> bool:
-    """Whether ``token_id`` ends the request: a stop token id, or an EOS id unless ``ignore_eos``."""
-    return token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_ids)
 
 
 def _backend_decode(tokenizer: Any) -> Any:

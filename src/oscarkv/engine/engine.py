@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ..config import EngineConfig
 from .check import check
 from .detok import IncrementalDetokenizer
+from .load import EngineLoad, PoolLoad
 from .model_runner import Launched, ModelRunner
 from .pages import PagePool
 from .prefix_cache import PrefixCache
@@ -80,6 +81,29 @@ class Engine:
             "preemptions": 0,
         }
 
+    # ---- read-only facts and state, for front ends ------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt + output tokens) a request may reach."""
+        return int(self.runner.max_model_len)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a prompt may hold are ``0 .. vocab_size-1``."""
+        return int(self.runner.shape.vocab)
+
+    def startup_report(self) -> str:
+        """One line: pool bytes, pages and tokens per tier, ``max_running``, graphs, backend."""
+        return self.runner.startup_report()
+
+    def load(self) -> EngineLoad:
+        """Requests running and waiting, and each page pool's free, cached and usable pages
+        (reads only: any thread may call it)."""
+        pools = {"hp": PoolLoad.of(self.hp)}
+        if self.q is not None:
+            pools["int2"] = PoolLoad.of(self.q)
+        return EngineLoad(len(self.scheduler.running), len(self.scheduler.waiting), pools)
+
     # ---- requests -------------------------------------------------------------------------
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None, rid: str | None = None
@@ -87,7 +111,7 @@ class Engine:
         """Queue ``prompt`` (text or token ids); returns its request id. Raises ``InputError`` for
         a prompt that is empty, too long for ``max_model_len`` or larger than the KV pools."""
         params = params or SamplingParams()
-        ids = encode_prompt(self.tokenizer, prompt, self.runner.shape.vocab)
+        ids = encode_prompt(self.tokenizer, prompt, self.vocab_size)
         rid = rid if rid is not None else f"req-{next(self._ids)}"
         seq = Sequence(rid, ids, params)
         self.scheduler.add(seq)

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
-from .decode_buffers import DecodeLayout, DecodeTensors, HostDecode
+from ..store import DecodeTensors
+from .decode_buffers import DecodeLayout, HostDecode
 
 __all__ = ["DecodeGraphs", "batch_bucket", "len_bucket", "len_buckets"]
 

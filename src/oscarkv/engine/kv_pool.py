@@ -15,7 +15,6 @@ contiguous ``[l]`` views the kernels read (``kernels.pool_ops.FlatPools``). Row 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,47 +24,13 @@ from ..config.engine import CPU_DEFAULT_BUDGET_GB
 from ..errors import InputError
 from ..quant import RowFormat
 from ..quant.tiers import window_limit
+from ..store import LayerViews, PoolPlan
 
-__all__ = ["DUMMY_PAGE", "KVPool", "LayerViews", "PoolPlan", "budget_bytes", "plan_pools"]
+__all__ = ["DUMMY_PAGE", "KVPool", "budget_bytes", "plan_pools"]
 
 DUMMY_PAGE = 0  # page 0 of both pools: never handed out; the target of no-op writes
 GIB = 1 << 30
 _META = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-@dataclass(frozen=True)
-class PoolPlan:
-    """Sizes of the pools. Page counts include the dummy page 0 (``PagePool(n, reserved=1)``);
-    byte counts cover all layers, K and V."""
-
-    int2: bool  # kv_dtype == "int2"
-    page_tokens: int
-    max_running: int
-    sink_pages: int  # 16-bit pages of one sequence's sink (0 in bf16 mode)
-    q_pages: int  # INT2 pages (0 in bf16 mode)
-    hp_pages: int  # 16-bit pages (dummy + sink pages; in bf16 mode: every page)
-    ring: int  # ring modulus = window_limit(spec) (0 in bf16 mode)
-    ring_cap: int  # rows per ring slab: ring rounded up to whole pages (0 in bf16 mode)
-    q_page_bytes: int
-    hp_page_bytes: int
-    total_bytes: int
-
-    @property
-    def ring0(self) -> int:
-        """First row of ring slab 0 in the 16-bit pool."""
-        return self.hp_pages * self.page_tokens
-
-    @property
-    def hp_rows(self) -> int:
-        return self.ring0 + self.max_running * self.ring_cap
-
-    @property
-    def q_rows(self) -> int:
-        return self.q_pages * self.page_tokens
-
-    def ring_base(self, slot: int) -> int:
-        """First row of the ring slab of request slot ``slot``."""
-        return self.ring0 + slot * self.ring_cap
 
 
 def _int2_row_bytes(fk: RowFormat, fv: RowFormat, heads: int) -> int:
@@ -143,25 +108,6 @@ def budget_bytes(cfg: EngineConfig, device: torch.device | str, reserve: int = 0
         return int(CPU_DEFAULT_BUDGET_GB * GIB)
     free, _ = torch.cuda.mem_get_info(device)
     return int(cfg.memory_fraction * max(free - reserve, 0))
-
-
-@dataclass(frozen=True)
-class LayerViews:
-    """One layer's pool views (satisfies ``kernels.pool_ops.FlatPools``); contiguous in the engine
-    (the vLLM plug-in's are strided views of vLLM's pages).
-
-    ``k_codes/v_codes`` uint8 ``[Nq, Hkv, packed]``, ``k_meta/v_meta`` ``[Nq, Hkv, G, 2]``,
-    ``hp_k/hp_v`` ``[Nh, Hkv, d]`` in the model dtype.
-    """
-
-    k_codes: torch.Tensor
-    v_codes: torch.Tensor
-    k_meta: torch.Tensor
-    v_meta: torch.Tensor
-    hp_k: torch.Tensor
-    hp_v: torch.Tensor
-    k_fmt: RowFormat
-    v_fmt: RowFormat
 
 
 class KVPool:

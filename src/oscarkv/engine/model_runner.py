@@ -27,14 +27,13 @@ from ..kernels import resolve
 from ..kernels.devices import resolve_device
 from ..quant import RowFormat
 from ..rotation import LayerShift, RotationSet, load_rotations
-from .attention import EngineAttention
+from ..store import DecodeTensors, PageTables, PrefillTensors, TierAttention
 from .decode_buffers import DecodeStaging, HostDecode
 from .graphs import DecodeGraphs, batch_bucket, len_bucket
 from .kv_pool import KVPool, budget_bytes, plan_pools
 from .models import load_decoder
 from .models.parallel import Comm
-from .page_table import PageTables
-from .planner import DecodeTensors, PrefillTensors, fill_lists, plan_decode_host, plan_prefill
+from .planner import fill_lists, plan_decode_host, plan_prefill
 from .prefix_cache import tokens_between
 from .request import Batch, SamplingParams
 from .sampler import make_generator, sample
@@ -140,7 +139,7 @@ class ModelRunner:
                 r_k, r_vv = lr.k.to(self.device, torch.float32), lr.v.to(self.device, torch.float32)
                 shift = LayerShift.build(lr, s.num_heads // tp, absorb, self.device, self.dtype)
             self.attn.append(
-                EngineAttention(i, r_k, r_vv, kf, vf, self.ops, scale, values_prerotated=absorb, shift=shift)
+                TierAttention(i, r_k, r_vv, kf, vf, self.ops, scale, values_prerotated=absorb, shift=shift)
             )
         self.generators: dict[str, torch.Generator] = {}
         # each request slot's page ids (host and device) and the last token sampled for it

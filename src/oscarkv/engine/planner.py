@@ -1,71 +1,46 @@
 """From a scheduled :class:`~oscarkv.engine.request.Batch` to the device tensors of one step.
 
-Row mapping (engine.md §3.1–3.2; ``ps`` = page tokens, ``plan`` a :class:`PoolPlan`):
-
-* INT2 list index ``i``: row ``q_pages[i // ps]·ps + i % ps`` of the INT2 pool;
-* sink position ``j``: row ``hp_pages[j // ps]·ps + j % ps`` of the 16-bit pool;
-* ring index ``r``: row ``plan.ring_base(slot) + r % plan.ring`` (the sequence's slab);
-* BF16 mode: position ``k`` at row ``hp_pages[k // ps]·ps + k % ps`` (no INT2, no ring).
+The rows come from the store (:mod:`oscarkv.store`): the tier spans of each sequence's moves
+(:func:`~oscarkv.store.step_spans`), placed in pages and ring slabs as
+:class:`~oscarkv.store.PagedStep` (prefill) and :func:`~oscarkv.store.paged_decode_rows`
+(decode) say.
 
 A decode step is built on the host with numpy into one flat buffer per dtype
-(``decode_buffers.py``: one copy each to the device, whose views are the :class:`DecodeTensors`);
-a prefill expands its lists on the device (:meth:`~oscarkv.engine.csr.Segments.expand`).
-
-A step's new tokens split in token order into ``to_sink`` (sink positions ``pre.n_sink ..``),
-``to_int2`` (INT2 indices ``pre.n_q + demote ..``) and ``to_ring`` (ring indices
-``pre.head + pre.n_recent ..``, wrapping); first the ``demote`` oldest ring rows (ring indices
-``pre.head ..``) move to INT2 indices ``pre.n_q ..`` (the same arithmetic as ``hf/slots.py``).
+(``decode_buffers.py``: one copy each to the device, whose views are the
+:class:`~oscarkv.store.DecodeTensors`); its lists are filled on the device from the page tables
+(:func:`fill_lists`). A prefill expands its lists on the device
+(:meth:`~oscarkv.store.Segments.expand`).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from ..quant.tiers import TierState, apply_moves
-from .csr import Csr, PageList, Segments
-from .decode_buffers import Alloc, DecodeLayout, DecodeTensors, HostDecode, fresh_buffers
-from .kv_pool import PoolPlan
-from .page_table import PageTables, expand_lists
+from ..quant.tiers import TierState
+from ..store import (
+    DecodeTensors,
+    PagedStep,
+    PageTables,
+    PoolPlan,
+    PrefillTensors,
+    expand_lists,
+    page_row,
+    paged_decode_rows,
+    post_state,
+)
+from .decode_buffers import Alloc, DecodeLayout, HostDecode, fresh_buffers
 from .request import Batch, Sequence, StepSeq
 
-__all__ = ["DecodeTensors", "PrefillTensors", "fill_lists", "plan_decode", "plan_decode_host", "plan_prefill"]
+__all__ = ["fill_lists", "plan_decode", "plan_decode_host", "plan_prefill"]
 
 _LONG = torch.long
 
 
-@dataclass(frozen=True)
-class PrefillTensors:
-    """A prefill step over ``n`` sequences, ``T`` tokens flat (sequence after sequence).
-
-    ``pre_q``/``pre_hp``: each sequence's stored rows *before* the step (INT2 / 16-bit ids; the
-    prefix is fully visible, so their order is free). Writes: new token ``q_tok[i]`` goes to INT2
-    row ``q_dst[i]``, token ``hp_tok[i]`` to 16-bit row ``hp_dst[i]`` (sink rows, then ring rows;
-    BF16: page rows); the 16-bit rows ``demote_src`` move to INT2 rows ``demote_dst`` first.
-    All long on the device unless stated.
-    """
-
-    positions: torch.Tensor  # [T]
-    cu_seqlens: torch.Tensor  # int32 [n+1]
-    cu_host: tuple[int, ...]  # host copy of cu_seqlens
-    last_idx: torch.Tensor  # [n_last]: last token row of each sequence whose prompt ends here
-    pre_q: Csr
-    pre_hp: Csr
-    q_tok: torch.Tensor
-    q_dst: torch.Tensor
-    hp_tok: torch.Tensor
-    hp_dst: torch.Tensor
-    demote_src: torch.Tensor
-    demote_dst: torch.Tensor
-
-
 def _post(it: StepSeq, plan: PoolPlan) -> TierState:
-    st = TierState(**vars(it.pre))  # a copy (copy.copy takes 4x longer; this runs per sequence)
-    apply_moves(st, it.moves, plan.ring)
-    return st
+    return post_state(it.pre, it.moves, plan.ring)
 
 
 def _check(it: StepSeq, plan: PoolPlan) -> None:
@@ -84,58 +59,17 @@ def _check(it: StepSeq, plan: PoolPlan) -> None:
             raise ValueError(f"{it.seq.rid}: the moves overflow the ring of {plan.ring}")
 
 
-class _Step:
-    """Host-side segment tables of one step, with each sequence's page offsets."""
-
-    def __init__(self, batch: Batch, plan: PoolPlan):
-        self.plan, ps = plan, plan.page_tokens
-        self.pages = PageList()
-        self.offs = [(self.pages.add(it.seq.hp_pages), self.pages.add(it.seq.q_pages)) for it in batch.items]
-        # lq/lh: the stored INT2/16-bit lists (pre-step in a prefill, post-step in a decode);
-        # q/hp: where the new tokens go; dem_src/dem_dst: the demotions
-        self.tabs = {k: Segments(ps) for k in ("lq", "lh", "q", "hp", "dem_src", "dem_dst")}
-
-    def hp_pages(self, i: int, it: StepSeq) -> tuple[PageList, int, int]:
-        return self.pages, self.offs[i][0], len(it.seq.hp_pages)
-
-    def q_pages(self, i: int, it: StepSeq) -> tuple[PageList, int, int]:
-        return self.pages, self.offs[i][1], len(it.seq.q_pages)
-
-    def stored(self, i: int, it: StepSeq, st: TierState, n_bf16: int) -> None:
-        """Append the rows stored in state ``st`` (BF16: the first ``n_bf16`` positions) to the
-        lists: sink rows then ring rows oldest first, INT2 rows in token order (``OscarCache``'s)."""
-        lq, lh = self.tabs["lq"], self.tabs["lh"]
-        if self.plan.int2:
-            lq.paged(*self.q_pages(i, it), 0, st.n_q)
-            lh.paged(*self.hp_pages(i, it), 0, st.n_sink)
-            lh.ring(self.plan.ring_base(it.seq.slot or 0), st.head, st.n_recent, self.plan.ring)
-        else:
-            lh.paged(*self.hp_pages(i, it), 0, n_bf16)
-        lq.end_seq()
-        lh.end_seq()
-
-    def writes(self, i: int, it: StepSeq, tok0: int) -> None:
-        """Append the step's demotions and the destinations of its new tokens (flat ``tok0 ..``)."""
-        t, pre, m = self.tabs, it.pre, it.moves
-        if not self.plan.int2:
-            t["hp"].paged(*self.hp_pages(i, it), it.start, it.n_new, tok0)
-            return
-        base, ring = self.plan.ring_base(it.seq.slot or 0), self.plan.ring
-        t["dem_src"].ring(base, pre.head, m.demote, ring)
-        t["dem_dst"].paged(*self.q_pages(i, it), pre.n_q, m.demote)
-        t["q"].paged(*self.q_pages(i, it), pre.n_q + m.demote, m.to_int2, tok0 + m.to_sink)
-        t["hp"].paged(*self.hp_pages(i, it), pre.n_sink, m.to_sink, tok0)
-        t["hp"].ring(base, pre.head + pre.n_recent, m.to_ring, ring, tok0 + m.to_sink + m.to_int2)
-
-
 def plan_prefill(batch: Batch, plan: PoolPlan, device: torch.device | str) -> PrefillTensors:
     """The tensors of a prefill ``batch`` (chunks of prompts) on ``device``."""
     device = torch.device(device)
-    step, cu, pos, last = _Step(batch, plan), [0], [], []
+    step, cu, pos, last = PagedStep(plan), [0], [], []
+    for it in batch.items:
+        step.add_seq(it.seq.hp_pages, it.seq.q_pages)
     for i, it in enumerate(batch.items):
         _check(it, plan)
-        step.stored(i, it, it.pre, it.start)
-        step.writes(i, it, cu[-1])
+        slot = it.seq.slot or 0
+        step.stored(i, slot, it.pre, it.start)
+        step.writes(i, slot, it.pre, it.moves, it.start, it.n_new, cu[-1])
         pos.append((it.start, it.n_new))
         cu.append(cu[-1] + it.n_new)
         if it.ends_prompt:
@@ -169,15 +103,6 @@ def _token(seq: Sequence, pos: int) -> int:
     if pos < n:
         return seq.prompt[pos]
     return seq.out[pos - n] if pos - n < len(seq.out) else -1
-
-
-def _row(pages: list[int], x: int, ps: int, rid: str) -> int:
-    if x // ps >= len(pages):
-        raise ValueError(
-            f"{rid}: list index {x} needs page {x // ps} of a sequence holding only {len(pages)} pages "
-            "(the scheduler allocated too few)"
-        )
-    return pages[x // ps] * ps + x % ps
 
 
 def plan_decode_host(
@@ -218,23 +143,21 @@ def plan_decode_host(
         if plan.int2:
             post = _post(it, plan)
             base = plan.ring_base(slot)
-            for k in range(m.demote):
-                dem_src.append(base + (pre.head + k) % ring)
-                dem_dst.append(_row(seq.q_pages, pre.n_q + k, ps, seq.rid))
-            if m.to_sink:
-                dst.append(_row(seq.hp_pages, pre.n_sink, ps, seq.rid))
-            else:
-                dst.append(base + (pre.head + pre.n_recent) % ring)
+            dst.append(
+                paged_decode_rows(
+                    pre, m, seq.q_pages, seq.hp_pages, ps, base, ring, seq.rid, dem_src, dem_dst
+                )
+            )
             if post.n_q:
-                _row(seq.q_pages, post.n_q - 1, ps, seq.rid)
+                page_row(seq.q_pages, post.n_q - 1, ps, seq.rid)
             if post.n_sink:
-                _row(seq.hp_pages, post.n_sink - 1, ps, seq.rid)
+                page_row(seq.hp_pages, post.n_sink - 1, ps, seq.rid)
             lens_q.append(post.n_q)
             lens_h.append(post.n_sink + post.n_recent)
             sinks.append(post.n_sink)
             heads.append(post.head)
         else:
-            dst.append(_row(seq.hp_pages, it.start, ps, seq.rid))
+            dst.append(page_row(seq.hp_pages, it.start, ps, seq.rid))
             lens_q.append(0)
             lens_h.append(it.start + 1)
             sinks.append(it.start + 1)

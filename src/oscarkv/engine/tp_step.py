@@ -10,10 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from ..rotation import LayerRotation
-from .csr import Csr
+from ..store import Csr, PrefillTensors
 from .decode_buffers import HostDecode
 from .models.loader import kv_head_slice
-from .planner import PrefillTensors
 
 __all__ = ["StepMsg", "prefill_to", "rank_rotation"]
 

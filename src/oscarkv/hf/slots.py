@@ -1,7 +1,8 @@
 """Where each token of the HF cache is stored: per-sequence slot regions over flat pools.
 
 The tier rules (which token is in the sink, INT2 or the recent window) are
-:mod:`oscarkv.quant.tiers`; this module only lays the tiers out. Each sequence ``b`` owns
+:mod:`oscarkv.quant.tiers`, and a step's spans and their rows are :mod:`oscarkv.store.rows`
+(:class:`~oscarkv.store.RegionRows`); this module owns the regions. Each sequence ``b`` owns
 contiguous regions of the per-layer pools (slot ids are flat):
 
 * INT2 tier: slots ``[b·cap_q, b·cap_q + n_q)`` in token order (``cap_q`` grows by doubling);
@@ -21,6 +22,7 @@ import torch
 from ..config import QuantSpec
 from ..kernels.pool_ops import ranges_to_csr
 from ..quant.tiers import Moves, TierState, apply_moves, plan_moves, ring_spans, window_limit
+from ..store import RegionRows, WriteRows, step_spans
 
 __all__ = ["SlotTable", "StepPlan", "ranges_to_csr"]
 
@@ -80,12 +82,9 @@ class SlotTable:
         return (*q, *h)
 
     # ---- planning ----------------------------------------------------------------------------
-    def _ring_slots(self, b: int, first: int, n: int) -> range | list[int]:
-        """Flat slots of ring indices ``head + first … head + first + n − 1`` (mod ring) of ``b``."""
-        r0, start = b * self.cap_h + self.sink_cap, self.seqs[b].head + first
-        if start + n <= self.ring:
-            return range(r0 + start, r0 + start + n)
-        return [r0 + (start + i) % self.ring for i in range(n)]
+    def rows(self, b: int) -> RegionRows:
+        """Where sequence ``b``'s tier indices live under the current capacities."""
+        return RegionRows(b * self.cap_q, b * self.cap_h, self.sink_cap, self.ring)
 
     def _grow(self, need_q: int, need_ring: int) -> None:
         while self.cap_q < need_q:
@@ -159,19 +158,12 @@ class SlotTable:
 
     def _slots_of(self, b: int, tk: list[int], m: Moves) -> tuple[list[int], ...]:
         """Sequence ``b``'s writes for moves ``m`` against its pre-step state: 16-bit
-        ``(t_idx, slot)``, INT2 ``(t_idx, slot)`` and demotions ``(hp slot, INT2 slot)``, as lists."""
-        st, hbase, qbase = self.seqs[b], b * self.cap_h, b * self.cap_q
-        n_sq = m.to_sink + m.to_int2
-        hp_t = tk[: m.to_sink] + tk[n_sq:]
-        hp_s = [*range(hbase + st.n_sink, hbase + st.n_sink + m.to_sink)]
-        # new window tokens follow the window (ring index head + n_recent + j): they may reuse
-        # slots that this step's demotion frees
-        hp_s += self._ring_slots(b, st.n_recent, m.to_ring)
-        # the oldest window tokens go to INT2 first, then the new INT2 tokens: token order
-        q0 = qbase + st.n_q + m.demote
-        d_src = [*self._ring_slots(b, 0, m.demote)]
-        d_dst = [*range(qbase + st.n_q, q0)]
-        return hp_t, hp_s, tk[m.to_sink : n_sq], [*range(q0, q0 + m.to_int2)], d_src, d_dst
+        ``(t_idx, slot)``, INT2 ``(t_idx, slot)`` and demotions ``(hp slot, INT2 slot)``, as lists.
+        New window tokens follow the window, so they may reuse slots this step's demotion frees."""
+        w = WriteRows()
+        w.add(self.rows(b), step_spans(self.seqs[b], m))
+        hp_t, q_t = [tk[j] for j in w.hp_tok], [tk[j] for j in w.q_tok]
+        return hp_t, w.hp_dst, q_t, w.q_dst, w.demote_src, w.demote_dst
 
     def _remap_pre(self, pre: CSR, old_q: int, old_h: int, device: torch.device) -> CSR:
         # Capacities changed: express the pre-step state in the new flat slot numbering.

@@ -105,7 +105,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Any | None = Non
     model_name = cfg.served_model_name or Path(engine.engine.cfg.model).name or "oscarkv"
     template = read_text(cfg.chat_template, "--chat-template") if cfg.chat_template else None
     api_key = _read_key(cfg.api_key_file) if cfg.api_key_file else None
-    max_len = int(engine.engine.runner.max_model_len)
+    max_len = engine.engine.max_model_len
 
     def observe(out: RequestOutput) -> None:
         n = len(out.token_ids)
@@ -126,7 +126,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Any | None = Non
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if engine._thread is None:
+        if not engine.running:
             engine.start(asyncio.get_running_loop())
         yield
         engine.shutdown()

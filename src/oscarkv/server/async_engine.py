@@ -71,6 +71,11 @@ class AsyncEngine:
         self.engine.shutdown()  # tensor-parallel workers (a no-op with one rank)
 
     @property
+    def running(self) -> bool:
+        """Whether :meth:`start` has started the engine thread (it may have stopped since)."""
+        return self._thread is not None
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
@@ -87,7 +92,7 @@ class AsyncEngine:
     # ---- tokenization (off the loop) ----------------------------------------------------------
     async def encode(self, prompt: str | list[int]) -> list[int]:
         """Checked token ids of a text prompt or an id list (``InputError`` for a bad one)."""
-        tok, vocab = self.engine.tokenizer, self.engine.runner.shape.vocab
+        tok, vocab = self.engine.tokenizer, self.engine.vocab_size
         return await asyncio.get_running_loop().run_in_executor(
             self._tok_pool, encode_prompt, tok, prompt, vocab
         )

@@ -33,7 +33,7 @@ def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> None:
     import uvicorn
 
     eng = Engine(engine_cfg)
-    print(f"oscarkv serve: {eng.runner.startup_report()}", file=sys.stderr, flush=True)
+    print(f"oscarkv serve: {eng.startup_report()}", file=sys.stderr, flush=True)
     try:
         app = build_app(engine_cfg, server_cfg, eng)
         uvicorn.run(

@@ -126,20 +126,20 @@ class ServerMetrics:
         self.e2e.observe(e2e_s)
 
     def update_engine(self, engine: Any) -> None:
-        """Read ``engine``'s queues, pools, KV bytes and ``stats`` into the gauges and counters.
+        """Read ``engine.load()`` (queues, pools), its KV bytes and ``stats`` into the gauges and counters.
 
         Reads only (ints and lists, no engine call that mutates), so any thread may call it."""
-        sched = engine.scheduler
-        self.running.set(len(sched.running))
-        self.waiting.set(len(sched.waiting))
-        pools = {"hp": engine.hp, "int2": getattr(engine, "q", None)}
-        for tier, pool in pools.items():
+        load = engine.load()
+        self.running.set(load.running)
+        self.waiting.set(load.waiting)
+        for tier in ("hp", "int2"):
+            pool = load.pools.get(tier)
             cap = pool.capacity if pool is not None else 0
-            free = pool.n_free if pool is not None else 0
+            free = pool.free if pool is not None else 0
             self.pages_capacity.labels(tier=tier).set(cap)
             self.pages_free.labels(tier=tier).set(free)
             self.pages_used.labels(tier=tier).set(cap - free)
-            self.pages_cached.labels(tier=tier).set(pool.n_cached if pool is not None else 0)
+            self.pages_cached.labels(tier=tier).set(pool.cached if pool is not None else 0)
         rep = engine.memory_report()
         self.kv_bytes.labels(tier="hp").set(rep.get("hp_bytes", 0))
         self.kv_bytes.labels(tier="int2").set(rep.get("int2_bytes", 0))

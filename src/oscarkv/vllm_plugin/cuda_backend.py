@@ -8,7 +8,7 @@ the CUDA platform honours an explicitly selected backend after ``validate_config
 opt in with ``additional_config["oscarkv"]``; this backend refuses to start without it.
 
 Everything else is what the CPU backend runs when enabled (:mod:`.common`): the same KV spec,
-the same passthrough and INT2 paths, and :class:`~oscarkv.engine.attention.EngineAttention`,
+the same passthrough and INT2 paths, and :class:`~oscarkv.store.TierAttention`,
 whose kernels resolve to our Triton kernels on CUDA (``kernels.resolve("auto", device)`` in
 :mod:`.int2_layer`). Steps plan on the host, so the builder declares no CUDA-graph support.
 """

@@ -1,6 +1,7 @@
-"""One layer's INT2 attention under vLLM: tier bookkeeping per request, then our engine's math.
+"""One layer's INT2 attention under vLLM: tier bookkeeping per request, then the store's attention.
 
-Where rows live (``rpb``: a buffer's block stride in rows, :func:`.layout.flat_rows`):
+Where rows live (``rpb``: a buffer's block stride in rows, :func:`.layout.flat_rows`), as
+:class:`oscarkv.store.PositionRows` maps them:
 
 * INT2 row of position ``p``: ``block_table[p // bs] * rpb + p % bs`` in vLLM's pages of the
   layer (position-addressed, like vLLM's own cache);
@@ -12,8 +13,8 @@ request's for its lifetime, and a step that starts at position 0 (a new request,
 preempted and recomputed) starts a fresh state. The split of new tokens over the tiers is
 ``quant.tiers.plan_moves``; prefill chunks pin the sink target to ``S`` while vLLM says the
 request is still prefilling (so the sink ends as ``min(prompt, S)``, as in our engine), decode
-steps never grow it. The attention itself is :class:`oscarkv.engine.attention.EngineAttention`,
-the code our engine runs, fed with tensors built here.
+steps never grow it. The spans and rows are the store's (:mod:`oscarkv.store.rows`), and the
+attention itself is :class:`oscarkv.store.TierAttention`, the code our engine runs.
 """
 
 from __future__ import annotations
@@ -23,44 +24,22 @@ from dataclasses import dataclass
 import torch
 
 from ..config import QuantSpec
-from ..engine.attention import EngineAttention
-from ..engine.csr import Csr
-from ..engine.planner import DecodeTensors, PrefillTensors
-from ..quant.tiers import Moves, TierState, apply_moves, plan_moves, window_limit
+from ..quant.tiers import Moves, TierState, plan_moves, window_limit
+from ..store import (
+    Csr,
+    DecodeTensors,
+    PositionRows,
+    PrefillTensors,
+    TierAttention,
+    WriteRows,
+    held_rows,
+    post_state,
+    step_spans,
+)
 
-__all__ = ["Int2Layer", "Rows"]
+__all__ = ["Int2Layer"]
 
 _LONG = torch.long
-
-
-@dataclass(frozen=True)
-class Rows:
-    """Where one request's rows are: INT2 pages (``table``, ``bs``, ``rpb``) and store block."""
-
-    table: list[int]
-    bs: int
-    rpb: int
-    store0: int  # first row of the request's store block
-    sink: int
-    ring: int
-
-    def int2(self, first: int, n: int) -> list[int]:
-        """INT2 rows of positions ``first .. first+n-1``."""
-        return [self.table[p // self.bs] * self.rpb + p % self.bs for p in range(first, first + n)]
-
-    def sink_rows(self, first: int, n: int) -> list[int]:
-        return list(range(self.store0 + first, self.store0 + first + n))
-
-    def ring_rows(self, first: int, n: int) -> list[int]:
-        """Store rows of ring indices ``first .. first+n-1`` (mod the ring)."""
-        base = self.store0 + self.sink
-        return [base + (first + i) % self.ring for i in range(n)]
-
-    def stored(self, st: TierState) -> tuple[list[int], list[int]]:
-        """``(INT2 rows, 16-bit rows)`` held in state ``st``: positions in token order; sink then
-        ring oldest first (the order our engine lists them in)."""
-        hp = self.sink_rows(0, st.n_sink) + self.ring_rows(st.head, st.n_recent)
-        return self.int2(st.n_sink, st.n_q), hp
 
 
 @dataclass
@@ -70,7 +49,8 @@ class _Item:
     start: int  # position of the first new token
     pre: TierState
     moves: Moves
-    rows: Rows
+    post: TierState
+    rows: PositionRows
 
 
 def _csr(lists: list[list[int]], device: torch.device) -> Csr:
@@ -89,10 +69,14 @@ def _t(x: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(x, dtype=_LONG, device=device)
 
 
+def _i32(x: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.int32, device=device)
+
+
 class Int2Layer:
     """Runs ``attn`` over vLLM's INT2 pages and the private 16-bit store of one layer."""
 
-    def __init__(self, attn: EngineAttention, spec: QuantSpec):
+    def __init__(self, attn: TierAttention, spec: QuantSpec):
         self.attn, self.spec = attn, spec
         self.ring = window_limit(spec)
         self.states: dict[int, TierState] = {}  # by store block
@@ -127,33 +111,25 @@ class Int2Layer:
                 raise RuntimeError(f"oscarkv: a decode step with {n} tokens (speculative decoding?)")
             m = plan_moves(st, n, not prefilling[i], s, s.sink_tokens if prefilling[i] else st.n_sink)
             n_pages = -(-(start + n) // bs)
-            rows = Rows(tables[i, :n_pages].tolist(), bs, rpb, blk * rpb_s, s.sink_tokens, self.ring)
-            post = TierState(**vars(st))
-            apply_moves(post, m, self.ring)
+            post = post_state(st, m, self.ring)
+            table = tables[i, :n_pages].tolist()
+            rows = PositionRows(table, bs, rpb, blk * rpb_s, s.sink_tokens, self.ring, post.n_sink)
             self.states[blk] = post
-            (pre if prefilling[i] else dec).append(_Item(i, a, start, st, m, rows))
+            (pre if prefilling[i] else dec).append(_Item(i, a, start, st, m, post, rows))
         return pre, dec
 
     def prefill(self, q, k, v, pools, items: list[_Item]) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill chunks: ``(flat token ids [T'], outputs [T', Hq, d])``."""
         dev = q.device
-        tok, cu, lq, lh = [], [0], [], []
-        w = {"q_tok": [], "q_dst": [], "hp_tok": [], "hp_dst": [], "demote_src": [], "demote_dst": []}
+        tok, cu, lq, lh, w = [], [0], [], [], WriteRows()
         for it in items:
-            n, st, m, r, t0 = it.moves.n_new, it.pre, it.moves, it.rows, cu[-1]
+            n, t0 = it.moves.n_new, cu[-1]
             tok += range(it.a, it.a + n)
             cu.append(t0 + n)
-            q_rows, hp_rows = r.stored(st)
+            q_rows, hp_rows = held_rows(it.rows, it.pre)
             lq.append(q_rows)
             lh.append(hp_rows)
-            w["demote_src"] += r.ring_rows(st.head, m.demote)
-            w["demote_dst"] += r.int2(st.n_sink + st.n_q, m.demote)
-            w["q_tok"] += range(t0 + m.to_sink, t0 + m.to_sink + m.to_int2)
-            w["q_dst"] += r.int2(it.start + m.to_sink, m.to_int2)
-            w["hp_tok"] += range(t0, t0 + m.to_sink)
-            w["hp_dst"] += r.sink_rows(st.n_sink, m.to_sink)
-            w["hp_tok"] += range(t0 + m.to_sink + m.to_int2, t0 + n)
-            w["hp_dst"] += r.ring_rows(st.head + st.n_recent, m.to_ring)
+            w.add(it.rows, step_spans(it.pre, it.moves, t0))
         idx = _t(tok, dev)
         p = PrefillTensors(
             positions=idx,  # not read by the attention
@@ -162,30 +138,37 @@ class Int2Layer:
             last_idx=_t([], dev),
             pre_q=_csr(lq, dev),
             pre_hp=_csr(lh, dev),
-            **{name: _t(x, dev) for name, x in w.items()},
+            q_tok=_t(w.q_tok, dev),
+            q_dst=_t(w.q_dst, dev),
+            hp_tok=_t(w.hp_tok, dev),
+            hp_dst=_t(w.hp_dst, dev),
+            demote_src=_t(w.demote_src, dev),
+            demote_dst=_t(w.demote_dst, dev),
         )
         return idx, self.attn.prefill(q[idx], k[idx], v[idx], pools, p)
 
     def decode(self, q, k, v, pools, items: list[_Item]) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode steps (one token each): ``(flat token ids [B], outputs [B, Hq, d])``."""
         dev = q.device
-        lq, lh, dst, src, ddst = [], [], [], [], []
+        lq, lh, w = [], [], WriteRows()
         for it in items:
-            st, m, r = it.pre, it.moves, it.rows
-            src += r.ring_rows(st.head, m.demote)
-            ddst += r.int2(st.n_sink + st.n_q, m.demote)
-            dst += r.ring_rows(st.head + st.n_recent, 1)
-            post = TierState(**vars(st))
-            apply_moves(post, m, self.ring)
-            q_rows, hp_rows = r.stored(post)
+            w.add(it.rows, step_spans(it.pre, it.moves))
+            q_rows, hp_rows = held_rows(it.rows, it.post)
             lq.append(q_rows)
             lh.append(hp_rows)
+        if len(w.hp_dst) != len(items) or w.q_dst:
+            raise RuntimeError("oscarkv: a decode step stores one 16-bit row per request")
         idx = _t([it.a for it in items], dev)
+        empty = _i32([], dev)
         p = DecodeTensors(
+            ids=_t([], dev),  # not read by the attention
             positions=_t([it.start for it in items], dev),
-            decode_dst=_t(dst, dev),
-            demote_src=_t(src, dev),
-            demote_dst=_t(ddst, dev),
+            decode_dst=_t(w.hp_dst, dev),
+            demote_src=_t(w.demote_src, dev),
+            demote_dst=_t(w.demote_dst, dev),
+            slots=empty,  # the lists below are complete: no page tables to expand
+            n_sink=empty,
+            head=empty,
             q=_csr(lq, dev),
             hp=_csr(lh, dev),
             lens_hint=(max(map(len, lq)), max(map(len, lh))),

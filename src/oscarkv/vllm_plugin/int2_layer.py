@@ -14,10 +14,9 @@ import torch
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.models.utils import extract_layer_index
 
-from ..engine.attention import EngineAttention
-from ..engine.kv_pool import LayerViews
 from ..kernels import resolve
 from ..rotation import LayerShift
+from ..store import LayerViews, TierAttention
 from .checks import Int2Setup, store_capacity
 from .hp_store import SUFFIX, HPStore
 from .int2_attn import Int2Layer
@@ -97,7 +96,7 @@ def build_int2_layer(impl: Any, setup: Int2Setup, act_dtype: torch.dtype, absorb
     device = torch.device(cfg.device_config.device)
     k_fmt, v_fmt = setup.fmts[i]
     h, d = impl.num_kv_heads, impl.head_size
-    attn = EngineAttention(
+    attn = TierAttention(
         i,
         lr.k.to(device, torch.float32),
         lr.v.to(device, torch.float32),

@@ -7,7 +7,7 @@ and :mod:`.checks` refuses ``absorb_v`` without it. Weights are read as with ``a
 vLLM's own post-processing (CPU GEMM packing, ``base_loader.py:109``), the V rows of every layer's
 fused ``qkv_proj`` become ``R_Vᵀ W_v`` per KV head (bias ``b R_V``), with the same function and
 rounding as our engine's loader (``rotation.absorb_value_weight``). ``o_proj`` is untouched: as in
-our engine, the attention rotates its output back by ``R_Vᵀ`` (``EngineAttention``).
+our engine, the attention rotates its output back by ``R_Vᵀ`` (``store.TierAttention``).
 """
 
 from __future__ import annotations

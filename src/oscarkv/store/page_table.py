@@ -17,14 +17,26 @@ the ring row ``ring_base(s) + (head + i − n_sink) % ring`` (oldest first).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from .kv_pool import PoolPlan
-from .request import Sequence
+from .layout import PoolPlan
 
-__all__ = ["PageTables", "expand_lists"]
+__all__ = ["PageTables", "PagedSeq", "expand_lists"]
+
+
+class PagedSeq(Protocol):
+    """What the tables read of a sequence (the engine's ``request.Sequence`` is one): its request
+    slot, an ``epoch`` that changes on every admission, and its page lists (which only grow while
+    it is admitted)."""
+
+    rid: str
+    slot: int | None
+    epoch: int
+    q_pages: list[int]
+    hp_pages: list[int]
 
 
 class PageTables:
@@ -57,7 +69,7 @@ class PageTables:
         flat = torch.from_numpy(self.host) if self.dev is None else self.dev
         return self._views(flat)
 
-    def update(self, seqs: Iterable[Sequence]) -> np.ndarray:
+    def update(self, seqs: Iterable[PagedSeq]) -> np.ndarray:
         """Bring the host tables up to date with ``seqs``' page lists; returns the changes as
         int64 ``[2, U]`` (flat index, page id) for :meth:`apply`. A slot whose sequence changed
         (a new admission: ``seq.epoch``) is rewritten from its first page; otherwise only pages

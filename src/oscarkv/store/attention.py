@@ -1,10 +1,14 @@
-"""One layer's attention over the paged pools, in ``OscarCache``'s order of operations (§5.6).
+"""One layer's attention over the tiered store, in ``OscarCache``'s order of operations (§5.6).
+
+The engine and the vLLM plug-in run this class; the rows it reads and writes come in a step's
+:class:`~.steps.PrefillTensors` / :class:`~.steps.DecodeTensors` over the layer's flat pools
+(:class:`~.layout.LayerViews`), whatever layout produced them.
 
 Everything stored is in the rotated basis: keys by ``R_K``, values by ``R_V`` (or already
 rotated, when ``R_V`` was absorbed into ``v_proj``); queries are rotated by ``R_K`` and outputs
 back by ``R_Vᵀ``. Rotations run in float32 and round once to the model dtype, exactly as
 ``hf/cache.py`` does, so the engine matches the HF cache bit for bit on the same inputs.
-BF16 mode passes ``r_k = r_v = None``: plain 16-bit pages, no rotation at all.
+BF16 mode passes ``r_k = r_v = None``: plain 16-bit rows, no rotation at all.
 """
 
 from __future__ import annotations
@@ -16,13 +20,13 @@ import torch
 from ..kernels import KernelOps, pool_ops
 from ..quant import RowFormat
 from ..rotation import LayerShift, rotate_heads
-from .kv_pool import LayerViews
-from .planner import DecodeTensors, PrefillTensors
+from .layout import LayerViews
+from .steps import DecodeTensors, PrefillTensors
 
-__all__ = ["EngineAttention"]
+__all__ = ["TierAttention"]
 
 
-class EngineAttention:
+class TierAttention:
     """Attention of layer ``layer``.
 
     Args:
@@ -46,7 +50,7 @@ class EngineAttention:
         shift: LayerShift | None = None,
     ):
         if (r_k is None) != (r_v is None):
-            raise ValueError("EngineAttention: r_k and r_v are both given (int2) or both None (bf16)")
+            raise ValueError("TierAttention: r_k and r_v are both given (int2) or both None (bf16)")
         self.layer = layer
         # kept in float32: a 16-bit copy of R is not orthogonal (see hf/cache.py)
         self.r_k = None if r_k is None else r_k.float()

@@ -7,7 +7,7 @@ A *segment* is ``n`` consecutive list indices of one sequence in one storage kin
 * ring: row ``base + (start + j) % mod`` (a sequence's ring slab; a wrapping range is stored as
   two segments, so each is consecutive rows).
 
-The planner builds a small segment table (a few entries per sequence) and one flat page-id list.
+A planner builds a small segment table (a few entries per sequence) and one flat page-id list.
 A decode step expands them on the host with numpy (:meth:`Segments.rows_np`, into the step's
 staging buffer: one copy per dtype instead of ~100 small device launches); a prefill expands them
 on the device without a sync (:meth:`Segments.expand`: ``repeat_interleave`` with a host-known
