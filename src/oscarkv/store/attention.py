@@ -72,10 +72,14 @@ class TierAttention:
         """New tokens of all sequences, flat: ``q [T, Hq, d]``, ``k, v [T, Hkv, d]`` (model dtype,
         RoPE applied) -> ``[T, Hq, d]``. Each sequence attends to its pre-step prefix (fully
         visible) and causally to its own new tokens; then the step's writes are applied."""
-        if self.shift is not None:
-            k, v = self.shift.inputs(k, v, head_axis=-2)
-            return self.shift.output(self._prefill(q, k, v, pools, p), head_axis=-2)
-        return self._prefill(q, k, v, pools, p)
+        return self._shifted(self._prefill, q, k, v, pools, p)
+
+    def _shifted(self, run, q, k, v, pools, p):
+        """``run(q, k, v, pools, p)`` between the layer's channel offsets, if it has any."""
+        if self.shift is None:
+            return run(q, k, v, pools, p)
+        k, v = self.shift.inputs(k, v, head_axis=-2)
+        return self.shift.output(run(q, k, v, pools, p), head_axis=-2)
 
     def _prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pools: LayerViews, p: PrefillTensors
@@ -125,10 +129,7 @@ class TierAttention:
 
         Demotions first (they free ring rows), then the new K/V rows go to ``decode_dst``
         (``-1``: skipped), then attention over the post-step lists and the output rotation."""
-        if self.shift is not None:
-            k, v = self.shift.inputs(k, v, head_axis=-2)
-            return self.shift.output(self._decode(q, k, v, pools, p), head_axis=-2)
-        return self._decode(q, k, v, pools, p)
+        return self._shifted(self._decode, q, k, v, pools, p)
 
     def _decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pools: LayerViews, p: DecodeTensors
