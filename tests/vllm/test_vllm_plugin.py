@@ -198,7 +198,9 @@ def test_passthrough_matches_vllm_greedy(model: Path, work: Path) -> None:
         [long, long + "def g("],  # the second hits the first's cached prefix
         [long],  # a full repeat
     ]
-    job = {"model": str(model), "llm": {"dtype": "bfloat16"}, "max_tokens": 32, "batches": batches}
+    # the random stand-in's logits are near-flat: in bf16 a different summation order flips near-ties
+    dtype = "bfloat16" if SHARED_DIR.is_dir() else "float32"
+    job = {"model": str(model), "llm": {"dtype": dtype}, "max_tokens": 32, "batches": batches}
     plain, plain_log = _run_vllm(work, "plain", job)
     job["llm"] |= {"max_num_batched_tokens": 64, "additional_config": {"oscarkv": {"kv_dtype": "bf16"}}}
     ours, log = _run_vllm(work, "bf16", job)
