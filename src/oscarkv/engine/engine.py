@@ -167,7 +167,7 @@ class Engine:
         finished = self.scheduler.postprocess(
             launched.batch, toks, lambda seq, tok: self._on_token(seq, tok, gained)
         )
-        outs = [self._output(seq, False) for rid, seq in gained.items() if seq not in finished]
+        outs = [self._output(seq, False) for seq in gained.values() if seq not in finished]
         return outs + [self._output(seq, True) for seq in finished]
 
     def _on_token(self, seq: Sequence, tok: int, gained: dict[str, Sequence]) -> bool:

@@ -36,7 +36,7 @@ from .models.parallel import Comm
 from .planner import fill_lists, plan_decode_host, plan_prefill
 from .prefix_cache import tokens_between
 from .request import Batch, SamplingParams
-from .sampler import make_generator, sample
+from .sampler import make_generator, sample, to_device
 from .tokenizer import load_tokenizer
 from .tp_step import StepMsg, prefill_to, rank_rotation
 
@@ -61,12 +61,6 @@ class Launched:
     tokens: torch.Tensor | None  # long [R]: one per item that samples, in item order
     host: torch.Tensor | None = None
     event: torch.cuda.Event | None = None
-
-
-def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """A small host list as a long device tensor, copied without a device sync on CUDA."""
-    t = torch.tensor(values, dtype=torch.long)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 class ModelRunner:
@@ -369,7 +363,7 @@ class ModelRunner:
         gens = [self.generator(it.seq.rid, it.seq.params) for it in rows]
         toks = sample(logits, params, gens)
         slots = [it.seq.slot or 0 for it in rows]
-        self.last_tok.index_copy_(0, _to_device(slots, self.device), toks)
+        self.last_tok.index_copy_(0, to_device(slots, torch.long, self.device), toks)
         if self.device.type != "cuda":
             return Launched(batch, toks)
         out = torch.empty(toks.shape, dtype=toks.dtype, pin_memory=True)
@@ -391,10 +385,6 @@ class ModelRunner:
         else:
             toks = iter(step.tokens.tolist())
         return [next(toks) if it.ends_prompt else None for it in step.batch.items]
-
-    def run(self, batch: Batch) -> list[int | None]:
-        """:meth:`launch`, then :meth:`collect` (no overlap)."""
-        return self.collect(self.launch(batch))
 
     def memory_report(self, tokens_quantized: int = 0, tokens_hp: int = 0) -> dict[str, Any]:
         return self.pool.memory_report(tokens_quantized, tokens_hp)

@@ -193,11 +193,11 @@ def plan_decode_host(
     return HostDecode(lay, h64, h32, q_ptr, hp_ptr, lens)
 
 
-def _tables_for(batch: Batch, plan: PoolPlan) -> PageTables:
+def _tables_for(batch: Batch, plan: PoolPlan, device: torch.device | None = None) -> PageTables:
     """Fresh page tables wide enough for ``batch`` (one-off plans: tests, tools)."""
     wq = max((len(it.seq.q_pages) for it in batch.items), default=0)
     wh = max((len(it.seq.hp_pages) for it in batch.items), default=0)
-    return PageTables(plan, wq, wh, torch.device("cpu"))
+    return PageTables(plan, wq, wh, device or torch.device("cpu"))
 
 
 def fill_lists(p: DecodeTensors, tables: PageTables, plan: PoolPlan) -> None:
@@ -213,17 +213,12 @@ def plan_decode(
     """The tensors of a decode ``batch`` on ``device``, lists filled (:func:`plan_decode_host`
     with fresh page tables, then :func:`fill_lists`; the engine's steps fill theirs in the graph)."""
     device = torch.device(device)
-    tables = _tables_for(batch, plan)
+    tables = _tables_for(batch, plan, device)
     h = plan_decode_host(batch, plan, bs_pad, demote_block, tables=tables)
     if device.type == "cpu":
         p = h.views(h.h64, h.h32)
     else:
-        d64, d32 = (
-            h.h64[: h.layout.n64].to(device),
-            torch.zeros(h.layout.n32, dtype=torch.int32, device=device),
-        )
-        d32[: h.used32] = h.h32.to(device)
-        tables.dev = torch.from_numpy(tables.host).to(device)
-        p = h.views(d64, d32)
+        p = h.views(h.h64[: h.layout.n64].to(device), h.h32.to(device))
+    tables.apply(h.changes.to(device))
     fill_lists(p, tables, plan)
     return p

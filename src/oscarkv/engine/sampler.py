@@ -14,7 +14,7 @@ import torch
 
 from .request import SamplingParams
 
-__all__ = ["make_generator", "sample"]
+__all__ = ["make_generator", "sample", "to_device"]
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -24,12 +24,17 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     return g
 
 
-def _column(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list as a ``[B, 1]`` device tensor, copied without a device sync on CUDA."""
-    t = torch.tensor(values, dtype=dtype).unsqueeze(1)
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a ``[B]`` device tensor, copied without a device sync on CUDA."""
+    t = torch.tensor(values, dtype=dtype)
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def _column(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a ``[B, 1]`` device tensor (:func:`to_device`)."""
+    return to_device(values, dtype, device).unsqueeze(1)
 
 
 def _check(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence) -> None:

@@ -153,7 +153,7 @@ class PositionRows:
         return range(self.store0 + first, self.store0 + first + n)
 
     def ring(self, first: int, n: int) -> Sequence[int]:
-        return [self.store0 + self.sink_cap + (first + i) % self.ring_mod for i in range(n)]
+        return _ring(self.store0 + self.sink_cap, first, n, self.ring_mod)
 
 
 def page_row(pages: list[int], x: int, ps: int, rid: str) -> int:
@@ -185,7 +185,7 @@ class PagedRows:
         return [page_row(self.hp_pages, x, self.ps, self.rid) for x in range(first, first + n)]
 
     def ring(self, first: int, n: int) -> Sequence[int]:
-        return [self.ring_base + (first + i) % self.ring_mod for i in range(n)]
+        return _ring(self.ring_base, first, n, self.ring_mod)
 
 
 def held_rows(rows: RowMap, st: TierState) -> tuple[list[int], list[int]]:
