@@ -29,7 +29,7 @@ from conftest import random_orthogonal, tiny_lm_config
 from oscarkv.engine.models import AttentionFn, ModelShape, check_config, load_decoder, model_shape
 from oscarkv.engine.models.layers import RotaryEmbedding, apply_rotary
 from oscarkv.errors import ModelError
-from oscarkv.rotation import absorb_value_weight, rotate_heads
+from oscarkv.rotation import absorb_output_weight, absorb_value_weight, rotate_heads
 
 DEMO = Path(oscarkv.__file__).parent / "assets" / "demo-model"
 VOCAB = 101
@@ -240,10 +240,23 @@ def test_absorbed_r_v_reproduces_unrotated_logits(saved, kind: str, per_head: bo
     seqs, ids, pos = flat_batch(VOCAB)
     want = hf_logits(hf, seqs)
     with torch.no_grad():
-        got = dec(ids, pos, dense_attention(LENS, r_v))
-        rotated = dec(ids, pos, dense_attention(LENS))  # without the output rotation
+        got = dec(ids, pos, dense_attention(LENS))  # o_proj takes the rotated outputs
+        twice = dec(ids, pos, dense_attention(LENS, r_v))  # rotated back once more
     torch.testing.assert_close(got, want, rtol=1e-5, atol=ATOL)
-    assert (rotated - want).abs().max() > 1e-3  # the values really were rotated
+    assert (twice - want).abs().max() > 1e-3  # the values and outputs really were rotated
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_absorb_output_weight_takes_rotated_outputs(per_head: bool) -> None:
+    hq, hkv, d, n_out = 6, 3, 8, 5
+    w, o = torch.randn(n_out, hq * d), torch.randn(4, hq, d)
+    r = torch.stack([random_orthogonal(d) for _ in range(hkv)]) if per_head else random_orthogonal(d)
+    o_rot = torch.einsum("thd,hde->the", o, r.repeat_interleave(hq // hkv, 0)) if per_head else o @ r
+    w2 = absorb_output_weight(w, r, d)
+    torch.testing.assert_close(o_rot.reshape(4, -1) @ w2.T, o.reshape(4, -1) @ w.T, rtol=1e-5, atol=1e-5)
+    assert absorb_output_weight(w.bfloat16(), r, d).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="neither"):
+        absorb_output_weight(w, torch.eye(d).repeat(4, 1, 1), d)  # 4 KV heads do not divide 6
 
 
 @pytest.mark.parametrize("per_head", [False, True])

@@ -47,7 +47,7 @@ class EngineConfig:
         "longest prompt + output (unset: the model's positions)", default=None
     )
     prefix_cache: bool = help_field("reuse full KV pages of identical prompt prefixes", default=True)
-    absorb_v: bool = help_field("fold R_V into v_proj at load (int2)", default=True)
+    absorb_v: bool = help_field("fold R_V into v_proj and R_V^T into o_proj at load (int2)", default=True)
     decode_reserve_pages: int = help_field("pages kept free per running request at admission", default=1)
     tensor_parallel: int = help_field(
         "ranks (processes, one device each) the model is split over, on this host", default=1

@@ -2,7 +2,8 @@
 step of it: plan the batch's slots, run the forward, sample.
 
 Built from an :class:`~oscarkv.config.EngineConfig`: the rotations are loaded and checked
-against the model's config, ``R_V`` is folded into ``v_proj`` at load (``absorb_v``), the pools
+against the model's config, ``R_V`` is folded into ``v_proj`` and ``R_Vᵀ`` into ``o_proj`` at load
+(``absorb_v``: no output rotation runs in a step), the pools
 take the KV budget, and the kernels are resolved once (the torch reference on CPU).
 
 Under tensor parallelism (``comm``) every rank builds one with its shard of the weights, its
@@ -131,10 +132,9 @@ class ModelRunner:
                 if tp > 1:
                     lr = rank_rotation(lr, tp, rank)
                 r_k, r_vv = lr.k.to(self.device, torch.float32), lr.v.to(self.device, torch.float32)
-                shift = LayerShift.build(lr, s.num_heads // tp, absorb, self.device, self.dtype)
-            self.attn.append(
-                TierAttention(i, r_k, r_vv, kf, vf, self.ops, scale, values_prerotated=absorb, shift=shift)
-            )
+                shift = LayerShift.build(lr, s.num_heads // tp, absorb, self.device, self.dtype, absorb)
+            self.attn.append(TierAttention(i, r_k, r_vv, kf, vf, self.ops, scale, values_prerotated=absorb,
+                                           shift=shift, outputs_rotated=absorb))  # fmt: skip
         self.generators: dict[str, torch.Generator] = {}
         # each request slot's page ids (host and device) and the last token sampled for it
         self.tables = PageTables.for_plan(self.plan, self.max_model_len, self.device)

@@ -1,6 +1,6 @@
 """Rotations: Hadamard, bit reversal, OSCAR's ``U·H·P`` composition and rotation artifacts."""
 
-from .apply import absorb_value_weight, rotate_heads
+from .apply import absorb_output_weight, absorb_value_weight, rotate_heads
 from .compose import (
     COMPOSITIONS,
     bit_reversal,
@@ -34,6 +34,7 @@ __all__ = [
     "Provenance",
     "RotationFileError",
     "RotationSet",
+    "absorb_output_weight",
     "absorb_value_weight",
     "attention_layer_ids",
     "bit_reversal",

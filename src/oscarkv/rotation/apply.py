@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["absorb_value_weight", "rotate_heads"]
+__all__ = ["absorb_output_weight", "absorb_value_weight", "rotate_heads"]
 
 
 def rotate_heads(x: torch.Tensor, r: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -55,3 +55,27 @@ def absorb_value_weight(
         bf = b.float().view(-1, d)
         b_new = (bf @ r if r.dim() == 2 else torch.einsum("hd,hde->he", bf, r)).reshape_as(b).to(b.dtype)
     return w_new.reshape_as(w).to(w.dtype), b_new
+
+
+@torch.no_grad()
+def absorb_output_weight(w: torch.Tensor, r_v: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Fold ``R_Vᵀ`` into an output projection ``y = o Wᵀ`` so that it takes attention outputs in
+    the rotated basis (``o·R_V`` per query head) and gives the same ``y``.
+
+    ``w`` is ``[out, Hq·d]`` (input columns: query heads), ``r_v`` is ``[d, d]`` (every head) or
+    ``[Hkv, d, d]`` (per KV head; query head ``h`` uses KV head ``h // (Hq / Hkv)``). Per query head:
+    ``W[:, h] ← W[:, h] R_V``, in fp32 math; returns a new tensor in ``w``'s dtype and device.
+    """
+    d = head_dim
+    if w.dim() != 2 or d < 1 or w.shape[1] % d:
+        raise ValueError(f"output weight {tuple(w.shape)} is not [out, Hq·{d}]")
+    hq = w.shape[1] // d
+    if r_v.dim() not in (2, 3) or r_v.shape[-2:] != (d, d) or (r_v.dim() == 3 and hq % r_v.shape[0]):
+        raise ValueError(
+            f"R_V {tuple(r_v.shape)} is neither [{d}, {d}] nor [Hkv, {d}, {d}] with Hkv dividing {hq}"
+        )
+    r = r_v.to(device=w.device, dtype=torch.float32)
+    wf = w.float().view(w.shape[0], hq, d).transpose(0, 1)  # [Hq, out, d]
+    if r.dim() == 3:
+        r = r.repeat_interleave(hq // r.shape[0], dim=0)
+    return (wf @ r).transpose(0, 1).reshape_as(w).to(w.dtype)

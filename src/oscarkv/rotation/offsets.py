@@ -43,8 +43,9 @@ class LayerShift:
 
     ``k`` ``[H_kv, d]``: subtracted from new keys (original basis, after RoPE); ``v``
     ``[H_kv, d]``: subtracted from new values in the basis they arrive in (rotated when ``R_V`` is
-    absorbed into ``v_proj``); ``v_out`` ``[H_q, d]``: added to the attention output (original
-    basis, each query head its KV head's offset). Absent offsets are ``None``."""
+    absorbed into ``v_proj``); ``v_out`` ``[H_q, d]``: added to the attention output (in the basis it
+    leaves attention in: original, or rotated when ``R_Vᵀ`` is absorbed into ``o_proj``; each query
+    head its KV head's offset). Absent offsets are ``None``."""
 
     k: torch.Tensor | None
     v: torch.Tensor | None
@@ -58,6 +59,7 @@ class LayerShift:
         values_prerotated: bool,
         device: torch.device | str,
         dtype: torch.dtype,
+        outputs_rotated: bool = False,
     ) -> LayerShift | None:
         """The shift of layer ``lr`` (``None`` when it has no offsets)."""
         if lr.k_offset is None and lr.v_offset is None:
@@ -71,7 +73,8 @@ class LayerShift:
             hkv = orig.shape[0]
             if num_q_heads % hkv:
                 raise ValueError(f"{num_q_heads} query heads cannot share {hkv} KV heads' value offsets")
-            v_out = orig.repeat_interleave(num_q_heads // hkv, 0).to(device, dtype)
+            out = lr.v_offset.float() if outputs_rotated else orig
+            v_out = out.repeat_interleave(num_q_heads // hkv, 0).to(device, dtype)
         return cls(k, v, v_out)
 
     def inputs(self, k: torch.Tensor, v: torch.Tensor, head_axis: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,7 @@ The engine and the vLLM plug-in run this class; the rows it reads and writes com
 
 Everything stored is in the rotated basis: keys by ``R_K``, values by ``R_V`` (or already
 rotated, when ``R_V`` was absorbed into ``v_proj``); queries are rotated by ``R_K`` and outputs
-back by ``R_Vᵀ``. Rotations run in float32 and round once to the model dtype, exactly as
+back by ``R_Vᵀ`` (or left rotated, when ``R_Vᵀ`` was absorbed into ``o_proj``). Rotations run in float32 and round once to the model dtype, exactly as
 ``hf/cache.py`` does, so the engine matches the HF cache bit for bit on the same inputs.
 BF16 mode passes ``r_k = r_v = None``: plain 16-bit rows, no rotation at all.
 """
@@ -33,6 +33,7 @@ class TierAttention:
         r_k, r_v: float32 ``[d, d]`` or ``[Hkv, d, d]`` rotations on the pools' device, or both
             ``None`` (BF16 mode). ``r_v`` is needed even when absorbed: it rotates outputs back.
         values_prerotated: ``R_V`` is folded into ``v_proj`` (new values arrive rotated).
+        outputs_rotated: ``R_Vᵀ`` is folded into ``o_proj`` (outputs stay in the rotated basis).
         shift: the layer's static channel offsets (``None``: none).
         k_fmt, v_fmt: the layer's INT2 formats (per-layer clips); sm_scale: softmax scale.
     """
@@ -48,6 +49,7 @@ class TierAttention:
         sm_scale: float,
         values_prerotated: bool = False,
         shift: LayerShift | None = None,
+        outputs_rotated: bool = False,
     ):
         if (r_k is None) != (r_v is None):
             raise ValueError("TierAttention: r_k and r_v are both given (int2) or both None (bf16)")
@@ -58,6 +60,8 @@ class TierAttention:
         self.k_fmt, self.v_fmt, self.ops, self.sm_scale = k_fmt, v_fmt, ops, sm_scale
         self.values_prerotated = values_prerotated
         self.shift = shift
+        # the output rotation back, unless o_proj carries it
+        self.r_out = None if outputs_rotated else self.r_v
 
     def _rotate(self, x: torch.Tensor, r: torch.Tensor | None, inverse: bool = False) -> torch.Tensor:
         """Rows ``x [T, H, d]`` rotated by ``r`` in float32, rounded once to ``x.dtype``."""
@@ -101,7 +105,7 @@ class TierAttention:
         q_rows = (k_rot[p.q_tok], v_rot[p.q_tok])
         hp_rows = (k_rot[p.hp_tok], v_rot[p.hp_tok])
         pool_ops.write_step(pools, p.demote_src, p.demote_dst, p.q_dst, q_rows, p.hp_dst, hp_rows, ops)
-        return self._rotate(out, self.r_v, inverse=True)
+        return self._rotate(out, self.r_out, inverse=True)
 
     def _keys(self, k_rot, v_rot, pools: LayerViews, p: PrefillTensors, run: list[int]):
         """The flat keys and values of the sequences ``run`` for the varlen prefill: per sequence
@@ -160,4 +164,4 @@ class TierAttention:
             self.v_fmt,
             lens_hint=p.lens_hint,
         )
-        return o if self.r_v is None else ops.rotate_heads(o, self.r_v, inverse=True)
+        return o if self.r_out is None else ops.rotate_heads(o, self.r_out, inverse=True)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ...kernels import KernelOps
-from ...rotation import absorb_value_weight
+from ...rotation import absorb_output_weight, absorb_value_weight
 from .decoder import Decoder, ModelShape, model_shape
 from .layers import SUPPORTED_MODEL_TYPES, MergedLinear, check_config, model_error, text_config
 from .parallel import Comm, Shard, check_tensor_parallel, checkpoint_shard
@@ -42,7 +42,8 @@ def load_decoder(
     """Build the decoder of ``model_dir`` in ``dtype`` on ``device`` and fill its weights.
 
     ``r_v`` maps layer -> fp32 ``[d, d]`` or ``[Hkv, d, d]``; those layers' ``v_proj`` then emits
-    ``v·R_V`` (folded in fp32 after rounding to ``dtype``, as ``hf.absorb_value_rotation``).
+    ``v·R_V`` and their ``o_proj`` takes attention outputs in that basis (``R_Vᵀ`` folded into its
+    input columns, per query head), both in fp32 after rounding to ``dtype``.
     ``load_format="dummy"`` reads no weights: N(0, 0.02) from a ``seed``-ed generator, norms 1.
     ``ops``: the kernels the decoder's norms and activation run (default: the torch twins).
     ``comm``: tensor parallelism; the decoder holds this rank's shards and reads only those
@@ -146,7 +147,10 @@ def _targets(model: Decoder) -> dict[str, torch.Tensor]:
 
 
 def _absorb(model: Decoder, layer: int, r: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
-    """Write ``w``/``b`` (rounded to the model dtype first) with ``R_V`` folded in into layer's v rows."""
+    """Write ``w``/``b`` (rounded to the model dtype first) with ``R_V`` folded in into layer's v rows,
+    and fold ``R_Vᵀ`` into its ``o_proj`` (already loaded: this rank's input columns)."""
+    o = model.layers[layer].self_attn.o_proj.weight.detach()
+    o.copy_(absorb_output_weight(o, r, model.shape.head_dim))
     qkv = model.layers[layer].self_attn.qkv_proj
     dst_w = qkv.shard(qkv.weight.detach(), 2)
     dst_b = None if qkv.bias is None else qkv.shard(qkv.bias.detach(), 2)
