@@ -92,12 +92,16 @@ def drop_effects(args, want: torch.Tensor, positions: list[tuple[int, int]]) -> 
 
 def split_edges(p, lens_q: list[int]) -> list[tuple[int, int]]:
     """``(sequence, list position)`` of the first and last token of every INT2 split of plan ``p``
-    (a :class:`~oscarkv.kernels.triton.decode.DecodePlan`), where the list reaches it."""
+    (a :class:`~oscarkv.kernels.triton.decode.DecodePlan`; splits scaled to each list's length as
+    the kernel does, ``planner.live_split``), where the list reaches it."""
+    from oscarkv.kernels.triton.decode.planner import live_split
+
     t, out = p.splits, []
     for s, n in enumerate(lens_q):
         lo = 0
+        early, late = (live_split(n, x, p.max_q, p.lp.block_n) for x in (t.split, t.split_late))
         for k in range(p.n_q_splits):
-            size = t.split if k < t.n_early else t.split_late
+            size = early if k < t.n_early else late
             for pos in (lo, min(lo + size, n) - 1):
                 if 0 <= pos < n and lo < n:
                     out.append((s, pos))

@@ -63,31 +63,45 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @triton.jit
-def _taper_ranges(INDPTR, OUT, split, n_early, split_late, S: tl.constexpr):
+def _taper_ranges(INDPTR, OUT, split, n_early, split_late, planned, S: tl.constexpr, TILE: tl.constexpr):
     b = tl.program_id(0)
     k = tl.program_id(1)
-    lo, hi = taper_range(INDPTR, b, k, split, n_early, split_late)
+    lo, hi = taper_range(INDPTR, b, k, split, n_early, split_late, planned, TILE)
     tl.store(OUT + (b * S + k) * 2, lo)
     tl.store(OUT + (b * S + k) * 2 + 1, hi)
 
 
+def _live(n: int, split: int, planned: int, tile: int) -> int:
+    return math.ceil(math.ceil(n * split / planned) / tile) * tile
+
+
+@pytest.mark.parametrize("planned", [200, 400, 1024])
 @pytest.mark.parametrize(
-    ("n_early", "split", "split_late"), [(2, 48, 16), (0, 16, 16), (5, 32, 32), (1, 64, 32)]
+    ("n_early", "split", "split_late"), [(2, 48, 16), (0, 40, 40), (5, 32, 32), (1, 64, 32), (3, 48, 32)]
 )
-def test_taper_range_gives_each_split_its_positions(n_early, split, split_late):
-    """``decode_tiles.taper_range``: split ``k`` of a list ``[s, e)`` starts after ``min(k, n_early)``
-    splits of ``split`` and ``max(k - n_early, 0)`` of ``split_late`` positions, is as long as its
-    kind, and ends at ``e`` at the latest."""
+def test_taper_range_gives_each_split_its_positions(n_early, split, split_late, planned):
+    """``common.taper_range``: split ``k`` of a list ``[s, e)`` planned at ``planned`` tokens starts
+    after ``min(k, n_early)`` splits of ``split`` and ``max(k - n_early, 0)`` of ``split_late``
+    positions, each scaled by ``(e - s) / planned`` and rounded up to whole tiles, is as long as its
+    kind, and ends at ``e`` at the latest; where the plan covers ``planned`` tokens the splits cover
+    every list (a list shorter than its plan: every split gets positions)."""
     lens = [130, 0, 57, 200]
     indptr = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    n_splits = 6
+    n_splits, tile = 6, 16
     out = torch.zeros(len(lens), n_splits, 2, dtype=torch.int32)
-    _taper_ranges[(len(lens), n_splits)](indptr, out, split, n_early, split_late, S=n_splits)
-    for b in range(len(lens)):
+    _taper_ranges[(len(lens), n_splits)](
+        indptr, out, split, n_early, split_late, planned, S=n_splits, TILE=tile
+    )
+    covers = min(n_early, n_splits) * split + max(n_splits - n_early, 0) * split_late >= planned
+    for b, n in enumerate(lens):
+        early, late = _live(n, split, planned, tile), _live(n, split_late, planned, tile)
+        start, end = int(indptr[b]), int(indptr[b + 1])
         for k in range(n_splits):
-            lo = int(indptr[b]) + min(k, n_early) * split + max(k - n_early, 0) * split_late
-            hi = min(lo + (split if k < n_early else split_late), int(indptr[b + 1]))
+            lo = start + min(k, n_early) * early + max(k - n_early, 0) * late
+            hi = min(lo + (early if k < n_early else late), end)
             assert out[b, k].tolist() == [lo, hi], (b, k)
+        if covers:
+            assert max(int(out[b, k, 1]) for k in range(n_splits)) == end, b
 
 
 @pytest.mark.parametrize("loop", ["swap", "swap-one-head", "words", "bytes"])
@@ -275,6 +289,45 @@ def test_decode_attention_wave_splits_and_hp_first_match_reference(tk, lens_q, l
     assert p.lp.loop == LOOPS[loop][1] and p.hp_first and p.grid[1] == len(lens_q)
     assert p.lp.hpb == {"swap": 2, "swap-one-head": 1}.get(loop, p.lp.hpb)
     assert p.splits.split < max(lens_q) and p.total - p.n_q_splits > 1  # several splits of each tier
+
+
+@pytest.mark.parametrize(
+    ("lens_q", "lens_h", "loop", "sms"),
+    [
+        ([700, 0, 301], [40, 7, 0], "bytes", 0),
+        ([700, 0, 301], [40, 7, 0], "swap-one-head", 0),
+        ([600, 599], [300, 33], "swap", 8),  # waves, 16-bit splits first, the taper
+        ([600, 599], [300, 33], "words", 8),
+        ([0, 0], [700, 301], "bytes", 8),  # the BF16 engine: 16-bit lists only, wave splits
+    ],
+)
+def test_decode_attention_sees_every_token_with_a_plan_for_longer_lists(tk, lens_q, lens_h, loop, sms):
+    """A plan made for lists 2.5x longer than the live ones (a graph's padded length bucket): each
+    list's splits are scaled to its own length, so every split has positions and every token is
+    still seen once (mean of every value, closer than a third of a lost split-edge token)."""
+    _, da = tk
+    hq, hkv, d = 8, 2, 128
+    t = tuned(**LOOPS[loop][0], min_split=48, programs=96, programs_few=24, hp_split=64, sms=sms, per_sm=2,
+              few_units=0 if sms else 1 << 20, swap_block_n=16, words_block_n=16, bytes_block_n=16, taper=2.0,
+              hp_programs=0, bf16_per_sm=2, bf16_min_split=32)  # fmt: skip
+    args, want, _ = coverage_case(lens_q, lens_h, hq, hkv, d, "cpu")
+    planned = (5 * max(lens_q) // 2, 5 * max(lens_h) // 2)
+    p = da.plan(len(lens_q), hq, hkv, d, planned, "cpu", t)
+    got = da.decode_attention(*args, plan=p)
+    if not max(lens_q):  # 16-bit lists only: their values are exact, so the mean is all but exact
+        for s in range(len(lens_h)):
+            v = args[6][args[10][int(args[9][s])].long()].double().repeat_interleave(hq // hkv, 0)
+            effect = rel((lens_h[s] * want[s] - v) / (lens_h[s] - 1), want[s])  # one token lost
+            assert rel(got[s], want[s]) < min(effect / 3, 1e-5), (s, rel(got[s], want[s]), effect)
+        assert p.total > 2  # several 16-bit splits per list
+        return
+    edges = split_edges(p, lens_q)
+    effects = drop_effects(args, want, edges)
+    for (s, pos), effect in zip(edges, effects, strict=True):
+        assert rel(got[s], want[s]) < effect / 3, (s, pos, rel(got[s], want[s]), effect)
+    # the longest list reaches into its plan's last split: every split has positions
+    assert max(pos for s, pos in edges if s == 0) == lens_q[0] - 1 and p.n_q_splits > 1
+    assert len({pos for s, pos in edges if s == 0}) == 2 * p.n_q_splits
 
 
 def _check_decode(da, lens_q, lens_h, hq, hkv, d, meta, tuning=None):

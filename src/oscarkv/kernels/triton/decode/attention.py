@@ -145,6 +145,7 @@ def _launch(p: DecodePlan, q_rot, pools, word, meta_id, lists, sm_scale, key_bit
     _STAGE1(
         p.grid, q, kc, k_meta.view(word), vc, v_meta.view(word), hp_k, hp_v, *lists, o_part, lse,
         sm_scale * LOG2E, p.splits.split, p.split_h, p.n_q_splits, p.total, p.splits.n_early, p.splits.split_late,
+        max(p.max_q, 1), max(p.max_h, 1),
         HKV=p.kv_heads, G=g, HPB=lp.hpb, R_PAD=lp.rows, G_PAD=max(16, 1 << (g - 1).bit_length()), D=d,
         BLOCK_N=lp.block_n, BLOCK_H=lp.hp_block, ASM=q.is_cuda, META=meta_id, LOOP=LOOPS.index(lp.loop),
         HP_STAGES=lp.hp_stages, PDL=p.pdl, KI8=lp.k_int8, KEY_BITS=key_bits, num_warps=lp.warps,

@@ -11,8 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["SUBNORMAL", "inv_sum", "meta_pair", "partial_rows", "rescale", "split_range", "store_lse",
-           "store_part", "taper_range"]  # fmt: skip
+__all__ = ["SUBNORMAL", "inv_sum", "live_split", "meta_pair", "partial_rows", "rescale", "split_range",
+           "store_lse", "store_part", "taper_range"]  # fmt: skip
 
 #: 2**24: an fp16 word holding the bits ``c`` is worth ``c * 2**-24``
 SUBNORMAL = tl.constexpr(16777216.0)
@@ -49,20 +49,35 @@ def store_lse(LSE, row, gmask, m_i, l_i):
 
 
 @triton.jit
-def split_range(INDPTR, b, k, split_size):
-    """Slot-list positions ``[lo, hi)`` of split ``k`` of sequence ``b`` in one tier."""
-    lo = tl.load(INDPTR + b) + k * split_size
-    return lo, tl.minimum(lo + split_size, tl.load(INDPTR + b + 1))
+def live_split(n, split_size, planned, TILE: tl.constexpr):
+    """Positions per split of a list of ``n`` tokens whose launch was planned for lists of
+    ``planned`` tokens in splits of ``split_size``: scaled by ``n / planned`` and rounded up to whole
+    ``TILE``-token tiles, so that a list shorter than its plan (a graph's padded length bucket) keeps
+    every program busy instead of leaving the last ones empty; the splits still cover the list."""
+    s = (n.to(tl.int64) * split_size + planned - 1) // planned
+    return (((s + TILE - 1) // TILE) * TILE).to(tl.int32)
 
 
 @triton.jit
-def taper_range(INDPTR, b, k, split_size, n_early, split_late):
+def split_range(INDPTR, b, k, split_size, planned, TILE: tl.constexpr):
+    """Slot-list positions ``[lo, hi)`` of split ``k`` of sequence ``b`` in one tier (splits of
+    :func:`live_split` positions)."""
+    start, end = tl.load(INDPTR + b), tl.load(INDPTR + b + 1)
+    lo = start + k * live_split(end - start, split_size, planned, TILE)
+    return lo, tl.minimum(lo + live_split(end - start, split_size, planned, TILE), end)
+
+
+@triton.jit
+def taper_range(INDPTR, b, k, split_size, n_early, split_late, planned, TILE: tl.constexpr):
     """Slot-list positions ``[lo, hi)`` of split ``k`` of sequence ``b``: splits ``< n_early`` of
     ``split_size`` positions, the later ones of ``split_late`` (``planner.taper``: the programs
-    launched last start late, so they get less)."""
+    launched last start late, so they get less), both scaled to the list as :func:`live_split`."""
+    start, end = tl.load(INDPTR + b), tl.load(INDPTR + b + 1)
+    early = live_split(end - start, split_size, planned, TILE)
+    late_size = live_split(end - start, split_late, planned, TILE)
     late = tl.maximum(k - n_early, 0)
-    lo = tl.load(INDPTR + b) + (k - late) * split_size + late * split_late
-    return lo, tl.minimum(lo + tl.where(k < n_early, split_size, split_late), tl.load(INDPTR + b + 1))
+    lo = start + (k - late) * early + late * late_size
+    return lo, tl.minimum(lo + tl.where(k < n_early, early, late_size), end)
 
 
 @triton.jit

@@ -24,12 +24,12 @@ def _softmax_step(s, nmask, m_i, l_i):
 
 
 @triton.jit
-def hp_split(Q, K, V, INDPTR, IDX, O, LSE, qk_scale, split_size, total, h, sp, b, first,
+def hp_split(Q, K, V, INDPTR, IDX, O, LSE, qk_scale, split_size, planned, total, h, sp, b, first,
              HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
              BLOCK_N: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
     """Split ``sp - first`` of sequence ``b``'s 16-bit list for KV head ``h`` (this tier's
-    partial states start at index ``first``)."""
-    lo, hi = split_range(INDPTR, b, sp - first, split_size)
+    partial states start at index ``first``; splits planned for lists of ``planned`` tokens)."""
+    lo, hi = split_range(INDPTR, b, sp - first, split_size, planned, BLOCK_N)
     row, gmask = partial_rows(b, h, sp, total, G, 1, G_PAD, HKV * G)
     offs_d = tl.arange(0, D)
     q = tl.load(Q + (b * HKV * G + h * G + tl.arange(0, G_PAD))[:, None] * D + offs_d[None, :],

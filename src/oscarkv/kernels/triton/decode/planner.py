@@ -8,6 +8,9 @@ compute it once and pass it to every layer's ``decode_attention``. The rules:
   head dim 64 and for 4-bit keys (the only loop that reads them); otherwise the swap loop (tokens
   as MMA rows), except where it would take one KV head per program above ``swap_max_tokens`` and
   the padded word loop can group heads.
+- **Live lengths**: the split sizes below are planned for the longest lists (``lens``, a graph's
+  length bucket); each list's splits are scaled to its own length in the kernel
+  (:func:`live_split`), so every program has work when the lists are shorter than the plan.
 - **Splits of the INT2 lists**: the word and swap loops with more than ``few_units`` (sequence,
   head group) pairs fill whole waves of ``sms x per_sm`` programs (:func:`wave_split`: the wave
   count with the lowest ``waves x (split + split_cost)``); otherwise about ``programs`` programs
@@ -28,8 +31,8 @@ import torch
 from ..launch import device_facts
 from .tuning import DEFAULT_TUNING, DecodeTuning
 
-__all__ = ["LOOPS", "MMA_ROWS", "DecodePlan", "Int2Loop", "Taper", "heads_per_program",
-           "hp_split_size", "int2_loop", "num_splits", "plan", "split_size", "swap_heads", "taper", "wave_split"]  # fmt: skip
+__all__ = ["LOOPS", "MMA_ROWS", "DecodePlan", "Int2Loop", "Taper", "heads_per_program", "hp_split_size",
+           "int2_loop", "live_split", "num_splits", "plan", "split_size", "swap_heads", "taper", "wave_split"]  # fmt: skip
 
 #: the INT2 tile loops, by the id the kernel's ``LOOP`` constexpr takes
 LOOPS = ("bytes", "words", "swap")
@@ -40,6 +43,14 @@ MMA_ROWS = 16
 def _round_up(x: float, step: int) -> int:
     """The smallest multiple of ``step`` that is ``>= x``."""
     return math.ceil(x / step) * step
+
+
+def live_split(n: int, split: int, planned: int, tile: int) -> int:
+    """Positions per split the kernel gives a list of ``n`` tokens from a plan made for lists of
+    ``planned`` tokens in splits of ``split`` (the host twin of ``common.live_split``): scaled by
+    ``n / planned``, rounded up to whole tiles. A plan made for a padded length bucket then spreads
+    each list over all of its splits."""
+    return _round_up(-(-n * split // max(planned, 1)), tile)
 
 
 def _pow2(n: int) -> int:

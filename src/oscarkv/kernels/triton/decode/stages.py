@@ -22,14 +22,17 @@ from .loop_words import int2_split_words
 __all__ = ["merge", "stage1"]
 
 
-@triton.jit(do_not_specialize=["split_q", "split_h", "n_q_splits", "total", "n_early", "split_late"])
+@triton.jit(
+    do_not_specialize=["split_q", "split_h", "n_q_splits", "total", "n_early", "split_late", "max_q", "max_h"]
+)
 def stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale, split_q, split_h, n_q_splits,
-           total, n_early, split_late, HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr,
+           total, n_early, split_late, max_q, max_h, HKV: tl.constexpr, G: tl.constexpr, HPB: tl.constexpr, R_PAD: tl.constexpr,
            G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, ASM: tl.constexpr,
            META: tl.constexpr, LOOP: tl.constexpr, HP_STAGES: tl.constexpr, PDL: tl.constexpr,
            KI8: tl.constexpr, KEY_BITS: tl.constexpr = 2):  # fmt: skip
     """``LOOP``: 0 bytes, 1 words, 2 swap (``planner.LOOPS``); ``PDL``: let the merge launch;
-    ``KEY_BITS``: 2, or 4 (the byte loop only)."""
+    ``KEY_BITS``: 2, or 4 (the byte loop only). The splits were planned for lists of ``max_q`` /
+    ``max_h`` tokens (both >= 1); each list's are scaled to its own length (``common.live_split``)."""
     tl.static_assert(KEY_BITS == 2 or LOOP == 0, "4-bit keys are read by the byte loop only")
     if PDL:  # the merge may launch (and wait) once every program of this grid has started
         gdc_launch_dependents()
@@ -44,7 +47,7 @@ def stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale, 
         sp = tl.program_id(1)
         b = tl.program_id(2)
     if sp < n_q_splits:
-        lo, hi = taper_range(QPTR, b, sp, split_q, n_early, split_late)
+        lo, hi = taper_range(QPTR, b, sp, split_q, n_early, split_late, max_q, BLOCK_N)
         if LOOP == 2:
             int2_split_swap(Q, KC, KM, VC, VM, QIDX, O, LSE, qk_scale, lo, hi, total, hg, sp, b,
                             HKV, G, R_PAD, HPB, D, BLOCK_N, ASM, META, KI8)  # fmt: skip
@@ -56,7 +59,7 @@ def stage1(Q, KC, KM, VC, VM, HK, HV, QPTR, QIDX, HPTR, HIDX, O, LSE, qk_scale, 
                              HKV, G, HPB, R_PAD, D, BLOCK_N, ASM, META, KEY_BITS)  # fmt: skip
     else:
         for j in tl.static_range(HPB):  # the 16-bit tier is short (sink + recent): one head at a time
-            hp_split(Q, HK, HV, HPTR, HIDX, O, LSE, qk_scale, split_h, total, hg * HPB + j, sp, b,
+            hp_split(Q, HK, HV, HPTR, HIDX, O, LSE, qk_scale, split_h, max_h, total, hg * HPB + j, sp, b,
                      n_q_splits, HKV, G, G_PAD, D, BLOCK_H, HP_STAGES)  # fmt: skip
 
 
