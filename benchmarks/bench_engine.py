@@ -8,12 +8,17 @@ every KV byte: for int2 the 16-bit sinks and rings of every request slot are pai
 full length. ``--max-running auto`` gives each side the most jobs that fit at full length (no
 preemption); an integer sets it for both.
 
-    python benchmarks/bench_engine.py --shape qwen3-8b --workload decode --jobs 40
+    python benchmarks/bench_engine.py --shape qwen3-8b --workload decode-1k --jobs 24
     python benchmarks/bench_engine.py --shape demo --device cpu --jobs 4 --prompt-len 32 --gen-len 8 \
         --kv-budget-gb 0.02  # CPU smoke
     python benchmarks/bench_engine.py --shape qwen3-8b --write-model /tmp/m  # for oscarkv serve
 
-Reports jobs/min, output tok/s, TTFT and TPOT p50/p90, mean and peak running requests,
+Workloads (``--workload``, each ``(prompt, generated)`` tokens, overridable by ``--prompt-len`` /
+``--gen-len``): ``reasoning`` 1K + 8K, ``decode-1k`` 1K + 1K, ``decode-2k`` 1K + 2K, ``long-16k``
+16K + 512, ``long-32k`` 32K + 1K.
+
+Reports jobs/min, output tok/s, TTFT and TPOT p50/p90, the share of the wall time spent in steps
+that prefill (prompt tokens, alone or with decodes), mean and peak running requests,
 preemptions, bytes per tier and peak GPU memory, and the int2/bf16 ratios; results through
 ``_harness.save`` as ``bench_engine_<shape>_<workload>``.
 
@@ -96,7 +101,15 @@ SHAPES: dict[str, dict[str, Any]] = {
     ),
     "demo": json.loads((DEMO / "config.json").read_text()),
 }
-WORKLOADS = {"decode": (1024, 8192), "prefill": (32768, 1024)}  # (prompt, generated) tokens
+#: (prompt, generated) tokens of the workloads a user runs: reasoning (OSCAR's own evaluation
+#: generates 32K), decode-heavy chat, long context (prefill share reported)
+WORKLOADS = {
+    "reasoning": (1024, 8192),
+    "decode-1k": (1024, 1024),
+    "decode-2k": (1024, 2048),
+    "long-16k": (16384, 512),
+    "long-32k": (32768, 1024),
+}
 
 
 def model_dir(shape: str, root: Path, positions: int) -> Path:
@@ -180,6 +193,7 @@ def run_jobs(eng: Engine, prompts: list[list[int]], gen: int, device: str, rf: R
     done: dict[str, Any] = {}
     running: list[int] = []
     decode_ms: list[float] = []  # wall time of the steps that ran decode tokens only
+    prefill_s = 0.0  # wall time of the steps that ran prompt tokens
     snaps: list[StepBytes] = []  # what each of those steps reads (roofline)
     timings: list[Any] = []
     total = len(prompts) * gen
@@ -197,6 +211,8 @@ def run_jobs(eng: Engine, prompts: list[list[int]], gen: int, device: str, rf: R
             if eng.stats["prefill_tokens"] == pre and eng.stats["decode_tokens"] > dec:
                 decode_ms.append(1e3 * (time.perf_counter() - t))
                 snaps.append(snap)
+            elif eng.stats["prefill_tokens"] > pre:
+                prefill_s += time.perf_counter() - t
             timings += eng.step_timings()
             n = sum(len(s.out) for s in eng.scheduler.running) + sum(len(o.token_ids) for o in done.values())
             bar.advance(task, n - produced)
@@ -217,6 +233,7 @@ def run_jobs(eng: Engine, prompts: list[list[int]], gen: int, device: str, rf: R
         "output_tok_s": ntok / wall,
         "ttft_p50_s": pct(ttft, 50),
         "ttft_p90_s": pct(ttft, 90),
+        "prefill_share": prefill_s / wall,
         "tpot_p50_ms": 1e3 * pct(tpot, 50),
         "tpot_p90_ms": 1e3 * pct(tpot, 90),
         "decode_step_p50_ms": pct(decode_ms, 50),
@@ -383,6 +400,7 @@ _TAIL = (("max_running", "max_running", "{}"), ("KV pools GiB", "pool_bytes", "g
          ("graphs captured later (s)", ("graphs_lazy", "graphs_lazy_s"), "{:.4g}"))  # fmt: skip
 ROWS = (("jobs/min", "jobs_per_min", "{:.2f}"), ("output tok/s", "output_tok_s", "{:.0f}"),
         ("TTFT p50 / p90 s", ("ttft_p50_s", "ttft_p90_s"), "{:.2f}"),
+        ("wall in prefill steps", "prefill_share", "pct"),
         ("TPOT p50 / p90 ms", ("tpot_p50_ms", "tpot_p90_ms"), "{:.1f}"),
         ("decode-only step p50 ms", "decode_step_p50_ms", "{:.1f}"), ("decode-only steps", "decode_steps", "{}"),
         *ROOF_ROWS, ("running mean / peak", ("running_mean", "running_peak"), "{:.1f}"),
@@ -405,7 +423,7 @@ def table(res: dict[str, dict], rows: tuple = ROWS) -> str:
 def main(argv: list[str] | None = None) -> dict[str, dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
-    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="decode")
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="decode-1k")
     ap.add_argument("--prompt-len", type=int, help="prompt tokens (default: the workload's)")
     ap.add_argument("--gen-len", type=int, help="generated tokens (default: the workload's)")
     ap.add_argument("--jobs", type=int, default=40)

@@ -13,9 +13,9 @@ B="python benchmarks/bench_engine.py --shape qwen3-8b"
 step() { echo "== $1 ($(date +%T))"; }
 
 step "decode-heavy: $JOBS jobs of 1024 + $GEN tokens, bf16 fits 8"
-$B --workload decode --gen-len "$GEN" --jobs "$JOBS" --name bench_engine_qwen3-8b_decode 2>&1 | tail -22
+$B --workload decode-1k --gen-len "$GEN" --jobs "$JOBS" --name bench_engine_qwen3-8b_decode 2>&1 | tail -22
 step "prefill-heavy: 16 jobs of 32768 + 1024 tokens, bf16 fits 8"
-$B --workload prefill --jobs 16 --name bench_engine_qwen3-8b_prefill 2>&1 | tail -22
+$B --workload long-32k --jobs 16 --name bench_engine_qwen3-8b_long-32k 2>&1 | tail -22
 step "one request at 32K context"
 $B --prompt-len 32768 --gen-len 256 --jobs 1 --max-running 1 --kv-budget-gb 8 \
   --name bench_engine_qwen3-8b_b1_32k 2>&1 | tail -22

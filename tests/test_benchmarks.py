@@ -143,9 +143,10 @@ def test_bench_engine_runs_both_kv_dtypes_at_one_budget(bench):
         assert saved["results"][kv]["max_running"] == r["max_running"] >= 3
         check_roofline(r, saved["copy_bytes_per_s"])
         assert r["timed_steps"] == r["decode_steps"] == 4  # 5 tokens: 1 from the prefill, 4 decoded
+        assert 0 < r["prefill_share"] < 1  # the one prefill step, then four decode-only steps
     assert res["int2"]["int2_bytes"] > 0 and res["bf16"]["int2_bytes"] == 0
     md = (bench / "smoke.md").read_text()
-    assert "int2 / bf16" in md and "% of roofline" in md
+    assert "int2 / bf16" in md and "% of roofline" in md and "wall in prefill steps" in md
     assert {r["benchmark"] for r in history(bench / "history.csv")} == {"smoke"}
     sys.modules.pop("bench_engine", None)
 
