@@ -1,5 +1,5 @@
-"""RMSNorm (with the fused residual add) and SiLU-and-mul: the torch twins against the eager math
-they replace, the Triton kernels against the twins.
+"""RMSNorm (with the fused residual add), SiLU-and-mul and the q/k norm + RoPE: the torch twins
+against the eager math they replace, the Triton kernels against the twins.
 
 The ``triton_vs_twin`` tests run under Triton's CPU interpreter, in a fresh process that
 ``test_triton_kernels_under_the_interpreter`` starts with ``TRITON_INTERPRET=1`` (the switch must
@@ -8,7 +8,8 @@ to bf16 by truncation where the GPU rounds to nearest even, so that lane patches
 Tolerances: the new residual is bit-exact; 16-bit outputs within two steps of their dtype (rtol
 2^-6 bf16, 2^-9 fp16: a step where the fp32 value before a rounding point lands across a rounding
 boundary, as ``exp``/``rsqrt`` rounding and summation order move it, and a step at the output),
-fp32 within rtol 1e-5.
+fp32 within rtol 1e-5. RoPE without the norm keeps every rounding point of the twin: bit-exact in
+16-bit dtypes (fp32 on the GPU may contract a product into an FMA: rtol 1e-6).
 """
 
 from __future__ import annotations
@@ -242,15 +243,72 @@ def test_triton_vs_twin_silu_and_mul(inter: int, rows: int, dtype: torch.dtype) 
     assert_steps(norm.silu_and_mul(wide), ref.silu_and_mul(wide))
 
 
+def qk_inputs(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, device: str = "cpu"):
+    """``(q, k, cos, sin, w_q, w_k)``: ``q``/``k`` strided views of a fused ``qkv`` projection,
+    ``cos``/``sin`` halves of one fp32 cache row as ``RotaryEmbedding`` gives them."""
+    g = torch.Generator().manual_seed(t * 7 + d)
+    qkv = (torch.randn(t, (hq + 2 * hkv) * d, generator=g) * 2).to(dtype).to(device)
+    q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    ang = torch.rand(t, d // 2, generator=g) * 100
+    cos, sin = torch.cat([ang.cos(), ang.sin()], -1).to(device).chunk(2, dim=-1)
+    w = (torch.rand(2, d, generator=g) + 0.5).to(dtype).to(device)
+    return q.view(t, hq, d), k.view(t, hkv, d), cos, sin, w[0], w[1]
+
+
+def check_qk_norm_rope(
+    t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, norm: bool, device: str
+) -> None:
+    from oscarkv.kernels.triton import rope
+
+    q, k, cos, sin, wq, wk = qk_inputs(t, hq, hkv, d, dtype, device)
+    args = (q, k, cos, sin, *((wq, wk) if norm else (None, None)), EPS)
+    got, want = rope.qk_norm_rope(*args), ref.qk_norm_rope(*args)
+    for g, w in zip(got, want, strict=True):
+        assert g.is_contiguous() and g.shape == w.shape
+        if norm:
+            assert_steps(g, w)
+        elif dtype == torch.float32 and device != "cpu":
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(g, w)
+
+
+@interpreted
+@pytest.mark.usefixtures("rounding_cast")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("t", "hq", "hkv", "d"), [(1, 4, 2, 64), (5, 6, 3, 128), (3, 8, 8, 80), (2, 32, 8, 128)]
+)
+@pytest.mark.parametrize("norm", [False, True])
+def test_triton_vs_twin_qk_norm_rope(
+    t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, norm: bool
+) -> None:
+    check_qk_norm_rope(t, hq, hkv, d, dtype, norm, "cpu")
+
+
+def test_qk_norm_rope_refuses_half_a_norm_and_odd_shapes() -> None:
+    q, k, cos, sin, wq, _ = qk_inputs(2, 4, 2, 64, torch.float32)
+    with pytest.raises(ValueError, match="both given"):
+        ref.qk_norm_rope(q, k, cos, sin, wq, None, EPS)
+    if torch.cuda.is_available():
+        from oscarkv.kernels.triton import rope
+
+        with pytest.raises(ValueError, match="cos/sin"):
+            rope.qk_norm_rope(q.cuda(), k.cuda(), cos[:1].cuda(), sin[:1].cuda(), None, None, EPS)
+
+
 @interpreted
 @pytest.mark.usefixtures("rounding_cast")
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_triton_vs_twin_decoder(kind: str, dtype: torch.dtype) -> None:
-    from oscarkv.kernels.triton import norm
+    from oscarkv.kernels.triton import norm, rope
 
     ops = dataclasses.replace(
-        resolve(Backend.TORCH, "cpu"), rms_norm=norm.rms_norm, silu_and_mul=norm.silu_and_mul
+        resolve(Backend.TORCH, "cpu"),
+        rms_norm=norm.rms_norm,
+        silu_and_mul=norm.silu_and_mul,
+        qk_norm_rope=rope.qk_norm_rope,
     )
     want_dec = tiny_decoder(kind, dtype)
     dec = tiny_decoder(kind, dtype, ops)
@@ -293,3 +351,13 @@ def test_gpu_silu_and_mul(inter: int, rows: int, dtype: torch.dtype) -> None:
 
     x = (torch.randn(rows, 2 * inter, device="cuda") * 4).to(dtype)
     assert_steps(norm.silu_and_mul(x), ref.silu_and_mul(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [1, 24, 4096])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(32, 8, 128), (9, 3, 64), (16, 8, 256)])
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_qk_norm_rope(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, norm: bool) -> None:
+    check_qk_norm_rope(t, hq, hkv, d, dtype, norm, "cuda")

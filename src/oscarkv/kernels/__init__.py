@@ -17,6 +17,7 @@ import torch
 
 from ..errors import OscarkvError
 from .ref import norm as _ref_norm
+from .ref import rope as _ref_rope
 
 __all__ = ["Backend", "BackendError", "KernelOps", "resolve", "triton_unavailable_reason"]
 
@@ -33,8 +34,8 @@ class BackendError(OscarkvError, RuntimeError):
 
 @dataclass(frozen=True)
 class KernelOps:
-    """The resolved ops (see ``kernels/ref`` for signatures and shapes); the decoder's norm and
-    activation ops default to the torch twins."""
+    """The resolved ops (see ``kernels/ref`` for signatures and shapes); the decoder's norm, RoPE
+    and activation ops default to the torch twins."""
 
     backend: Backend
     quantize_pack: Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -46,6 +47,7 @@ class KernelOps:
     rotate_new_rows: Callable[..., torch.Tensor]
     rms_norm: Callable[..., Any] = _ref_norm.rms_norm
     silu_and_mul: Callable[..., torch.Tensor] = _ref_norm.silu_and_mul
+    qk_norm_rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] = _ref_rope.qk_norm_rope
     #: ``(k_fmt, v_fmt) -> None``; raises ``ValueError`` naming what these kernels cannot store or read
     check_formats: Callable[[Any, Any], None] = lambda k_fmt, v_fmt: None
 
@@ -88,6 +90,7 @@ def _torch_ops() -> KernelOps:
         ref.rotate_new_rows,
         ref.rms_norm,
         ref.silu_and_mul,
+        ref.qk_norm_rope,
     )
 
 

@@ -22,7 +22,6 @@ from .layers import (
     RMSNorm,
     RotaryEmbedding,
     SiluAndMul,
-    apply_rotary,
     check_config,
     head_dim_of,
     text_config,
@@ -127,6 +126,7 @@ class Attention(nn.Module):
         )
         self.q_norm = RMSNorm(d, shape.rms_eps, op=ops.rms_norm, **kw) if flags["qk_norm"] else None
         self.k_norm = RMSNorm(d, shape.rms_eps, op=ops.rms_norm, **kw) if flags["qk_norm"] else None
+        self.qk_norm_rope = ops.qk_norm_rope
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn
@@ -134,9 +134,9 @@ class Attention(nn.Module):
         t = x.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qn, kn = self.q_norm, self.k_norm
+        norms = (qn.weight, kn.weight, qn.eps) if qn is not None and kn is not None else (None, None, 0.0)
+        q, k = self.qk_norm_rope(q, k, cos, sin, *norms)  # per-head norms (Qwen3) and RoPE, one op
         o = attn(self.layer, q, k, v.contiguous())
         return self.o_proj(o.reshape(t, self.hq * self.d))
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from ...errors import ModelError
 from ...kernels.ref import norm as ref_norm
+from ...kernels.ref.rope import apply_rotary
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -167,16 +168,6 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions`` int64 ``[T]`` (each ``< max_positions``) -> ``(cos, sin)`` ``[T, d/2]``."""
         return self.cos_sin[positions].chunk(2, dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE: ``x [T, H, d]``, ``cos``/``sin`` ``[T, d/2]`` -> ``[T, H, d]`` in ``x``'s dtype.
-
-    Equals HF's ``x·cos + rotate_half(x)·sin`` op for op (negation and subtraction are exact).
-    """
-    x1, x2 = x.chunk(2, dim=-1)
-    c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
 # ---- config checks -----------------------------------------------------------------------------

@@ -4,15 +4,18 @@ from .decode_attention import decode_attention, merge_states, partial_attention
 from .norm import rms_norm, silu_and_mul
 from .prefill_attention import prefill_attention, prefill_attention_varlen
 from .quantize_pack import dequantize, quantize_pack
+from .rope import apply_rotary, qk_norm_rope
 from .rotate import rotate_heads, rotate_new_rows
 
 __all__ = [
+    "apply_rotary",
     "decode_attention",
     "dequantize",
     "merge_states",
     "partial_attention",
     "prefill_attention",
     "prefill_attention_varlen",
+    "qk_norm_rope",
     "quantize_pack",
     "rms_norm",
     "rotate_heads",

@@ -20,6 +20,7 @@ from .dequantize import dequantize
 from .norm import rms_norm, silu_and_mul
 from .quantize_pack import _check as _quantize_check
 from .quantize_pack import quantize_pack
+from .rope import qk_norm_rope
 from .rotate import rotate_heads, rotate_new_rows
 
 __all__ = ["KERNEL_OPS", "prefill_attention", "prefill_attention_varlen"]
@@ -102,5 +103,6 @@ KERNEL_OPS = KernelOps(
     rotate_new_rows,
     rms_norm,
     silu_and_mul,
+    qk_norm_rope,
     check_formats,
 )
