@@ -1,6 +1,6 @@
 #!/bin/bash
 # #42 first round (and #41's one-request runs): per-kernel GPU time of engine decode steps before
-# (.snap_old) and after (.snap: splits scaled to live lengths, R_V^T folded into o_proj), the GPU
+# (.snap_old) and after (.snap: splits scaled to live lengths, R_V^T folded into o_proj, q/k norm + RoPE in one launch), the GPU
 # tests of the kernels and the engine, one request at 32K/64K (qwen3-4b) in bench_engine.
 set -u
 cd .snap || exit 3
@@ -18,7 +18,7 @@ step "before: qwen3-8b 8 x 16K bf16"
 step "after"
 timeout 100 $P qwen3-8b 16384 8 bf16 2>&1 | grep -A12 "^##"
 step "GPU tests: kernels, engine"
-timeout 240 python -m pytest -q -x -p no:cacheprovider tests/test_kernels_gpu.py tests/engine/test_engine_gpu.py tests/engine/test_plan_host.py -m gpu 2>&1 | tail -3
+timeout 300 python -m pytest -q -x -p no:cacheprovider tests/test_kernels_gpu.py tests/test_norm_kernels.py tests/engine/test_engine_gpu.py tests/engine/test_plan_host.py -m gpu 2>&1 | tail -3
 for L in 32768 65536; do
   step "one request at $L, qwen3-4b"
   timeout 100 python benchmarks/bench_engine.py --shape qwen3-4b --steady $L --steps 32 --warmup 4 --max-running 1 \
