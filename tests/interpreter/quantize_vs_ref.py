@@ -228,6 +228,37 @@ def test_quantize_pack_is_bit_exact_on_many_random_rows(tk, d, clip):
         assert torch.equal(c1, c2) and torch.equal(m1, m2), meta
 
 
+@pytest.mark.parametrize(("d", "bits", "clip", "meta"), [(64, 2, 0.92, "fp16"), (128, 2, 0.96, "bf16"),
+                                                       (128, 4, 0.0, "fp32"), (64, 4, 0.9, "fp16")])  # fmt: skip
+@pytest.mark.parametrize("gather", [False, True])
+def test_quantize_pack_into_gathers_and_scatters_bit_exact(tk, d, bits, clip, meta, gather):
+    """``quantize_pack_into``: rows ``pool[src]`` (a demotion) or the given rows (``src`` None)
+    quantized straight into pool slots ``dst``, equal to the twin; every other slot untouched."""
+    qp, _ = tk
+    fmt = RowFormat(d, bits, d, clip=clip, meta_dtype=meta)
+    g = torch.Generator().manual_seed(d + bits)
+    pool = torch.randn(40, 3, d, generator=g) * 2
+    n = 9
+    src = torch.randperm(40, generator=g)[:n] if gather else None
+    rows = pool if gather else pool[:n]
+    dst = torch.randperm(30, generator=g)[:n]
+    c0 = torch.randint(0, 256, (30, 3, fmt.packed_dim), dtype=torch.uint8, generator=g)
+    m0 = torch.randn(30, 3, 1, 2, generator=g).to(ref.quantize_pack(pool[:1], fmt)[1].dtype)
+    got, want = (c0.clone(), m0.clone()), (c0.clone(), m0.clone())
+    qp.quantize_pack_into(rows, fmt, *got, dst, src)
+    ref.quantize_pack_into(rows, fmt, *want, dst, src)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    c, m = ref.quantize_pack(rows[src] if gather else rows, fmt)
+    assert torch.equal(want[0][dst], c) and torch.equal(want[1][dst], m)
+    rest = torch.ones(30, dtype=torch.bool)
+    rest[dst] = False
+    assert torch.equal(got[0][rest], c0[rest]) and torch.equal(got[1][rest], m0[rest])
+    with pytest.raises(ValueError, match="meta must be"):
+        qp.quantize_pack_into(
+            rows, fmt, got[0], got[1].float() if meta != "fp32" else got[1].half(), dst, src
+        )
+
+
 def test_triton_refuses_formats_it_does_not_implement(tk):
     qp, _ = tk
     with pytest.raises(ValueError, match="backend='torch'"):

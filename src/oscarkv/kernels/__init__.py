@@ -18,6 +18,7 @@ import torch
 from ..errors import OscarkvError
 from .ref import norm as _ref_norm
 from .ref import rope as _ref_rope
+from .ref.quantize_pack import quantize_pack_into as _ref_quantize_into
 
 __all__ = ["Backend", "BackendError", "KernelOps", "resolve", "triton_unavailable_reason"]
 
@@ -48,6 +49,8 @@ class KernelOps:
     rms_norm: Callable[..., Any] = _ref_norm.rms_norm
     silu_and_mul: Callable[..., torch.Tensor] = _ref_norm.silu_and_mul
     qk_norm_rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] = _ref_rope.qk_norm_rope
+    #: quantize pool rows into INT2 pool slots in place (a demotion's gather, quantize and scatter)
+    quantize_pack_into: Callable[..., None] = _ref_quantize_into
     #: ``(k_fmt, v_fmt) -> None``; raises ``ValueError`` naming what these kernels cannot store or read
     check_formats: Callable[[Any, Any], None] = lambda k_fmt, v_fmt: None
 

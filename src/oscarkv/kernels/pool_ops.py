@@ -55,24 +55,20 @@ def ranges_to_csr(ranges: list[list[tuple[int, int]]], device: torch.device) -> 
     return indptr.to(device, non_blocking=True), idx.to(torch.int32)
 
 
-def _pack(ops: KernelOps, rows: torch.Tensor, fmt: RowFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    return ops.quantize_pack(rows, fmt)  # rows are already rotated
-
-
 def write_int2(
     pools: FlatPools, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ops: KernelOps
 ) -> None:
     """Quantize rotated rows ``k, v [N, H, d]`` into INT2 ``slots`` (long ``[N]``)."""
-    kc, km = _pack(ops, k, pools.k_fmt)
-    vc, vm = _pack(ops, v, pools.v_fmt)
-    pools.k_codes[slots], pools.k_meta[slots] = kc, km.to(pools.k_meta.dtype)
-    pools.v_codes[slots], pools.v_meta[slots] = vc, vm.to(pools.v_meta.dtype)
+    ops.quantize_pack_into(k, pools.k_fmt, pools.k_codes, pools.k_meta, slots)
+    ops.quantize_pack_into(v, pools.v_fmt, pools.v_codes, pools.v_meta, slots)
 
 
 def demote(pools: FlatPools, src: torch.Tensor, dst: torch.Tensor, ops: KernelOps) -> None:
-    """Quantize the 16-bit rows of slots ``src`` into INT2 slots ``dst`` (long ``[N]`` each)."""
+    """Quantize the 16-bit rows of slots ``src`` into INT2 slots ``dst`` (long ``[N]`` each): one
+    gather-quantize-scatter op each for K and V."""
     if src.numel():
-        write_int2(pools, dst, pools.hp_k[src], pools.hp_v[src], ops)
+        ops.quantize_pack_into(pools.hp_k, pools.k_fmt, pools.k_codes, pools.k_meta, dst, src)
+        ops.quantize_pack_into(pools.hp_v, pools.v_fmt, pools.v_codes, pools.v_meta, dst, src)
 
 
 def write_hp(pools: FlatPools, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -3,7 +3,7 @@
 from .decode_attention import decode_attention, merge_states, partial_attention
 from .norm import rms_norm, silu_and_mul
 from .prefill_attention import prefill_attention, prefill_attention_varlen
-from .quantize_pack import dequantize, quantize_pack
+from .quantize_pack import dequantize, quantize_pack, quantize_pack_into
 from .rope import apply_rotary, qk_norm_rope
 from .rotate import rotate_heads, rotate_new_rows
 
@@ -17,6 +17,7 @@ __all__ = [
     "prefill_attention_varlen",
     "qk_norm_rope",
     "quantize_pack",
+    "quantize_pack_into",
     "rms_norm",
     "rotate_heads",
     "rotate_new_rows",

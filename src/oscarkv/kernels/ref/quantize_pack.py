@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from ...quant import RowFormat, dequantize_rows, quantize_rows
+from ...quant.quantizer import META_TORCH_DTYPES
 
-__all__ = ["dequantize", "quantize_pack"]
+__all__ = ["check_into", "dequantize", "quantize_pack", "quantize_pack_into"]
 
 
 def quantize_pack(
@@ -29,3 +30,45 @@ def dequantize(
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_pack` in the rotated basis: ``[N, H, packed]`` -> ``[N, H, d]``."""
     return dequantize_rows(codes, meta, fmt).to(out_dtype)
+
+
+def quantize_pack_into(
+    rows: torch.Tensor,
+    fmt: RowFormat,
+    codes: torch.Tensor,
+    meta: torch.Tensor,
+    dst: torch.Tensor,
+    src: torch.Tensor | None = None,
+    tuning: object | None = None,
+) -> None:
+    """:func:`quantize_pack` of ``rows[src]`` (``src`` int ``[N]``, or ``None``: ``rows`` ``[N, H, d]``
+    themselves) stored in place at ``codes[dst]`` / ``meta[dst]`` (``dst`` int ``[N]``, distinct
+    slots): a demotion (16-bit pool rows into INT2 slots) or a prefill's INT2 write in one op.
+    ``codes``/``meta`` are the pools ``[S, H, packed_dim]`` / ``[S, H, groups, 2]`` in the format's
+    metadata dtype."""
+    check_into(rows, fmt, codes, meta, dst, src)
+    c, m = quantize_pack(rows if src is None else rows[src.long()], fmt)
+    codes[dst.long()], meta[dst.long()] = c, m
+
+
+def check_into(rows, fmt: RowFormat, codes, meta, dst, src) -> None:
+    """Raises ``ValueError`` naming the first argument of ``quantize_pack_into`` that does not fit."""
+    n = dst.shape[0] if dst.dim() == 1 else -1
+    h = rows.shape[1] if rows.dim() == 3 else -1
+    want_meta = META_TORCH_DTYPES[fmt.meta_dtype]
+    bad_rows = rows.dim() != 3 or rows.shape[2] != fmt.head_dim
+    bad_idx = n < 0 or (src is None and rows.shape[0] != n) or (src is not None and src.shape != (n,))
+    bad_codes = (
+        codes.shape[1:] != (h, fmt.packed_dim) or codes.dtype != torch.uint8 or not codes.is_contiguous()
+    )
+    bad_meta = meta.shape[1:] != (h, fmt.groups, 2) or meta.dtype != want_meta or not meta.is_contiguous()
+    problems = [
+        (bad_rows, f"rows must be [N, H, {fmt.head_dim}]"),
+        (bad_idx, "dst must be [N] and src [N] (or None with N rows)"),
+        (bad_codes, f"codes must be a contiguous uint8 pool [S, {h}, {fmt.packed_dim}]"),
+        (bad_meta, f"meta must be a contiguous {str(want_meta)[6:]} pool [S, {h}, {fmt.groups}, 2]"),
+    ]
+    for bad, msg in problems:
+        if bad:
+            raise ValueError(f"quantize_pack_into: {msg}; got rows {list(rows.shape)}, codes {list(codes.shape)} "
+                             f"{codes.dtype}, meta {list(meta.shape)} {meta.dtype}, dst {list(dst.shape)}")  # fmt: skip

@@ -19,7 +19,7 @@ from .decode.attention import _check_format as _decode_check
 from .dequantize import dequantize
 from .norm import rms_norm, silu_and_mul
 from .quantize_pack import _check as _quantize_check
-from .quantize_pack import quantize_pack
+from .quantize_pack import quantize_pack, quantize_pack_into
 from .rope import qk_norm_rope
 from .rotate import rotate_heads, rotate_new_rows
 
@@ -105,4 +105,5 @@ KERNEL_OPS = KernelOps(
     silu_and_mul,
     qk_norm_rope,
     check_formats,
+    quantize_pack_into=quantize_pack_into,
 )

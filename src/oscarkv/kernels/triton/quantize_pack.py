@@ -46,10 +46,11 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ...quant import RowFormat
 from ...quant.quantizer import META_TORCH_DTYPES, clip_index
+from ..ref.quantize_pack import check_into
 from .launch import Launcher, device_facts
 from .quantize_nets import abs_bits, clip_threshold, pack, pack4, threshold, to_meta
 
-__all__ = ["DEFAULT_TUNING", "QuantizeTuning", "quantize_pack"]
+__all__ = ["DEFAULT_TUNING", "QuantizeTuning", "quantize_pack", "quantize_pack_into"]
 
 
 @dataclass(frozen=True)
@@ -176,10 +177,13 @@ def _finish(x0, x1, x2, x3, x4, x5, x6, x7, rows, rmask, C, M, tiny, s_cr, s_mr,
 
 
 @triton.jit
-def _quantize_pack(X, C, M, n_rows, tiny, s_xr, s_cr, s_mr, D: tl.constexpr, BLOCK_R: tl.constexpr,
+def _quantize_pack(X, C, M, SRC, DST, n_rows, tiny, s_xr, s_cr, s_mr, D: tl.constexpr, BLOCK_R: tl.constexpr,
                    CLIP: tl.constexpr, N_DROP: tl.constexpr, ROUNDS: tl.constexpr, TOP_K: tl.constexpr,
                    TREE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
-                   BITS: tl.constexpr = 2):  # fmt: skip
+                   BITS: tl.constexpr = 2, H: tl.constexpr = 1, GATHER: tl.constexpr = False,
+                   SCATTER: tl.constexpr = False):  # fmt: skip
+    """Rows ``0 .. n_rows`` of ``[N·H, D]`` (``H`` heads a token); ``GATHER``: row ``(i, h)`` is
+    read from token ``SRC[i]`` of ``X``; ``SCATTER``: written to token ``DST[i]`` of ``C``/``M``."""
     if PDL:  # a programmatic dependent launch: wait for the previous kernel before the first read
         gdc_wait()
         gdc_launch_dependents()
@@ -187,7 +191,10 @@ def _quantize_pack(X, C, M, n_rows, tiny, s_xr, s_cr, s_mr, D: tl.constexpr, BLO
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < n_rows
     m2 = rmask[:, None]
-    xp = X + rows[:, None] * s_xr + tl.arange(0, D8)[None, :]
+    tok, head = rows // H, rows % H
+    src = tl.load(SRC + tok, mask=rmask, other=0).to(tl.int64) * H + head if GATHER else rows
+    dst = tl.load(DST + tok, mask=rmask, other=0).to(tl.int64) * H + head if SCATTER else rows
+    xp = X + src[:, None] * s_xr + tl.arange(0, D8)[None, :]
     x0, x1 = tl.load(xp, mask=m2, other=0.0), tl.load(xp + D8, mask=m2, other=0.0)
     x2, x3 = tl.load(xp + 2 * D8, mask=m2, other=0.0), tl.load(xp + 3 * D8, mask=m2, other=0.0)
     x4, x5 = tl.load(xp + 4 * D8, mask=m2, other=0.0), tl.load(xp + 5 * D8, mask=m2, other=0.0)
@@ -195,7 +202,7 @@ def _quantize_pack(X, C, M, n_rows, tiny, s_xr, s_cr, s_mr, D: tl.constexpr, BLO
     if not PACKED:
         x0, x1, x2, x3 = x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32)
         x4, x5, x6, x7 = x4.to(tl.float32), x5.to(tl.float32), x6.to(tl.float32), x7.to(tl.float32)
-    _finish(x0, x1, x2, x3, x4, x5, x6, x7, rows, rmask, C, M, tiny, s_cr, s_mr, BLOCK_R, D8,
+    _finish(x0, x1, x2, x3, x4, x5, x6, x7, dst, rmask, C, M, tiny, s_cr, s_mr, BLOCK_R, D8,
             CLIP, N_DROP, ROUNDS, TOP_K, TREE, PACKED, ASM, BITS)  # fmt: skip
 
 
@@ -234,15 +241,37 @@ def quantize_pack(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``kernels.ref.quantize_pack`` (rotated rows ``[N, H, d]`` on CUDA)."""
     _check(fmt)
-    n, h, d = rows.shape
-    x = rows.reshape(n * h, d)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    n, h, _ = rows.shape
     codes = torch.empty(n, h, fmt.packed_dim, dtype=torch.uint8, device=rows.device)
     meta = torch.empty(n, h, 1, 2, dtype=META_TORCH_DTYPES[fmt.meta_dtype], device=rows.device)
+    _launch(rows, fmt, codes, meta, None, None, n, tuning)
+    return codes, meta
+
+
+def quantize_pack_into(
+    rows: torch.Tensor,
+    fmt: RowFormat,
+    codes: torch.Tensor,
+    meta: torch.Tensor,
+    dst: torch.Tensor,
+    src: torch.Tensor | None = None,
+    tuning: QuantizeTuning = DEFAULT_TUNING,
+) -> None:
+    """Same contract as ``kernels.ref.quantize_pack_into``: one launch that reads ``rows[src]``
+    and writes ``codes[dst]``/``meta[dst]`` (the gather, quantize and scatter of a demotion)."""
+    _check(fmt)
+    check_into(rows, fmt, codes, meta, dst, src)
+    n = dst.shape[0]
+    _launch(rows, fmt, codes, meta, src, dst, n, tuning)
+
+
+def _launch(rows, fmt, codes, meta, src, dst, n, t):
+    h, d = rows.shape[1], rows.shape[2]
+    x = rows.reshape(rows.shape[0] * h, d)  # a view where rows are whole (always, for the pools)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     if n * h == 0:
-        return codes, meta
-    t = tuning
+        return
     n_drop = d - 1 - clip_index(fmt.clip, d) if fmt.clip > 0 else 0
     top_k = 6 if n_drop < 6 else t.round_k  # the six-network where one round of it does
     rounds = -(-(n_drop + 1) // top_k)
@@ -270,9 +299,9 @@ def quantize_pack(
         tree = min(d // 8, 16 // x.element_size()).bit_length() - 1
     pdl = t.pdl and device_facts(x.device)[1]
     _QUANTIZE_PACK(
-        (n_blocks,), x, codes, meta, n * h, torch.finfo(meta.dtype).tiny, x.stride(0), fmt.packed_dim, 2,
-        D=d, BLOCK_R=t.block_r, CLIP=fmt.clip > 0, N_DROP=n_drop, ROUNDS=rounds, TOP_K=top_k, TREE=tree,
-        PACKED=packed, ASM=asm, PDL=pdl, BITS=fmt.bits, num_warps=t.num_warps, **opts,
+        (n_blocks,), x, codes, meta, x if src is None else src, x if dst is None else dst, n * h,
+        torch.finfo(meta.dtype).tiny, x.stride(0), fmt.packed_dim, 2, D=d, BLOCK_R=t.block_r, CLIP=fmt.clip > 0,
+        N_DROP=n_drop, ROUNDS=rounds, TOP_K=top_k, TREE=tree, PACKED=packed, ASM=asm, PDL=pdl, BITS=fmt.bits,
+        H=h, GATHER=src is not None, SCATTER=dst is not None, num_warps=t.num_warps, **opts,
         **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
-    return codes, meta
