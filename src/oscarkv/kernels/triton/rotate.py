@@ -1,8 +1,8 @@
 """Triton twins of ``kernels.ref.rotate_heads`` / ``rotate_new_rows``: a decode step's rotations.
 
-Program ``(head, batch block)`` loads ``BLOCK_B`` rows of one head, multiplies them by the head's
-fp32 matrix with an IEEE fp32 ``tl.dot`` (no TF32: R·Rᵀ must stay I to fp32 rounding), in column
-blocks of ``BLOCK_C`` (R of d=256 is 256 KB), rounds once to the output dtype and stores the rows
+Program ``(head, batch block, column block)`` loads ``BLOCK_B`` rows of one head, multiplies them by
+``BLOCK_C`` columns of the head's fp32 matrix with an IEEE fp32 ``tl.dot`` (no TF32: R·Rᵀ must stay
+I to fp32 rounding; R of d=256 is 256 KB), rounds once to the output dtype and stores the rows
 densely or to their slots ``dst[b]`` (skipping negative ones). ``rotate_new_rows`` does a decode
 step's query, key and value rows in one launch (program axis 0 runs over the query heads, then the
 key heads, then the value heads). They replace the 3-4 PyTorch ops per rotation (upcast, matmul,
@@ -22,7 +22,7 @@ from .launch import Launcher
 __all__ = ["rotate_heads", "rotate_new_rows"]
 
 BLOCK_B = 16  # tl.dot needs M >= 16; smaller batches are masked
-BLOCK_C = 64
+BLOCK_C = 32
 BLOCK_K = 16
 
 
@@ -30,7 +30,8 @@ BLOCK_K = 16
 def _rotate_rows(X, R, Y, DST, h, n_b, s_xb, s_xh, s_rh, s_yb, s_yh, D: tl.constexpr, GROUP: tl.constexpr,
                  ROTATE: tl.constexpr, INVERSE: tl.constexpr, SCATTER: tl.constexpr, BLOCK_B: tl.constexpr,
                  BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """Rows ``b`` of this program's batch block, head ``h``: ``Y[b or DST[b], h] = X[b, h] @ R_(h // GROUP)``."""
+    """Rows ``b`` of this program's batch block, head ``h``, output columns ``BLOCK_C·program_id(2)``
+    onwards: ``Y[b or DST[b], h] = X[b, h] @ R_(h // GROUP)`` (a copy, by the first column block)."""
     offs_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     bmask = offs_b < n_b
     offs_d = tl.arange(0, D)
@@ -44,22 +45,24 @@ def _rotate_rows(X, R, Y, DST, h, n_b, s_xb, s_xh, s_rh, s_yb, s_yh, D: tl.const
     if ROTATE:
         rh = R + (h // GROUP) * s_rh
         xp = X + offs_b[:, None] * s_xb + h * s_xh
+        c0 = (
+            tl.program_id(2) * BLOCK_C
+        )  # column blocks are programs: a decode step's few rows are latency-bound
         offs_c = tl.arange(0, BLOCK_C)
         offs_k = tl.arange(0, BLOCK_K)
-        for c0 in tl.static_range(0, D, BLOCK_C):
-            y = tl.zeros([BLOCK_B, BLOCK_C], tl.float32)
-            # K in chunks, the rows re-read per chunk: a whole [16, d] x [d, BLOCK_C] IEEE fp32 dot
-            # (FMA path) spilled kilobytes per thread. A runtime loop: unrolled, the three bodies of
-            # _rotate_new took 34 s to compile at d = 256 (1.7 MB of cubin, Triton 3.6, per variant)
-            for k0 in range(0, D, BLOCK_K):
-                xk = tl.load(xp + (k0 + offs_k)[None, :], mask=bmask[:, None], other=0.0).to(tl.float32)
-                if INVERSE:  # (Rᵀ)[k, c] = R[c, k]
-                    m = tl.load(rh + (c0 + offs_c)[None, :] * D + (k0 + offs_k)[:, None])
-                else:
-                    m = tl.load(rh + (k0 + offs_k)[:, None] * D + (c0 + offs_c)[None, :])
-                y = tl.dot(xk, m, y, input_precision="ieee")
-            tl.store(yp + (c0 + offs_c)[None, :], y.to(Y.dtype.element_ty), mask=keep[:, None])
-    else:
+        y = tl.zeros([BLOCK_B, BLOCK_C], tl.float32)
+        # K in chunks, the rows re-read per chunk: a whole [16, d] x [d, BLOCK_C] IEEE fp32 dot
+        # (FMA path) spilled kilobytes per thread. A runtime loop (pipelined): unrolled, the three
+        # bodies of _rotate_new took 34 s to compile at d = 256 (1.7 MB of cubin, Triton 3.6)
+        for k0 in tl.range(0, D, BLOCK_K, num_stages=2):
+            xk = tl.load(xp + (k0 + offs_k)[None, :], mask=bmask[:, None], other=0.0).to(tl.float32)
+            if INVERSE:  # (Rᵀ)[k, c] = R[c, k]
+                m = tl.load(rh + (c0 + offs_c)[None, :] * D + (k0 + offs_k)[:, None])
+            else:
+                m = tl.load(rh + (k0 + offs_k)[:, None] * D + (c0 + offs_c)[None, :])
+            y = tl.dot(xk, m, y, input_precision="ieee")
+        tl.store(yp + (c0 + offs_c)[None, :], y.to(Y.dtype.element_ty), mask=keep[:, None])
+    elif tl.program_id(2) == 0:
         x = tl.load(X + offs_b[:, None] * s_xb + h * s_xh + offs_d[None, :], mask=bmask[:, None], other=0.0)
         tl.store(yp + offs_d[None, :], x.to(Y.dtype.element_ty), mask=keep[:, None])
 
@@ -131,7 +134,7 @@ def rotate_heads(
     rotate = r is not None
     r, group, s_rh = _matrix(r, h, d, x)
     _ROTATE(
-        (h, -(-b // BLOCK_B)), x, r, y, dst if scatter else x, b, x.stride(0), x.stride(1), s_rh, y.stride(0),
+        (h, -(-b // BLOCK_B), d // min(d, BLOCK_C)), x, r, y, dst if scatter else x, b, x.stride(0), x.stride(1), s_rh, y.stride(0),
         y.stride(1), D=d, GROUP=group, ROTATE=rotate, INVERSE=inverse, SCATTER=scatter, BLOCK_B=BLOCK_B,
         BLOCK_C=min(d, BLOCK_C), BLOCK_K=BLOCK_K, num_warps=4,
     )  # fmt: skip
@@ -168,7 +171,7 @@ def rotate_new_rows(
     gk = hkv // r_k.shape[0] if r_k.dim() == 3 else 1
     r_v, gv, s_rv = _matrix(r_v, hkv, d, query)
     _ROTATE_NEW(
-        (hq + 2 * hkv, -(-b // BLOCK_B)), query, key, value, r_k, r_v, q_out, k_out, v_out, dst, b, qs[0], qs[1],
+        (hq + 2 * hkv, -(-b // BLOCK_B), d // min(d, BLOCK_C)), query, key, value, r_k, r_v, q_out, k_out, v_out, dst, b, qs[0], qs[1],
         ks[0], ks[1], vs[0], vs[1], s_rk, s_rv, hq * d, ps[0], ps[1], HQ=hq, HKV=hkv, D=d, GQ=gq, GK=gk, GV=gv,
         ROT_V=rot_v, BLOCK_B=BLOCK_B, BLOCK_C=min(d, BLOCK_C), BLOCK_K=BLOCK_K, num_warps=4,
     )  # fmt: skip
