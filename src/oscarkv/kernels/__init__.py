@@ -49,10 +49,10 @@ class KernelOps:
     rms_norm: Callable[..., Any] = _ref_norm.rms_norm
     silu_and_mul: Callable[..., torch.Tensor] = _ref_norm.silu_and_mul
     qk_norm_rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] = _ref_rope.qk_norm_rope
-    #: quantize pool rows into INT2 pool slots in place (a demotion's gather, quantize and scatter)
-    quantize_pack_into: Callable[..., None] = _ref_quantize_into
     #: ``(k_fmt, v_fmt) -> None``; raises ``ValueError`` naming what these kernels cannot store or read
     check_formats: Callable[[Any, Any], None] = lambda k_fmt, v_fmt: None
+    #: quantize pool rows into INT2 pool slots in place (a demotion's gather, quantize and scatter)
+    quantize_pack_into: Callable[..., None] = _ref_quantize_into
 
     def require_formats(self, formats: Sequence[tuple[Any, Any]], fix: str) -> None:
         """Fail at start-up, not at the first quantize: raises :class:`BackendError` naming the first
