@@ -160,11 +160,11 @@ def _teacher_forced(rot: Path, backend: str, forced: list[torch.Tensor] | None, 
         ops = real_resolve(backend, device)
         g = torch.Generator(device=device).manual_seed(1)
 
-        def noisy(rows, fmt, *a, **k):
+        def noisy(rows, fmt, *a, **k):  # every INT2 write (demotions, prefill) goes through here
             u = torch.randint(-1, 2, rows.shape, generator=g, device=rows.device).float()
-            return ops.quantize_pack(rows.float() * (1 + eps * u), fmt, *a, **k)
+            return ops.quantize_pack_into(rows.float() * (1 + eps * u), fmt, *a, **k)
 
-        return dataclasses.replace(ops, quantize_pack=noisy) if eps else ops
+        return dataclasses.replace(ops, quantize_pack_into=noisy) if eps else ops
 
     model_runner.sample, model_runner.resolve = sample, resolve
     try:
