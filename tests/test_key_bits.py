@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -256,3 +257,93 @@ def test_mixed_key_bits_on_the_triton_kernels(tmp_path: Path) -> None:
     assert [llm.engine.runner.pool.layer(i).k_fmt.bits for i in range(4)] == [2, 4, 2, 4]
     out = llm.generate([ids[0].tolist()], SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
     assert len(out[0].token_ids) == 64
+
+
+# ---- the quality target (--max-ppl-increase) ---------------------------------------------------
+def test_quality_target_config_is_checked() -> None:
+    for kw, what in (
+        ({"max_ppl_increase": -0.1}, "max_ppl_increase"),
+        ({"max_ppl_increase": float("inf")}, "max_ppl_increase"),
+        ({"max_bits_per_element": 0.0}, "max_bits_per_element"),
+        (
+            {"max_ppl_increase": 0.02, "holdout_tokens": 0, "offsets": "none", "rotation_select": False},
+            "holdout",
+        ),
+    ):
+        with pytest.raises(SpecError, match=what):
+            CalibrationConfig(**kw)
+    with pytest.raises(SpecError, match="not both") as e:
+        CalibrationConfig(max_ppl_increase=0.02, bits_per_element=3.0)
+    assert "--max-ppl-increase" in str(e.value)
+    assert CalibrationConfig(max_ppl_increase=0.02, holdout_tokens=512).num_holdout_sequences > 0
+
+
+def test_optional_number_flags_take_none() -> None:
+    from oscarkv.cli import build_parser
+
+    p = build_parser()
+    a = p.parse_args(["calibrate", "--model", "M", "--out", "O", "--max-ppl-increase", "0.02"])
+    assert a.max_ppl_increase == 0.02 and a.bits_per_element is None
+    a = p.parse_args(["calibrate", "--model", "M", "--out", "O", "--max-ppl-increase", "none",
+                      "--bits-per-element", "3.0"])  # fmt: skip
+    assert a.max_ppl_increase is None and a.bits_per_element == 3.0
+    with pytest.raises(SystemExit):
+        p.parse_args(["calibrate", "--model", "M", "--out", "O", "--max-ppl-increase", "two"])
+
+
+def test_quality_target_takes_the_fewest_ranked_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bisection over the held-out ranking with a model of the loss: each layer adds its penalty
+    to the NLL while its keys stay in 2 bits. The chosen layers are the fewest, worst first, that
+    meet the target; a target the ceiling cannot meet keeps the ceiling's layers and warns."""
+    from oscarkv.calibration import key_bits
+
+    pen = {0: 0.010, 1: 0.040, 2: 0.002, 3: 0.020, 4: 0.030, 5: 0.001}
+    calls: list[int] = []
+
+    def nll(model, rots, spec, d, batches):
+        calls.append(len(rots))
+        low = [i for i, lr in rots.items() if lr.key_bits in (None, 2)]
+        return 1.0 + sum(pen[i] for i in low)
+
+    monkeypatch.setattr(key_bits, "held_out_nll", nll)
+    rots = dict(random_rotation_set(6, 64, QuantSpec()).layers)
+    spec = QuantSpec()
+
+    def run(target: float, ceiling: float = 99.0):
+        return key_bits.select_key_bits_for_target(None, rots, spec, 64, [], target, ceiling, 131072, 4)
+
+    out, rec = run(math.exp(0.012) - 1)  # unraised layers may add at most 0.012 to the NLL
+    assert rec["met"] and rec["layers"] == [0, 1, 3, 4]  # 2 and 5 left: 0.003
+    assert [i for i, lr in out.items() if lr.key_bits == 4] == [0, 1, 3, 4]
+    assert rec["ppl_ratio_before"] == pytest.approx(math.exp(0.103)) and rec["ppl_ratio"] == pytest.approx(
+        math.exp(0.003)
+    )
+    assert rec["tried"]["3"] > rec["target"] >= rec["tried"]["4"]  # three layers miss it: four is the least
+    out, rec = run(0.5)  # met as it is: no ranking, no layer raised
+    assert rec["met"] and rec["layers"] == [] and out is rots and calls[-2:] == [0, 6]
+    lo, hi = (dataclasses.replace(spec, key_bits=b).bits_per_element(131072, 64) for b in (2, 4))
+    with pytest.warns(UserWarning, match="misses the target"):
+        out, rec = run(1e-9, ceiling=lo + (hi - lo) * 2.5 / 6)  # two of the six layers fit
+    assert not rec["met"] and rec["layers"] == [1, 4]
+
+
+def test_calibration_meets_a_quality_target_and_reports_it() -> None:
+    """The demo model with a target the spec's widths miss (its 2-bit keys cost 0.3% perplexity):
+    calibration raises the fewest ranked layers that meet it, within the ceiling, and says so."""
+    model, tok = load_model(DEMO, "cpu", "fp32")
+    cfg = CalibrationConfig(tokens=512, seq_len=512, holdout_tokens=1024, offsets="none", max_ppl_increase=1e-9,
+                            max_bits_per_element=2.8)  # fmt: skip
+    rs = calibrate(model, tok, cfg)
+    rec = rs.provenance.recipe["key_bits"]
+    n = len(rec["layers"])
+    assert rec["ppl_ratio_before"] > rec["target"] and rec["met"] and 1 <= n <= 2  # 2.8 bits hold two layers
+    assert rec["tried"][str(n)] <= rec["target"] < rec["tried"][str(n - 1)]  # the least count that meets it
+    assert [i for i in rs.layer_ids if rs.key_bits(i) == 4] == rec["layers"]
+    assert rs.bits_per_element(131072) <= 2.8
+    from oscarkv.cli.commands import target_line
+
+    line = target_line(rs)
+    assert line is not None and ": met)" in line and f"128K {rs.bits_per_element(131072):.2f}" in line
+    loose = calibrate(model, tok, dataclasses.replace(cfg, max_ppl_increase=10.0))
+    assert loose.provenance.recipe["key_bits"]["met"] and loose.provenance.recipe["key_bits"]["layers"] == []
+    assert all(loose.key_bits(i) == 2 for i in loose.layer_ids)

@@ -17,7 +17,7 @@ from .capture import UnsupportedModelError, attention_geometry, capture_attentio
 from .data import token_sequences
 from .error import ClipSearch
 from .fit import fit_layer, fixed_layer
-from .key_bits import high_layer_count, select_key_bits
+from .key_bits import high_layer_count, select_key_bits, select_key_bits_for_target
 from .loss_search import LossClipSearch, held_out_nll
 from .offset_select import OffsetSelect
 from .select import RotationSelect
@@ -110,6 +110,10 @@ def calibrate(
     spec.group_for(d)
     if cfg.bits_per_element is not None:  # an impossible budget fails before any forward pass
         high_layer_count(spec, d, len(layers), cfg.bits_per_element, cfg.budget_context, cfg.high_key_bits)
+    if cfg.max_ppl_increase is not None:  # and so does a ceiling below the spec's own widths
+        high_layer_count(
+            spec, d, len(layers), cfg.max_bits_per_element, cfg.budget_context, cfg.high_key_bits
+        )
     model.eval()
     needs = LayerStats.needs_for(cfg.method, cfg.v_target)
     gather = needs | ({"mean"} if cfg.offsets != "none" else set())
@@ -191,6 +195,11 @@ def calibrate(
         rots, key_bits = select_key_bits(
             model, rots, spec, d, _batches(hold, cfg.batch_size), cfg.bits_per_element,
             cfg.budget_context, cfg.high_key_bits,
+        )  # fmt: skip
+    elif cfg.max_ppl_increase is not None:
+        rots, key_bits = select_key_bits_for_target(
+            model, rots, spec, d, _batches(hold, cfg.batch_size), cfg.max_ppl_increase,
+            cfg.max_bits_per_element, cfg.budget_context, cfg.high_key_bits,
         )  # fmt: skip
 
     name = getattr(model.config, "_name_or_path", "") or type(model).__name__

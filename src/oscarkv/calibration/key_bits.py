@@ -1,4 +1,5 @@
-"""Mixed key precision under a bit budget (``CalibrationConfig.bits_per_element``, ours).
+"""Mixed key precision under a bit budget (``CalibrationConfig.bits_per_element``) or a quality
+target (``CalibrationConfig.max_ppl_increase``), ours.
 
 OSCAR stores every key in 2 bits. On models whose keys quantize badly (SmolLM2: nearly all of the
 2-bit loss is in the keys) a few layers carry most of it. The recipe: rank the layers by the
@@ -6,13 +7,16 @@ held-out NLL of the model with only that layer's K and V fake-quantized (others 
 keys of the worst ones to ``high_bits`` — as many as the budget allows at ``context`` tokens,
 windows and metadata counted — and keep those layers' keys unclipped where that lowers the
 held-out NLL of the whole fake-quantized model (at 3-4 bits clipping removes more signal than it
-buys resolution).
+buys resolution). With a quality target the count is not given: it is the smallest (in that
+ranking, by bisection) whose whole fake-quantized model is within the target of the unquantized
+model's held-out perplexity, at most what the ceiling's budget allows.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,7 +26,7 @@ from ..config import QuantSpec, SpecError
 from ..rotation import LayerRotation
 from .loss_search import held_out_nll
 
-__all__ = ["high_layer_count", "select_key_bits"]
+__all__ = ["high_layer_count", "select_key_bits", "select_key_bits_for_target"]
 
 
 def high_layer_count(
@@ -57,9 +61,81 @@ def select_key_bits(
     record: dict[str, Any] = {"budget": budget, "context": context, "high_bits": high, "layers": []}
     if n == 0:
         return rotations, record
-    alone = {i: held_out_nll(model, {i: lr}, spec, head_dim, batches) for i, lr in sorted(rotations.items())}
-    order = sorted(alone, key=lambda i: -alone[i])
+    order, alone = _ranking(model, rotations, spec, head_dim, batches)
     chosen = sorted(order[:n])
+    rots, nll, clip = _raise(model, rotations, spec, head_dim, batches, chosen, high)
+    record.update(layers=chosen, nll_alone={str(i): alone[i] for i in order}, nll=nll, high_key_clip=clip)
+    return rots, record
+
+
+def select_key_bits_for_target(
+    model: Any,
+    rotations: dict[int, LayerRotation],
+    spec: QuantSpec,
+    head_dim: int,
+    batches: Sequence[torch.Tensor],
+    max_ppl_increase: float,
+    ceiling: float,
+    context: int,
+    high: int,
+) -> tuple[dict[int, LayerRotation], dict[str, Any]]:
+    """The fewest layers (in the held-out ranking) whose keys in ``high`` bits bring the whole
+    fake-quantized model's held-out perplexity within ``1 + max_ppl_increase`` of the unquantized
+    model's, at most as many as ``ceiling`` bits per element at ``context`` allow; the rotations
+    and a JSON-ready record (perplexity ratios before and after, the layers, each count tried).
+    Warns in one line where the ceiling cannot meet the target (the ceiling's layers are kept)."""
+    bound = 1.0 + max_ppl_increase
+    base = held_out_nll(model, {}, spec, head_dim, batches)
+    ratio = {0: math.exp(held_out_nll(model, rotations, spec, head_dim, batches) - base)}
+    record: dict[str, Any] = {"target": bound, "ceiling": ceiling, "context": context, "high_bits": high,
+                              "nll_unquantized": base, "layers": [], "ppl_ratio_before": ratio[0]}  # fmt: skip
+    n_max = high_layer_count(spec, head_dim, len(rotations), ceiling, context, high)
+    if ratio[0] <= bound or n_max == 0:
+        record.update(ppl_ratio=ratio[0], met=ratio[0] <= bound, tried={"0": ratio[0]})
+        if ratio[0] > bound:
+            _warn_unmet(ratio[0], bound, ceiling, context)
+        return rotations, record
+    order, alone = _ranking(model, rotations, spec, head_dim, batches)
+    best: tuple[dict[int, LayerRotation], dict[str, float], str] | None = None
+    lo, hi = 0, n_max  # ratio(lo) misses the target; find the least n <= hi that meets it
+    while hi - lo > 1 or best is None:
+        n = hi if best is None else (lo + hi) // 2
+        rots, nll, clip = _raise(model, rotations, spec, head_dim, batches, sorted(order[:n]), high)
+        ratio[n] = math.exp(min(nll["clipped"], nll["unclipped"]) - base)
+        if ratio[n] <= bound or best is None:
+            best, hi = (rots, nll, clip), n
+        else:
+            lo = n
+        if best is not None and hi == n_max and ratio[n_max] > bound:
+            break  # the ceiling misses it: keep the ceiling's layers
+    rots, nll, clip = best
+    n = hi
+    record.update(layers=sorted(order[:n]), nll_alone={str(i): alone[i] for i in order}, nll=nll,
+                  high_key_clip=clip, ppl_ratio=ratio[n], met=ratio[n] <= bound,
+                  tried={str(k): v for k, v in sorted(ratio.items())})  # fmt: skip
+    if ratio[n] > bound:
+        _warn_unmet(ratio[n], bound, ceiling, context)
+    return rots, record
+
+
+def _warn_unmet(ratio: float, bound: float, ceiling: float, context: int) -> None:
+    warnings.warn(
+        f"calibration: held-out perplexity {ratio:.4f}x the unquantized model's misses the target "
+        f"{bound:.4f}x under the ceiling of {ceiling} bits per element at {context} tokens; the best "
+        "artifact under the ceiling is written (raise --max-bits-per-element to spend more)",
+        stacklevel=3,
+    )
+
+
+def _ranking(model, rotations, spec, head_dim, batches) -> tuple[list[int], dict[int, float]]:
+    """Layers by the held-out NLL with only that layer fake-quantized, worst first."""
+    alone = {i: held_out_nll(model, {i: lr}, spec, head_dim, batches) for i, lr in sorted(rotations.items())}
+    return sorted(alone, key=lambda i: -alone[i]), alone
+
+
+def _raise(model, rotations, spec, head_dim, batches, chosen: list[int], high: int):
+    """``rotations`` with ``high``-bit keys on ``chosen``, their key clips kept or off (whichever
+    gives the lower held-out NLL of the whole fake-quantized model), the NLLs and the choice."""
 
     def with_high(k_clip: float | None) -> dict[int, LayerRotation]:
         out = dict(rotations)
@@ -75,10 +151,4 @@ def select_key_bits(
         "unclipped": held_out_nll(model, unclipped, spec, head_dim, batches),
     }
     keep_unclipped = nll["unclipped"] < nll["clipped"]
-    record.update(
-        layers=chosen,
-        nll_alone={str(i): alone[i] for i in order},
-        nll=nll,
-        high_key_clip="off" if keep_unclipped else "kept",
-    )
-    return (unclipped if keep_unclipped else clipped), record
+    return (unclipped if keep_unclipped else clipped), nll, "off" if keep_unclipped else "kept"

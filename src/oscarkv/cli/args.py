@@ -54,7 +54,20 @@ def add_dataclass_args(
                 dest=f.name,
             )
         else:
-            target.add_argument(flag, type=tp, default=default, help=help_, dest=f.name)
+            optional = tp is not hints[f.name] and tp in (int, float)  # `none` gives None
+            target.add_argument(
+                flag, type=_or_none(tp) if optional else tp, default=default, help=help_, dest=f.name
+            )
+
+
+def _or_none(tp: type) -> Any:
+    """``tp`` from a flag's text, or None from ``none``."""
+
+    def parse(text: str) -> Any:
+        return None if text.strip().lower() == "none" else tp(text)
+
+    parse.__name__ = tp.__name__  # argparse names the type in its error: "invalid float value"
+    return parse
 
 
 def cli_fields(cls: type, skip: tuple[str, ...] = ()) -> list[dataclasses.Field]:

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import TYPE_CHECKING
 
 from .args import dataclass_from_args
 from .preflight import check_model, load_checked_rotations, read_json_file, read_prompt
+
+if TYPE_CHECKING:
+    from ..rotation import RotationSet
 
 __all__ = ["cmd_calibrate", "cmd_demo", "cmd_eval", "cmd_generate", "cmd_info"]
 
@@ -53,6 +57,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         )
     bpe = [f"{n // 1024}K: {rs.bits_per_element(n):.3f}" for n in (4096, 32768, 131072)]
     t.add_row("bits/element", f"tier {rs.bits_per_element(None):.3f}; " + ", ".join(bpe))
+    line = target_line(rs)
+    if line:
+        t.add_row("quality target", line.removeprefix("quality target: "))
     if p.recipe:
         skip = ("clip_search", "rotation_select", "offsets", "key_bits")
         t.add_row("recipe", ", ".join(f"{k}={v}" for k, v in p.recipe.items() if k not in skip))
@@ -131,6 +138,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         "err: held-out relative attention-output error (INT2, windows) at the global clips; "
         "K/V gain: error reduction from the chosen K / V clip"
     )
+    line = target_line(rs)
+    if line:
+        con.print(line)
     con.print("wrote " + ", ".join(str(f) for f in written))
     if args.export_oscar:
         con.print("(the .pt files are in OSCAR's RotationZoo format)")
@@ -286,3 +296,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     check_output_dir(args.out, DEMO_OUTPUTS, overwrite=args.overwrite)
     return run_demo(args.out, resolve_device(args.device), args.quick, args.overwrite)
+
+
+def target_line(rs: RotationSet) -> str | None:
+    """What the quality target (``--max-ppl-increase``) of ``rs``'s calibration chose and measured,
+    in one line; ``None`` for an artifact calibrated without one."""
+    kb = rs.provenance.recipe.get("key_bits") if rs.provenance.recipe else None
+    if not isinstance(kb, dict) or "target" not in kb:
+        return None
+    bpe = ", ".join(f"{n // 1024}K {rs.bits_per_element(n):.2f}" for n in (4096, 32768, 131072))
+    layers = kb["layers"]
+    raised = (
+        f"{len(layers)} layers' keys raised to {kb['high_bits']} bits {layers}"
+        if layers
+        else "no layer raised"
+    )
+    verdict = "met" if kb["met"] else f"missed under the ceiling of {kb['ceiling']} bits per element"
+    return (
+        f"quality target: held-out perplexity x{kb['ppl_ratio_before']:.4f} of the unquantized model's with the "
+        f"spec's widths, x{kb['ppl_ratio']:.4f} with {raised} (target x{kb['target']:.4f}: {verdict}); "
+        f"bits per element {bpe}"
+    )

@@ -75,7 +75,19 @@ class CalibrationConfig:
         "--high-key-bits, as many as fit; default: the spec's widths in every layer",
         default=None,
     )
-    high_key_bits: int = help_field("key bits of the layers raised by --bits-per-element: 3 or 4", default=4)
+    max_ppl_increase: float | None = help_field(
+        "a quality target instead of a bit budget: raise key widths layer by layer (the layers whose "
+        "held-out loss suffers most from low-bit keys first) until the held-out perplexity of the "
+        "fake-quantized model is within this fraction of the unquantized model's (0.02: two percent), at "
+        "most --max-bits-per-element; exclusive with --bits-per-element; none: off",
+        default=None,
+    )
+    max_bits_per_element: float = help_field(
+        "the ceiling of --max-ppl-increase, in bits per element at --budget-context", default=3.5
+    )
+    high_key_bits: int = help_field(
+        "key bits of the layers raised by --bits-per-element or --max-ppl-increase: 3 or 4", default=4
+    )
     budget_context: int = help_field("context length at which --bits-per-element is counted", default=131072)
     batch_size: int = help_field("sequences per forward pass", default=1)
     seed: int = help_field("seed for corpus sampling", default=0)
@@ -117,6 +129,26 @@ class CalibrationConfig:
         bpe = self.bits_per_element
         if bpe is not None and (not is_num(bpe) or not math.isfinite(bpe) or bpe <= 0):
             raise field_error(name, "bits_per_element", "None or a positive number", bpe, True)
+        target = self.max_ppl_increase
+        if target is not None and (not is_num(target) or not math.isfinite(target) or target <= 0):
+            raise field_error(
+                name, "max_ppl_increase", "None or a positive fraction (0.02: 2%)", target, True
+            )
+        ceiling = self.max_bits_per_element
+        if not is_num(ceiling) or not math.isfinite(ceiling) or ceiling <= 0:
+            raise field_error(name, "max_bits_per_element", "a positive number", ceiling, True)
+        if target is not None and bpe is not None:
+            raise field_error(
+                name,
+                "max_ppl_increase",
+                "None when bits_per_element is set (a quality target or a fixed budget, not both; "
+                "pass one of --max-ppl-increase and --bits-per-element)",
+                target,
+            )
+        if target is not None and self.holdout_tokens < 1:
+            raise field_error(
+                name, "holdout_tokens", "> 0 when max_ppl_increase is set (the target is measured on them)", 0
+            )
         if not is_int(self.high_key_bits) or self.high_key_bits not in (3, 4):
             raise field_error(name, "high_key_bits", "3 or 4", self.high_key_bits, True)
         if not is_int(self.budget_context) or self.budget_context < 1:
@@ -140,7 +172,7 @@ class CalibrationConfig:
     @property
     def num_holdout_sequences(self) -> int:
         held = self.clip_search or self.rotation_select or self.offsets == "auto"
-        held = held or self.bits_per_element is not None
+        held = held or self.bits_per_element is not None or self.max_ppl_increase is not None
         return -(-self.holdout_tokens // self.seq_len) if held else 0
 
     def check_model_positions(self, max_positions: int | None) -> None:
