@@ -12,6 +12,7 @@ __all__ = [
     "CLIP_GRID_K",
     "CLIP_GRID_V",
     "CLIP_OBJECTIVES",
+    "DEFAULT_MAX_PPL_INCREASE",
     "OFFSETS",
     "V_TARGETS",
     "CalibrationConfig",
@@ -23,6 +24,18 @@ CLIP_OBJECTIVES = ("attn", "nll", "kl")
 OFFSETS = ("auto", "kv", "k", "none")
 CLIP_GRID_K = (0.0, 0.86, 0.88, 0.9, 0.92, 0.94, 0.96, 0.98)
 CLIP_GRID_V = (0.0, 0.82, 0.84, 0.86, 0.88, 0.9, 0.92, 0.94, 0.96)
+
+
+class _DefaultTarget(float):
+    """The default ``max_ppl_increase``: a float that remembers it was not given, so that a fixed
+    ``bits_per_element`` turns it off while an explicit target with a budget is refused."""
+
+    def __repr__(self) -> str:
+        return float.__repr__(self)
+
+
+#: the quality target of a calibration without bit flags: 2% held-out perplexity over BF16
+DEFAULT_MAX_PPL_INCREASE = _DefaultTarget(0.02)
 
 
 @dataclass(frozen=True)
@@ -79,8 +92,8 @@ class CalibrationConfig:
         "a quality target instead of a bit budget: raise key widths layer by layer (the layers whose "
         "held-out loss suffers most from low-bit keys first) until the held-out perplexity of the "
         "fake-quantized model is within this fraction of the unquantized model's (0.02: two percent), at "
-        "most --max-bits-per-element; exclusive with --bits-per-element; none: off",
-        default=None,
+        "most --max-bits-per-element; --bits-per-element turns it off (giving both is refused); none: off",
+        default=DEFAULT_MAX_PPL_INCREASE,
     )
     max_bits_per_element: float = help_field(
         "the ceiling of --max-ppl-increase, in bits per element at --budget-context", default=3.5
@@ -130,6 +143,11 @@ class CalibrationConfig:
         if bpe is not None and (not is_num(bpe) or not math.isfinite(bpe) or bpe <= 0):
             raise field_error(name, "bits_per_element", "None or a positive number", bpe, True)
         target = self.max_ppl_increase
+        if (
+            bpe is not None and target is DEFAULT_MAX_PPL_INCREASE
+        ):  # a fixed budget replaces the default target
+            object.__setattr__(self, "max_ppl_increase", None)
+            target = None
         if target is not None and (not is_num(target) or not math.isfinite(target) or target <= 0):
             raise field_error(
                 name, "max_ppl_increase", "None or a positive fraction (0.02: 2%)", target, True
@@ -147,7 +165,10 @@ class CalibrationConfig:
             )
         if target is not None and self.holdout_tokens < 1:
             raise field_error(
-                name, "holdout_tokens", "> 0 when max_ppl_increase is set (the target is measured on them)", 0
+                name,
+                "holdout_tokens",
+                "> 0 with a quality target (it is measured on them; --max-ppl-increase none turns it off)",
+                0,
             )
         if not is_int(self.high_key_bits) or self.high_key_bits not in (3, 4):
             raise field_error(name, "high_key_bits", "3 or 4", self.high_key_bits, True)
