@@ -71,7 +71,7 @@ from roofline import Roofline, StepBytes, cell, step_figures
 from oscarkv.config import EngineConfig, QuantSpec
 from oscarkv.engine import Engine, SamplingParams
 from oscarkv.engine.kv_pool import GIB, plan_pools
-from oscarkv.rotation import LayerRotation, RotationSet, save_rotations
+from oscarkv.rotation import LayerRotation, RotationSet, load_rotations, save_rotations
 
 DEMO = Path(__file__).resolve().parents[1] / "src" / "oscarkv" / "assets" / "demo-model"
 _QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_act="silu", rms_norm_eps=1e-6,
@@ -125,7 +125,9 @@ def model_dir(shape: str, root: Path, positions: int) -> Path:
     return d
 
 
-def random_rotations(layers: int, head_dim: int, path: Path, seed: int = 0) -> Path:
+def random_rotations(layers: int, head_dim: int, path: Path, seed: int = 0, high_layers: int = 0) -> Path:
+    """Random orthogonal K/V rotations of every layer, saved at ``path``; the first
+    ``high_layers`` layers store 4-bit keys (a mixed recipe's cost)."""
     g = torch.Generator().manual_seed(seed)
 
     def orth() -> torch.Tensor:
@@ -133,19 +135,27 @@ def random_rotations(layers: int, head_dim: int, path: Path, seed: int = 0) -> P
         return (q * torch.sign(torch.diagonal(r))).float()
 
     one = torch.ones(head_dim)
-    rs = RotationSet({i: LayerRotation(orth(), orth(), one, one) for i in range(layers)}, spec=QuantSpec())
+    rs = RotationSet({i: LayerRotation(orth(), orth(), one, one, key_bits=4 if i < high_layers else None)
+                      for i in range(layers)}, spec=QuantSpec())  # fmt: skip
     return save_rotations(rs, path)
 
 
 def capacity(cfg: EngineConfig, shape: dict[str, Any], tokens: int, budget: int, dtype: torch.dtype) -> int:
-    """Most requests of ``tokens`` tokens that the pools of ``budget`` bytes hold at once."""
+    """Most requests of ``tokens`` tokens that the pools of ``budget`` bytes hold at once (INT2:
+    at the rotations' per-layer key widths)."""
     layers, heads, d = shape["num_hidden_layers"], shape["num_key_value_heads"], shape["head_dim"]
     ps = cfg.page_tokens
     spec = QuantSpec() if cfg.kv_dtype == "int2" else None
+    fmts = None
+    if spec is not None and cfg.rotations:
+        rs = load_rotations(cfg.rotations)
+        fmts = [rs.formats(i) for i in rs.layer_ids]
 
     def fits(mr: int) -> int:
         try:
-            plan = plan_pools(dataclasses.replace(cfg, max_running=mr), spec, layers, heads, d, dtype, budget)
+            plan = plan_pools(
+                dataclasses.replace(cfg, max_running=mr), spec, layers, heads, d, dtype, budget, fmts
+            )
         except ValueError:
             return 0
         if not plan.int2:
@@ -334,6 +344,9 @@ def engine_facts(eng: Engine, facts: dict) -> dict[str, Any]:
     out = dict(facts, pool_bytes=rep["total_bytes"], int2_bytes=rep["int2_bytes"],
                hp_paged_bytes=rep["hp_paged_bytes"], ring_bytes=rep["ring_bytes"],
                backend=eng.runner.ops.backend.value)  # fmt: skip
+    rs = eng.runner.rotations
+    if rs is not None:  # what the stored K/V cost: the quality an artifact of these widths measured
+        out["bits_per_element_128k"] = rs.with_spec(eng.runner.spec).bits_per_element(131072)
     if g is not None:
         out.update(graphs_lazy=len(g.graphs) - facts["graphs_startup"],
                    graphs_lazy_s=g.capture_s - facts["graphs_startup_s"])  # fmt: skip
@@ -392,7 +405,8 @@ def bench_steady(args, kv_dtype: str, mdir: Path, rot: Path | None, budget: int,
     return res
 
 
-_TAIL = (("max_running", "max_running", "{}"), ("KV pools GiB", "pool_bytes", "gib"),
+_TAIL = (("max_running", "max_running", "{}"), ("bits per K/V element at 128K", "bits_per_element_128k", "{:.2f}"),
+         ("KV pools GiB", "pool_bytes", "gib"),
          ("  INT2 pages GiB", "int2_bytes", "gib"), ("  16-bit pages GiB", "hp_paged_bytes", "gib"),
          ("  rings GiB", "ring_bytes", "gib"), ("peak GPU GiB", "peak_gpu_gib", "{:.1f}"),
          ("wall s", "wall_s", "{:.1f}"), ("engine start s", "engine_start_s", "{:.1f}"),
@@ -435,6 +449,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     ap.add_argument("--max-running", default="auto", help="auto (each side's capacity) or an integer")
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--kv-dtypes", default="int2,bf16")
+    ap.add_argument("--key-bits-layers", type=int, default=0, metavar="N",
+                    help="int2: N layers store 4-bit keys (a mixed recipe's bits and capacity)")  # fmt: skip
     ap.add_argument("--graph-capture", choices=("startup", "lazy"), default="startup",
                     help="startup: every decode graph before the timed run (steady state); lazy: as the run needs them")  # fmt: skip
     ap.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
@@ -484,7 +500,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
             if kv == "int2":
                 rot = root / "rot"
                 if not rot.exists():
-                    random_rotations(layers, d, rot)
+                    random_rotations(layers, d, rot, high_layers=args.key_bits_layers)
             if steady:
                 r = res[kv] = bench_steady(args, kv, mdir, rot, budget, bw)
                 print(f"{kv}: {r['decode_tok_s']:.0f} decode tok/s at batch {r['batch']}, step {r['step_ms']:.2f} ms, "

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
@@ -148,6 +149,30 @@ def test_bench_engine_runs_both_kv_dtypes_at_one_budget(bench):
     md = (bench / "smoke.md").read_text()
     assert "int2 / bf16" in md and "% of roofline" in md and "wall in prefill steps" in md
     assert {r["benchmark"] for r in history(bench / "history.csv")} == {"smoke"}
+    sys.modules.pop("bench_engine", None)
+
+
+def test_bench_engine_key_bits_layers_cost_capacity_and_bits(bench, tmp_path):
+    """``--key-bits-layers N``: N layers with 4-bit keys hold fewer long requests at one budget,
+    and the results state the artifact's bits per element."""
+    import bench_engine
+
+    from oscarkv.config import EngineConfig
+
+    shape = bench_engine.SHAPES["demo"]
+    layers, d = shape["num_hidden_layers"], shape["head_dim"]
+    held = {}
+    for n in (0, 2):
+        rot = bench_engine.random_rotations(layers, d, tmp_path / f"rot{n}", high_layers=n)
+        cfg = EngineConfig(model="unused", rotations=str(rot), kv_dtype="int2", device="cpu")
+        held[n] = bench_engine.capacity(cfg, shape, 16384, 64 << 20, torch.float32)
+    assert held[2] < held[0]
+    common = ["--shape", "demo", "--device", "cpu", "--backend", "torch", "--steady", "160", "--steps", "1",
+              "--warmup", "0", "--kv-budget-gb", "0.004", "--kv-dtypes", "int2", "--overlap", "off"]  # fmt: skip
+    plain = bench_engine.main([*common, "--name", "plain"])["int2"]
+    mixed = bench_engine.main([*common, "--key-bits-layers", "2", "--name", "mixed"])["int2"]
+    assert mixed["bits_per_element_128k"] > plain["bits_per_element_128k"] > 2
+    assert "bits per K/V element at 128K" in (bench / "mixed.md").read_text()
     sys.modules.pop("bench_engine", None)
 
 

@@ -1026,8 +1026,10 @@ def test_calibration_config_errors_name_the_field(field, value):
 def test_clip_search_needs_holdout():
     with pytest.raises(SpecError, match="holdout_tokens"):
         CalibrationConfig(holdout_tokens=0, clip_search=True)
-    # the search is off by default
-    assert CalibrationConfig(holdout_tokens=0, offsets="none").num_holdout_sequences == 0
+    # the search is off by default (and no held-out sequence is read without the quality target)
+    assert (
+        CalibrationConfig(holdout_tokens=0, offsets="none", max_ppl_increase=None).num_holdout_sequences == 0
+    )
     cfg = CalibrationConfig(tokens=300, seq_len=128, holdout_tokens=129, clip_search=True)
     assert (cfg.num_sequences, cfg.num_holdout_sequences) == (3, 2)
 
@@ -1035,7 +1037,7 @@ def test_clip_search_needs_holdout():
 def test_rotation_select_needs_holdout_and_is_off_by_default():
     assert CalibrationConfig().rotation_select is False
     with pytest.raises(SpecError, match=r"holdout_tokens.*rotation_select"):
-        CalibrationConfig(holdout_tokens=0, rotation_select=True, offsets="none")
+        CalibrationConfig(holdout_tokens=0, rotation_select=True, offsets="none", max_ppl_increase=None)
     cfg = CalibrationConfig(tokens=300, seq_len=128, holdout_tokens=129, rotation_select=True)
     assert cfg.num_holdout_sequences == 2
 

@@ -276,6 +276,12 @@ def test_quality_target_config_is_checked() -> None:
         CalibrationConfig(max_ppl_increase=0.02, bits_per_element=3.0)
     assert "--max-ppl-increase" in str(e.value)
     assert CalibrationConfig(max_ppl_increase=0.02, holdout_tokens=512).num_holdout_sequences > 0
+    # on by default at 2%; a fixed budget turns the default off, an explicit target with it is refused
+    assert CalibrationConfig().max_ppl_increase == 0.02
+    assert CalibrationConfig(bits_per_element=3.0).max_ppl_increase is None
+    assert dataclasses.replace(CalibrationConfig(), bits_per_element=3.0).max_ppl_increase is None
+    with pytest.raises(SpecError, match="quality target"):
+        CalibrationConfig(holdout_tokens=0, offsets="none")
 
 
 def test_optional_number_flags_take_none() -> None:

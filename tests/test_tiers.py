@@ -210,7 +210,12 @@ def _fake_ops() -> KernelOps:
     def dequantize(codes, meta, fmt: RowFormat, out_dtype=torch.float32) -> torch.Tensor:
         return meta[..., 0, :1].expand(*meta.shape[:2], fmt.head_dim).to(out_dtype)
 
-    return KernelOps(Backend.TORCH, quantize_pack, dequantize, None, None, None, None, None)
+    def quantize_pack_into(rows, fmt: RowFormat, codes, meta, dst, src=None) -> None:
+        c, m = quantize_pack(rows if src is None else rows[src.long()], fmt)
+        codes[dst.long()], meta[dst.long()] = c, m.to(meta.dtype)
+
+    return KernelOps(Backend.TORCH, quantize_pack, dequantize, None, None, None, None, None,
+                     quantize_pack_into=quantize_pack_into)  # fmt: skip
 
 
 @st.composite

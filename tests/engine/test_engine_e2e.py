@@ -147,6 +147,9 @@ def test_int2_engine_equals_oscarcache_greedy(models, demo_rotations, absorb: bo
     for p, o in zip(ps, llm.generate(ps, params), strict=True):
         ref = hf_greedy(models["demo"], p, params.max_tokens, rs, SPEC)
         assert o.token_ids == ref, (len(p), first_diff(o.token_ids, ref))
+    # the start-up line states what the artifact costs at the spec the engine stores
+    bits = rs.with_spec(llm.engine.runner.spec).bits_per_element(131072)
+    assert f"{bits:.2f} bits per K/V element at 128K" in llm.engine.startup_report()
 
 
 def test_padded_decode_steps_equal_unpadded(models, demo_rotations) -> None:

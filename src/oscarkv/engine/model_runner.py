@@ -197,6 +197,11 @@ class ModelRunner:
             else "on"
         )
         tp = f"; tensor parallel {self.tp} (pools per rank)" if self.tp > 1 else ""
+        if self.rotations is not None:  # what the artifact costs: the quality it was measured at
+            rs = self.rotations.with_spec(self.spec)
+            raised = sorted({rs.key_bits(i) for i in rs.layer_ids} - {rs.spec.key_bits})
+            widths = f", {'/'.join(map(str, raised))}-bit keys in some layers" if raised else ""
+            tiers += f"; {rs.bits_per_element(131072):.2f} bits per K/V element at 128K{widths}"
         return (
             f"KV pools {plan.total_bytes / gib:.2f} GiB ({self.cfg.kv_dtype}): {tiers}; max_running "
             f"{plan.max_running}{peak}; CUDA graphs {graphs}; kernels {self.ops.backend.value}{tp}"
