@@ -259,6 +259,33 @@ def test_quantize_pack_into_gathers_and_scatters_bit_exact(tk, d, bits, clip, me
         )
 
 
+@pytest.mark.parametrize(("d", "meta"), [(128, "bf16"), (64, "fp32")])
+def test_quantize_pack_into_interleaved_pools_bit_exact(tk, d, meta):
+    """Pools as vLLM's pages lay them out: one row per token holding ``[k_meta | codes]`` (token
+    stride the whole row), 16-bit rows interleaving K and V: the same bytes as the twin."""
+    qp, _ = tk
+    fmt = RowFormat(d, 2, d, clip=0.9, meta_dtype=meta)
+    mt = ref.quantize_pack(torch.zeros(1, 1, d), fmt)[1].dtype
+    g = torch.Generator().manual_seed(d)
+    h, s, n = 3, 20, 7
+    mb = h * 2 * mt.itemsize
+    row = mb + h * fmt.packed_dim + 4  # padding bytes at the end of each token's row
+    hp = torch.randn(30, 2, h, d, generator=g)[:, 0]  # K rows of a [slots, (K, V), H, d] store
+    src, dst = torch.randperm(30, generator=g)[:n], torch.randperm(s, generator=g)[:n]
+    base = torch.randint(0, 256, (s, row), dtype=torch.uint8, generator=g)
+    pages = [base.clone(), base.clone()]
+
+    def views(p):
+        meta_v = p[:, :mb].view(mt).view(s, h, 1, 2)
+        return p[:, mb : mb + h * fmt.packed_dim].view(s, h, fmt.packed_dim), meta_v
+
+    qp.quantize_pack_into(hp, fmt, *views(pages[0]), dst, src)
+    ref.quantize_pack_into(hp, fmt, *views(pages[1]), dst, src)
+    assert torch.equal(pages[0], pages[1]) and not torch.equal(pages[0], base)
+    c, m = ref.quantize_pack(hp[src], fmt)
+    assert torch.equal(views(pages[0])[0][dst], c) and torch.equal(views(pages[0])[1][dst], m)
+
+
 def test_triton_refuses_formats_it_does_not_implement(tk):
     qp, _ = tk
     with pytest.raises(ValueError, match="backend='torch'"):

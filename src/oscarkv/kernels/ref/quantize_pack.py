@@ -44,8 +44,8 @@ def quantize_pack_into(
     """:func:`quantize_pack` of ``rows[src]`` (``src`` int ``[N]``, or ``None``: ``rows`` ``[N, H, d]``
     themselves) stored in place at ``codes[dst]`` / ``meta[dst]`` (``dst`` int ``[N]``, distinct
     slots): a demotion (16-bit pool rows into INT2 slots) or a prefill's INT2 write in one op.
-    ``codes``/``meta`` are the pools ``[S, H, packed_dim]`` / ``[S, H, groups, 2]`` in the format's
-    metadata dtype."""
+    ``codes``/``meta`` are the pools ``[S, H, packed_dim]`` / ``[S, H, groups, 2]`` (the format's
+    metadata dtype), at any token and head strides with whole 4-byte words per code row."""
     check_into(rows, fmt, codes, meta, dst, src)
     c, m = quantize_pack(rows if src is None else rows[src.long()], fmt)
     codes[dst.long()], meta[dst.long()] = c, m
@@ -58,15 +58,18 @@ def check_into(rows, fmt: RowFormat, codes, meta, dst, src) -> None:
     want_meta = META_TORCH_DTYPES[fmt.meta_dtype]
     bad_rows = rows.dim() != 3 or rows.shape[2] != fmt.head_dim
     bad_idx = n < 0 or (src is None and rows.shape[0] != n) or (src is not None and src.shape != (n,))
-    bad_codes = (
-        codes.shape[1:] != (h, fmt.packed_dim) or codes.dtype != torch.uint8 or not codes.is_contiguous()
-    )
-    bad_meta = meta.shape[1:] != (h, fmt.groups, 2) or meta.dtype != want_meta or not meta.is_contiguous()
+    # any token and head strides (vLLM's pages interleave the pools), whole 4-byte words per row
+    bad_codes = (codes.shape[1:] != (h, fmt.packed_dim) or codes.dtype != torch.uint8 or codes.stride(-1) != 1
+                 or codes.stride(0) % 4 or codes.stride(1) % 4 or codes.storage_offset() % 4)  # fmt: skip
+    bad_meta = meta.shape[1:] != (h, fmt.groups, 2) or meta.dtype != want_meta or meta.stride(-1) != 1
     problems = [
         (bad_rows, f"rows must be [N, H, {fmt.head_dim}]"),
         (bad_idx, "dst must be [N] and src [N] (or None with N rows)"),
-        (bad_codes, f"codes must be a contiguous uint8 pool [S, {h}, {fmt.packed_dim}]"),
-        (bad_meta, f"meta must be a contiguous {str(want_meta)[6:]} pool [S, {h}, {fmt.groups}, 2]"),
+        (bad_codes, f"codes must be a uint8 pool [S, {h}, {fmt.packed_dim}] of whole 4-byte words per row"),
+        (
+            bad_meta,
+            f"meta must be a {str(want_meta)[6:]} pool [S, {h}, {fmt.groups}, 2] with a unit last stride",
+        ),
     ]
     for bad, msg in problems:
         if bad:

@@ -110,7 +110,7 @@ def _nmax(a, b):
 
 
 @triton.jit
-def _finish(x0, x1, x2, x3, x4, x5, x6, x7, rows, rmask, C, M, tiny, s_cr, s_mr, BLOCK_R: tl.constexpr,
+def _finish(x0, x1, x2, x3, x4, x5, x6, x7, c_off, rmask, C, M, tiny, m_off, BLOCK_R: tl.constexpr,
             D8: tl.constexpr, CLIP: tl.constexpr, N_DROP: tl.constexpr, ROUNDS: tl.constexpr,
             TOP_K: tl.constexpr, TREE: tl.constexpr, PACKED: tl.constexpr = False,
             ASM: tl.constexpr = 0, BITS: tl.constexpr = 2):  # fmt: skip
@@ -158,7 +158,7 @@ def _finish(x0, x1, x2, x3, x4, x5, x6, x7, rows, rmask, C, M, tiny, s_cr, s_mr,
         t2 = tl.where(ok, threshold(_BETA2, False, sd, zd, lo, hi), float("nan"))
         t3 = tl.where(ok, threshold(_BETA3, False, sd, zd, lo, hi), float("nan"))
         m2 = rmask[:, None]
-        cp = C.to(tl.pointer_type(tl.int32)) + rows[:, None] * (s_cr // 4) + tl.arange(0, D8 // 4)[None, :]
+        cp = C.to(tl.pointer_type(tl.int32)) + (c_off // 4)[:, None] + tl.arange(0, D8 // 4)[None, :]
         tl.store(cp, pack(x0, x2, x4, x6, t1, t2, t3, BLOCK_R, D8), mask=m2)
         tl.store(cp + D8 // 4, pack(x1, x3, x5, x7, t1, t2, t3, BLOCK_R, D8), mask=m2)
     else:
@@ -168,22 +168,23 @@ def _finish(x0, x1, x2, x3, x4, x5, x6, x7, rows, rmask, C, M, tiny, s_cr, s_mr,
         lc, hc = lo[:, None], hi[:, None]
         xs = (x0, x1, x2, x3, x4, x5, x6, x7)  # (16-bit when PACKED: the fp32 copies are dead by now)
         m2 = rmask[:, None]
-        cp = C.to(tl.pointer_type(tl.int32)) + rows[:, None] * (s_cr // 4) + tl.arange(0, D8 // 4)[None, :]
+        cp = C.to(tl.pointer_type(tl.int32)) + (c_off // 4)[:, None] + tl.arange(0, D8 // 4)[None, :]
         for i in tl.static_range(4):  # bytes i·D/8 onwards: pieces i (bits 3:0) and i + 4 (bits 7:4)
             codes = pack4(xs[i], xs[i + 4], lc, hc, sd, zf, ok, CLIP, BLOCK_R, D8)
             tl.store(cp + i * (D8 // 4), codes, mask=m2)
-    tl.store(M + rows * s_mr, s_m, mask=rmask)
-    tl.store(M + rows * s_mr + 1, z_m, mask=rmask)
+    tl.store(M + m_off, s_m, mask=rmask)
+    tl.store(M + m_off + 1, z_m, mask=rmask)
 
 
 @triton.jit
-def _quantize_pack(X, C, M, SRC, DST, n_rows, tiny, s_xr, s_cr, s_mr, D: tl.constexpr, BLOCK_R: tl.constexpr,
-                   CLIP: tl.constexpr, N_DROP: tl.constexpr, ROUNDS: tl.constexpr, TOP_K: tl.constexpr,
-                   TREE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
-                   BITS: tl.constexpr = 2, H: tl.constexpr = 1, GATHER: tl.constexpr = False,
+def _quantize_pack(X, C, M, SRC, DST, n_rows, tiny, s_xt, s_xh, s_ct, s_ch, s_mt, s_mh, D: tl.constexpr,
+                   BLOCK_R: tl.constexpr, CLIP: tl.constexpr, N_DROP: tl.constexpr, ROUNDS: tl.constexpr,
+                   TOP_K: tl.constexpr, TREE: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr,
+                   PDL: tl.constexpr, BITS: tl.constexpr = 2, H: tl.constexpr = 1, GATHER: tl.constexpr = False,
                    SCATTER: tl.constexpr = False):  # fmt: skip
-    """Rows ``0 .. n_rows`` of ``[N·H, D]`` (``H`` heads a token); ``GATHER``: row ``(i, h)`` is
-    read from token ``SRC[i]`` of ``X``; ``SCATTER``: written to token ``DST[i]`` of ``C``/``M``."""
+    """Rows ``0 .. n_rows`` = (token ``i``, head ``h``) pairs, ``H`` heads a token, at token/head
+    strides ``s_*t``/``s_*h`` (codes in bytes, ``X`` and metadata in elements); ``GATHER``: row
+    ``(i, h)`` is read from token ``SRC[i]`` of ``X``; ``SCATTER``: written to token ``DST[i]``."""
     if PDL:  # a programmatic dependent launch: wait for the previous kernel before the first read
         gdc_wait()
         gdc_launch_dependents()
@@ -191,10 +192,10 @@ def _quantize_pack(X, C, M, SRC, DST, n_rows, tiny, s_xr, s_cr, s_mr, D: tl.cons
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < n_rows
     m2 = rmask[:, None]
-    tok, head = rows // H, rows % H
-    src = tl.load(SRC + tok, mask=rmask, other=0).to(tl.int64) * H + head if GATHER else rows
-    dst = tl.load(DST + tok, mask=rmask, other=0).to(tl.int64) * H + head if SCATTER else rows
-    xp = X + src[:, None] * s_xr + tl.arange(0, D8)[None, :]
+    tok, head = (rows // H).to(tl.int64), rows % H
+    src = tl.load(SRC + tok, mask=rmask, other=0).to(tl.int64) if GATHER else tok
+    dst = tl.load(DST + tok, mask=rmask, other=0).to(tl.int64) if SCATTER else tok
+    xp = X + (src * s_xt + head * s_xh)[:, None] + tl.arange(0, D8)[None, :]
     x0, x1 = tl.load(xp, mask=m2, other=0.0), tl.load(xp + D8, mask=m2, other=0.0)
     x2, x3 = tl.load(xp + 2 * D8, mask=m2, other=0.0), tl.load(xp + 3 * D8, mask=m2, other=0.0)
     x4, x5 = tl.load(xp + 4 * D8, mask=m2, other=0.0), tl.load(xp + 5 * D8, mask=m2, other=0.0)
@@ -202,8 +203,8 @@ def _quantize_pack(X, C, M, SRC, DST, n_rows, tiny, s_xr, s_cr, s_mr, D: tl.cons
     if not PACKED:
         x0, x1, x2, x3 = x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32)
         x4, x5, x6, x7 = x4.to(tl.float32), x5.to(tl.float32), x6.to(tl.float32), x7.to(tl.float32)
-    _finish(x0, x1, x2, x3, x4, x5, x6, x7, dst, rmask, C, M, tiny, s_cr, s_mr, BLOCK_R, D8,
-            CLIP, N_DROP, ROUNDS, TOP_K, TREE, PACKED, ASM, BITS)  # fmt: skip
+    _finish(x0, x1, x2, x3, x4, x5, x6, x7, dst * s_ct + head * s_ch, rmask, C, M, tiny, dst * s_mt + head * s_mh,
+            BLOCK_R, D8, CLIP, N_DROP, ROUNDS, TOP_K, TREE, PACKED, ASM, BITS)  # fmt: skip
 
 
 _QUANTIZE_PACK = Launcher(_quantize_pack)
@@ -266,10 +267,9 @@ def quantize_pack_into(
 
 
 def _launch(rows, fmt, codes, meta, src, dst, n, t):
+    """Rows, codes and metadata at any token and head strides (vLLM's pages interleave them)."""
     h, d = rows.shape[1], rows.shape[2]
-    x = rows.reshape(rows.shape[0] * h, d)  # a view where rows are whole (always, for the pools)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = rows if rows.stride(-1) == 1 else rows.contiguous()
     if n * h == 0:
         return
     n_drop = d - 1 - clip_index(fmt.clip, d) if fmt.clip > 0 else 0
@@ -280,7 +280,7 @@ def _launch(rows, fmt, codes, meta, src, dst, n, t):
     # cost shuffles (offline 4054 SASS instructions against 3468 for the fp32 network at d=128)
     packed = (
         t.packed and fmt.clip > 0 and x.dtype in _PAIRS and rounds <= t.packed_rounds
-        and x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0
+        and x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0 and x.stride(1) % 8 == 0
     )  # fmt: skip
     # on a GPU only with its PTX pairs (the int16 fallback is exact but slower than fp32)
     asm = _pair_asm(x.device, x.dtype, rounds) if packed and x.is_cuda else 0
@@ -300,7 +300,8 @@ def _launch(rows, fmt, codes, meta, src, dst, n, t):
     pdl = t.pdl and device_facts(x.device)[1]
     _QUANTIZE_PACK(
         (n_blocks,), x, codes, meta, x if src is None else src, x if dst is None else dst, n * h,
-        torch.finfo(meta.dtype).tiny, x.stride(0), fmt.packed_dim, 2, D=d, BLOCK_R=t.block_r, CLIP=fmt.clip > 0,
+        torch.finfo(meta.dtype).tiny, x.stride(0), x.stride(1), codes.stride(0), codes.stride(1), meta.stride(0),
+        meta.stride(1), D=d, BLOCK_R=t.block_r, CLIP=fmt.clip > 0,
         N_DROP=n_drop, ROUNDS=rounds, TOP_K=top_k, TREE=tree, PACKED=packed, ASM=asm, PDL=pdl, BITS=fmt.bits,
         H=h, GATHER=src is not None, SCATTER=dst is not None, num_warps=t.num_warps, **opts,
         **({"launch_pdl": True} if pdl else {}),
