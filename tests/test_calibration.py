@@ -977,7 +977,7 @@ def test_hybrid_model_full_attention_layers_are_calibrated(tok, corpus):
 def test_corpus_too_small_names_both_counts(models, tok, tmp_path):
     small = tmp_path / "small.txt"
     small.write_text("x" * 50)  # 50 characters + one EOS = 51 tokens
-    cfg = CalibrationConfig(tokens=256, seq_len=128, clip_search=False, offsets="none")
+    cfg = CalibrationConfig(tokens=256, seq_len=128, clip_search=False, offsets="none", max_ppl_increase=None)
     with pytest.raises(CorpusError, match="has 51 tokens, fewer than the 256 asked") as e:
         calibrate(models["llama"], tok, cfg, SPEC, data=[small])
     msg = str(e.value)
@@ -1165,7 +1165,9 @@ def test_cli_corpus_error_is_exit_code_2(saved_model, tmp_path, capsys):
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("the of")
     argv = ["calibrate", "--model", str(model_dir), "--out", str(tmp_path / "o"), "--data", str(tiny)]
-    assert main([*argv, *CLI_SMALL, "--no-clip-search", "--offsets", "none"]) == 2
+    assert (
+        main([*argv, *CLI_SMALL, "--no-clip-search", "--offsets", "none", "--max-ppl-increase", "none"]) == 2
+    )
     assert "fewer than the 256 asked" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 

@@ -793,6 +793,8 @@ def test_calibrate_refuses_then_overwrites_only_its_own_files(
         "0",
         "--offsets",
         "none",
+        "--max-ppl-increase",
+        "none",
         "--quiet",
     ]
     assert main(argv) == 0
