@@ -86,7 +86,8 @@ def select_key_bits_for_target(
     Warns in one line where the ceiling cannot meet the target (the ceiling's layers are kept)."""
     bound = 1.0 + max_ppl_increase
     base = held_out_nll(model, {}, spec, head_dim, batches)
-    ratio = {0: math.exp(held_out_nll(model, rotations, spec, head_dim, batches) - base)}
+    spec_nll = held_out_nll(model, rotations, spec, head_dim, batches)
+    ratio = {0: math.exp(spec_nll - base)}
     record: dict[str, Any] = {"target": bound, "ceiling": ceiling, "context": context, "high_bits": high,
                               "nll_unquantized": base, "layers": [], "ppl_ratio_before": ratio[0]}  # fmt: skip
     n_max = high_layer_count(spec, head_dim, len(rotations), ceiling, context, high)
@@ -100,7 +101,7 @@ def select_key_bits_for_target(
     lo, hi = 0, n_max  # ratio(lo) misses the target; find the least n <= hi that meets it
     while hi - lo > 1 or best is None:
         n = hi if best is None else (lo + hi) // 2
-        rots, nll, clip = _raise(model, rotations, spec, head_dim, batches, sorted(order[:n]), high)
+        rots, nll, clip = _raise(model, rotations, spec, head_dim, batches, sorted(order[:n]), high, spec_nll)
         ratio[n] = math.exp(min(nll["clipped"], nll["unclipped"]) - base)
         if ratio[n] <= bound or best is None:
             best, hi = (rots, nll, clip), n
@@ -133,9 +134,12 @@ def _ranking(model, rotations, spec, head_dim, batches) -> tuple[list[int], dict
     return sorted(alone, key=lambda i: -alone[i]), alone
 
 
-def _raise(model, rotations, spec, head_dim, batches, chosen: list[int], high: int):
+def _raise(
+    model, rotations, spec, head_dim, batches, chosen: list[int], high: int, spec_nll: float | None = None
+):
     """``rotations`` with ``high``-bit keys on ``chosen``, their key clips kept or off (whichever
-    gives the lower held-out NLL of the whole fake-quantized model), the NLLs and the choice."""
+    gives the lower held-out NLL of the whole fake-quantized model), the NLLs and the choice.
+    ``spec_nll``: the NLL at the spec's widths, where the caller has it (one pass fewer)."""
 
     def with_high(k_clip: float | None) -> dict[int, LayerRotation]:
         out = dict(rotations)
@@ -146,7 +150,9 @@ def _raise(model, rotations, spec, head_dim, batches, chosen: list[int], high: i
 
     clipped, unclipped = with_high(None), with_high(0.0)
     nll = {
-        "spec_bits": held_out_nll(model, rotations, spec, head_dim, batches),
+        "spec_bits": held_out_nll(model, rotations, spec, head_dim, batches)
+        if spec_nll is None
+        else spec_nll,
         "clipped": held_out_nll(model, clipped, spec, head_dim, batches),
         "unclipped": held_out_nll(model, unclipped, spec, head_dim, batches),
     }

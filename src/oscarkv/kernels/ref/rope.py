@@ -11,7 +11,7 @@ import torch
 
 from .norm import rms_norm
 
-__all__ = ["apply_rotary", "qk_norm_rope"]
+__all__ = ["apply_rotary", "check_norm_weights", "qk_norm_rope"]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -33,8 +33,13 @@ def qk_norm_rope(
     """``q [T, Hq, d]``, ``k [T, Hkv, d]`` (model dtype, any row strides) -> the same, each head
     RMS-normalized by ``q_weight``/``k_weight`` ``[d]`` (both ``None``: no norm, as Llama) and then
     rotated by ``cos``/``sin`` ``[T, d/2]`` (fp32)."""
-    if (q_weight is None) != (k_weight is None):
-        raise ValueError("qk_norm_rope: q_weight and k_weight are both given (q/k norms) or both None")
+    check_norm_weights(q_weight, k_weight)
     if q_weight is not None and k_weight is not None:
         q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def check_norm_weights(q_weight: torch.Tensor | None, k_weight: torch.Tensor | None) -> None:
+    """Raises ``ValueError`` unless the q/k norm weights are both given or both ``None``."""
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("qk_norm_rope: q_weight and k_weight are both given (q/k norms) or both None")

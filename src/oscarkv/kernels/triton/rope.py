@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..ref.rope import check_norm_weights
 from .launch import Launcher
 
 __all__ = ["qk_norm_rope"]
@@ -80,8 +81,7 @@ def qk_norm_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``kernels.ref.qk_norm_rope``: ``q``/``k`` with unit stride in the head dim
     (any token and head strides), ``cos``/``sin`` sharing one row stride; outputs are contiguous."""
-    if (q_weight is None) != (k_weight is None):
-        raise ValueError("qk_norm_rope: q_weight and k_weight are both given (q/k norms) or both None")
+    check_norm_weights(q_weight, k_weight)
     t, hq, d = q.shape
     hkv = k.shape[1]
     if k.shape != (t, hkv, d) or d % 2 or cos.shape != (t, d // 2) or sin.shape != cos.shape:
