@@ -378,6 +378,49 @@ def test_quantize_pack_is_bit_exact(d, clip, meta):
     assert torch.equal(dequantize(c1, m1, fmt), ref.dequantize(c1, m1, fmt))
 
 
+@pytest.mark.parametrize(("d", "meta"), [(128, "bf16"), (64, "fp32"), (128, "fp16")])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_quantize_pack_into_is_bit_exact(d, meta, interleaved):
+    """A demotion's gather + quantize + scatter, into contiguous pools or into vLLM-style pages
+    (one byte row per token holding ``[meta | codes]`` and padding): the twin's bytes, every
+    other slot untouched."""
+    from oscarkv.kernels.triton import quantize_pack as tqp
+
+    fmt = RowFormat(d, 2, d, clip=0.92, meta_dtype=meta)
+    mt = ref.quantize_pack(torch.zeros(1, 1, d, device="cuda"), fmt)[1].dtype
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    h, s, n = 8, 4096, 1500
+    hp = (torch.randn(5000, 2, h, d, device="cuda", generator=gen) * 2).bfloat16()[:, 0]
+    src = torch.randperm(5000, device="cuda", generator=gen)[:n]
+    dst = torch.randperm(s, device="cuda", generator=gen)[:n]
+    if interleaved:
+        mb = h * 2 * mt.itemsize
+        base = torch.randint(0, 256, (s, mb + h * fmt.packed_dim + 4), dtype=torch.uint8, device="cuda")
+
+        def views(p):
+            return p[:, mb : mb + h * fmt.packed_dim].view(s, h, fmt.packed_dim), p[:, :mb].view(mt).view(
+                s, h, 1, 2
+            )
+    else:
+        base = torch.randint(
+            0, 256, (s, h * (fmt.packed_dim + 2 * mt.itemsize)), dtype=torch.uint8, device="cuda"
+        )
+
+        def views(p):
+            c, m = p.split([h * fmt.packed_dim, 2 * h * mt.itemsize], dim=1)
+            return c.contiguous().view(s, h, fmt.packed_dim), m.contiguous().view(mt).view(s, h, 1, 2)
+
+    got, want = views(base.clone()), views(base.clone())
+    tqp.quantize_pack_into(hp, fmt, *got, dst, src)
+    ref.quantize_pack_into(hp, fmt, *want, dst, src)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    c, m = ref.quantize_pack(hp[src], fmt)
+    assert torch.equal(got[0][dst], c) and torch.equal(got[1][dst], m)
+    rest = torch.ones(s, dtype=torch.bool, device="cuda")
+    rest[dst] = False
+    assert torch.equal(got[0][rest], views(base)[0][rest])
+
+
 @pytest.mark.parametrize(
     ("d", "clip"), [(64, 0.96), (64, 0.8), (128, 0.96), (128, 0.92), (128, 0.8), (256, 0.96), (256, 0.92)]
 )
