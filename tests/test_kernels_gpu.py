@@ -410,15 +410,18 @@ def test_quantize_pack_into_is_bit_exact(d, meta, interleaved):
             c, m = p.split([h * fmt.packed_dim, 2 * h * mt.itemsize], dim=1)
             return c.contiguous().view(s, h, fmt.packed_dim), m.contiguous().view(mt).view(s, h, 1, 2)
 
+    def same(a, b):  # bytes: an untouched slot's random metadata bytes may read as NaN
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
     got, want = views(base.clone()), views(base.clone())
     tqp.quantize_pack_into(hp, fmt, *got, dst, src)
     ref.quantize_pack_into(hp, fmt, *want, dst, src)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert same(got[0], want[0]) and same(got[1], want[1])
     c, m = ref.quantize_pack(hp[src], fmt)
-    assert torch.equal(got[0][dst], c) and torch.equal(got[1][dst], m)
+    assert same(got[0][dst], c) and same(got[1][dst], m)
     rest = torch.ones(s, dtype=torch.bool, device="cuda")
     rest[dst] = False
-    assert torch.equal(got[0][rest], views(base)[0][rest])
+    assert same(got[0][rest], views(base)[0][rest]) and same(got[1][rest], views(base)[1][rest])
 
 
 @pytest.mark.parametrize(
