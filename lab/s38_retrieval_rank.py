@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from oscarkv.calibration.loss_search import held_out_nll
+from oscarkv.calibration.held_out import held_out_nll
 from oscarkv.eval.tasks.needle import filler_lines
 from oscarkv.eval.tasks.retrieval import build_retrieval_cases
 from oscarkv.rotation import RotationSet, load_rotations, save_rotations

@@ -304,19 +304,22 @@ def test_quality_target_takes_the_fewest_ranked_layers(monkeypatch: pytest.Monke
     from oscarkv.calibration import key_bits
 
     pen = {0: 0.010, 1: 0.040, 2: 0.002, 3: 0.020, 4: 0.030, 5: 0.001}
-    calls: list[int] = []
-
-    def nll(model, rots, spec, d, batches):
-        calls.append(len(rots))
-        low = [i for i, lr in rots.items() if lr.key_bits in (None, 2)]
-        return 1.0 + sum(pen[i] for i in low)
-
-    monkeypatch.setattr(key_bits, "held_out_nll", nll)
-    rots = dict(random_rotation_set(6, 64, QuantSpec()).layers)
+    calls: list[dict] = []
     spec = QuantSpec()
 
+    class Held:  # HeldOut's surface: the spec, the head dim, the exact NLL, nll(rotations)
+        spec, head_dim, base = QuantSpec(), 64, 1.0
+
+        def nll(self, rots):
+            calls.append(rots)
+            low = [i for i, lr in rots.items() if lr.key_bits in (None, 2)]
+            return 1.0 + sum(pen[i] for i in low)
+
+    rots = dict(random_rotation_set(6, 64, QuantSpec()).layers)
+
     def run(target: float, ceiling: float = 99.0):
-        return key_bits.select_key_bits_for_target(None, rots, spec, 64, [], target, ceiling, 131072, 4)
+        calls.clear()
+        return key_bits.select_key_bits_for_target(Held(), rots, target, ceiling, 131072, 4)
 
     out, rec = run(math.exp(0.012) - 1)  # unraised layers may add at most 0.012 to the NLL
     assert rec["met"] and rec["layers"] == [0, 1, 3, 4]  # 2 and 5 left: 0.003
@@ -325,8 +328,13 @@ def test_quality_target_takes_the_fewest_ranked_layers(monkeypatch: pytest.Monke
         math.exp(0.003)
     )
     assert rec["tried"]["3"] > rec["target"] >= rec["tried"]["4"]  # three layers miss it: four is the least
+    # the spec's widths, six layers alone, the first count with and without the raised keys' clips,
+    # then one pass a count with the clips' choice (a tie keeps them)
+    whole = [len(r) for r in calls if len(r) == 6]
+    assert len(calls) == 1 + 6 + 2 + (len(rec["tried"]) - 2) and len(whole) == len(calls) - 6
+    assert all(r[i].k_clip == rots[i].k_clip for r in calls[9:] for i in rec["layers"])
     out, rec = run(0.5)  # met as it is: no ranking, no layer raised
-    assert rec["met"] and rec["layers"] == [] and out is rots and calls[-2:] == [0, 6]
+    assert rec["met"] and rec["layers"] == [] and out is rots and [len(r) for r in calls] == [6]
     lo, hi = (dataclasses.replace(spec, key_bits=b).bits_per_element(131072, 64) for b in (2, 4))
     with pytest.warns(UserWarning, match="misses the target"):
         out, rec = run(1e-9, ceiling=lo + (hi - lo) * 2.5 / 6)  # two of the six layers fit

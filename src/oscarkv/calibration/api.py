@@ -17,8 +17,9 @@ from .capture import UnsupportedModelError, attention_geometry, capture_attentio
 from .data import token_sequences
 from .error import ClipSearch
 from .fit import fit_layer, fixed_layer
+from .held_out import HeldOut
 from .key_bits import high_layer_count, select_key_bits, select_key_bits_for_target
-from .loss_search import LossClipSearch, held_out_nll
+from .loss_search import LossClipSearch
 from .offset_select import OffsetSelect
 from .select import RotationSelect
 from .stats import LayerStats
@@ -150,6 +151,7 @@ def calibrate(
     else:
         rots = {i: fixed_layer(cfg.method, d, hkv, cfg.granularity) for i in layers}
 
+    held: HeldOut | None = None  # the held-out NLL's exact pass, made once where first needed
     selection: dict[str, dict[str, Any]] = {}
     if cfg.rotation_select:  # before the clip search, which then tunes the chosen rotations
         sel = RotationSelect(rots, spec, d, cfg.granularity)
@@ -167,8 +169,8 @@ def calibrate(
         picked, heads = osel.apply()
         # the per-head choice stands only if it also lowers the held-out NLL of the whole model
         bare = {i: dataclasses.replace(lr, k_offset=None, v_offset=None) for i, lr in rots.items()}
-        nll = {name: held_out_nll(model, r, spec, d, _batches(hold, cfg.batch_size))
-               for name, r in (("with", picked), ("without", bare))}  # fmt: skip
+        held = held or HeldOut(model, _batches(hold, cfg.batch_size), spec, d)
+        nll = {name: held.nll(r) for name, r in (("with", picked), ("without", bare))}
         rots = picked if nll["with"] < nll["without"] else bare
         offset_choice = {"heads": heads, "nll_with": nll["with"], "nll_without": nll["without"],
                          "kept": nll["with"] < nll["without"]}  # fmt: skip
@@ -192,14 +194,15 @@ def calibrate(
 
     key_bits: dict[str, Any] = {}
     if cfg.bits_per_element is not None:  # last: it ranks the layers as they will be stored
+        held = held or HeldOut(model, _batches(hold, cfg.batch_size), spec, d)
         rots, key_bits = select_key_bits(
-            model, rots, spec, d, _batches(hold, cfg.batch_size), cfg.bits_per_element,
-            cfg.budget_context, cfg.high_key_bits,
-        )  # fmt: skip
+            held, rots, cfg.bits_per_element, cfg.budget_context, cfg.high_key_bits
+        )
     elif cfg.max_ppl_increase is not None:
+        held = held or HeldOut(model, _batches(hold, cfg.batch_size), spec, d)
         rots, key_bits = select_key_bits_for_target(
-            model, rots, spec, d, _batches(hold, cfg.batch_size), cfg.max_ppl_increase,
-            cfg.max_bits_per_element, cfg.budget_context, cfg.high_key_bits,
+            held, rots, cfg.max_ppl_increase, cfg.max_bits_per_element, cfg.budget_context,
+            cfg.high_key_bits,
         )  # fmt: skip
 
     name = getattr(model.config, "_name_or_path", "") or type(model).__name__

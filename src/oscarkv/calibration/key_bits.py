@@ -17,14 +17,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Sequence
 from typing import Any
-
-import torch
 
 from ..config import QuantSpec, SpecError
 from ..rotation import LayerRotation
-from .loss_search import held_out_nll
+from .held_out import HeldOut
 
 __all__ = ["high_layer_count", "select_key_bits", "select_key_bits_for_target"]
 
@@ -46,34 +43,28 @@ def high_layer_count(
 
 
 def select_key_bits(
-    model: Any,
+    held: HeldOut,
     rotations: dict[int, LayerRotation],
-    spec: QuantSpec,
-    head_dim: int,
-    batches: Sequence[torch.Tensor],
     budget: float,
     context: int,
     high: int,
 ) -> tuple[dict[int, LayerRotation], dict[str, Any]]:
     """The rotations with ``key_bits = high`` on the chosen layers (and their key clips), and a
     JSON-ready record of the ranking and the held-out NLLs."""
-    n = high_layer_count(spec, head_dim, len(rotations), budget, context, high)
+    n = high_layer_count(held.spec, held.head_dim, len(rotations), budget, context, high)
     record: dict[str, Any] = {"budget": budget, "context": context, "high_bits": high, "layers": []}
     if n == 0:
         return rotations, record
-    order, alone = _ranking(model, rotations, spec, head_dim, batches)
+    order, alone = _ranking(held, rotations)
     chosen = sorted(order[:n])
-    rots, nll, clip = _raise(model, rotations, spec, head_dim, batches, chosen, high)
+    rots, nll, clip = _raise(held, rotations, chosen, high)
     record.update(layers=chosen, nll_alone={str(i): alone[i] for i in order}, nll=nll, high_key_clip=clip)
     return rots, record
 
 
 def select_key_bits_for_target(
-    model: Any,
+    held: HeldOut,
     rotations: dict[int, LayerRotation],
-    spec: QuantSpec,
-    head_dim: int,
-    batches: Sequence[torch.Tensor],
     max_ppl_increase: float,
     ceiling: float,
     context: int,
@@ -83,26 +74,27 @@ def select_key_bits_for_target(
     fake-quantized model's held-out perplexity within ``1 + max_ppl_increase`` of the unquantized
     model's, at most as many as ``ceiling`` bits per element at ``context`` allow; the rotations
     and a JSON-ready record (perplexity ratios before and after, the layers, each count tried).
-    Warns in one line where the ceiling cannot meet the target (the ceiling's layers are kept)."""
+    Warns in one line where the ceiling cannot meet the target (the ceiling's layers are kept).
+    Whether the raised keys keep their clips is decided once, at the first count tried."""
     bound = 1.0 + max_ppl_increase
-    base = held_out_nll(model, {}, spec, head_dim, batches)
-    spec_nll = held_out_nll(model, rotations, spec, head_dim, batches)
+    base, spec_nll = held.base, held.nll(rotations)
     ratio = {0: math.exp(spec_nll - base)}
     record: dict[str, Any] = {"target": bound, "ceiling": ceiling, "context": context, "high_bits": high,
                               "nll_unquantized": base, "layers": [], "ppl_ratio_before": ratio[0]}  # fmt: skip
-    n_max = high_layer_count(spec, head_dim, len(rotations), ceiling, context, high)
+    n_max = high_layer_count(held.spec, held.head_dim, len(rotations), ceiling, context, high)
     if ratio[0] <= bound or n_max == 0:
         record.update(ppl_ratio=ratio[0], met=ratio[0] <= bound, tried={"0": ratio[0]})
         if ratio[0] > bound:
             _warn_unmet(ratio[0], bound, ceiling, context)
         return rotations, record
-    order, alone = _ranking(model, rotations, spec, head_dim, batches)
+    order, alone = _ranking(held, rotations)
     best: tuple[dict[int, LayerRotation], dict[str, float], str] | None = None
     lo, hi = 0, n_max  # ratio(lo) misses the target; find the least n <= hi that meets it
     while hi - lo > 1 or best is None:
         n = hi if best is None else (lo + hi) // 2
-        rots, nll, clip = _raise(model, rotations, spec, head_dim, batches, sorted(order[:n]), high, spec_nll)
-        ratio[n] = math.exp(min(nll["clipped"], nll["unclipped"]) - base)
+        clip = None if best is None else best[2]
+        rots, nll, clip = _raise(held, rotations, sorted(order[:n]), high, spec_nll, clip)
+        ratio[n] = math.exp(min(v for k, v in nll.items() if k != "spec_bits") - base)
         if ratio[n] <= bound or best is None:
             best, hi = (rots, nll, clip), n
         else:
@@ -128,18 +120,24 @@ def _warn_unmet(ratio: float, bound: float, ceiling: float, context: int) -> Non
     )
 
 
-def _ranking(model, rotations, spec, head_dim, batches) -> tuple[list[int], dict[int, float]]:
+def _ranking(held: HeldOut, rotations: dict[int, LayerRotation]) -> tuple[list[int], dict[int, float]]:
     """Layers by the held-out NLL with only that layer fake-quantized, worst first."""
-    alone = {i: held_out_nll(model, {i: lr}, spec, head_dim, batches) for i, lr in sorted(rotations.items())}
+    alone = {i: held.nll({i: lr}) for i, lr in sorted(rotations.items())}
     return sorted(alone, key=lambda i: -alone[i]), alone
 
 
 def _raise(
-    model, rotations, spec, head_dim, batches, chosen: list[int], high: int, spec_nll: float | None = None
+    held: HeldOut,
+    rotations: dict[int, LayerRotation],
+    chosen: list[int],
+    high: int,
+    spec_nll: float | None = None,
+    clip: str | None = None,
 ):
-    """``rotations`` with ``high``-bit keys on ``chosen``, their key clips kept or off (whichever
-    gives the lower held-out NLL of the whole fake-quantized model), the NLLs and the choice.
-    ``spec_nll``: the NLL at the spec's widths, where the caller has it (one pass fewer)."""
+    """``rotations`` with ``high``-bit keys on ``chosen``, their key clips kept or off (``clip``
+    "kept" | "off"; ``None``: whichever gives the lower held-out NLL of the whole fake-quantized
+    model), the NLLs and the choice. ``spec_nll``: the NLL at the spec's widths, where the caller
+    has it (one pass fewer)."""
 
     def with_high(k_clip: float | None) -> dict[int, LayerRotation]:
         out = dict(rotations)
@@ -148,13 +146,10 @@ def _raise(
             out[i] = dataclasses.replace(rotations[i], key_bits=high, k_clip=kc)
         return out
 
-    clipped, unclipped = with_high(None), with_high(0.0)
-    nll = {
-        "spec_bits": held_out_nll(model, rotations, spec, head_dim, batches)
-        if spec_nll is None
-        else spec_nll,
-        "clipped": held_out_nll(model, clipped, spec, head_dim, batches),
-        "unclipped": held_out_nll(model, unclipped, spec, head_dim, batches),
-    }
-    keep_unclipped = nll["unclipped"] < nll["clipped"]
-    return (unclipped if keep_unclipped else clipped), nll, "off" if keep_unclipped else "kept"
+    variants = {"clipped": with_high(None), "unclipped": with_high(0.0)}
+    if clip is not None:
+        variants = {k: v for k, v in variants.items() if (k == "unclipped") == (clip == "off")}
+    nll = {"spec_bits": held.nll(rotations) if spec_nll is None else spec_nll}
+    nll.update({k: held.nll(r) for k, r in variants.items()})
+    best = min(variants, key=lambda k: (nll[k], k != "clipped"))  # a tie keeps the clips
+    return variants[best], nll, "off" if best == "unclipped" else "kept"

@@ -20,51 +20,16 @@ from typing import Any
 import torch
 
 from ..config import QuantSpec
-from ..quant import RowFormat, fake_quantize_rows
-from ..rotation import LayerRotation, rotate_heads
+from ..quant import RowFormat
+from ..rotation import LayerRotation
 from .capture import route_attention
+from .windowed import windowed_fake_quant_attention
 
-__all__ = ["LossClipSearch", "coordinate_search", "held_out_nll", "windowed_fake_quant_attention"]
+__all__ = ["LossClipSearch", "coordinate_search", "windowed_fake_quant_attention"]
 
 LOSS_IMPL = "oscarkv_loss_search"
 _HOOK = "_oscarkv_loss_search"
 Clips = dict[int, tuple[float, float]]
-
-
-def windowed_fake_quant_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    rot: LayerRotation,
-    kf: RowFormat,
-    vf: RowFormat,
-    sink: int,
-    recent: int,
-    scale: float,
-) -> torch.Tensor:
-    """Causal attention of the last ``T_q`` positions over ``T`` keys with OSCAR's windows.
-
-    ``q [B, H_q, T_q, d]`` (positions ``T - T_q .. T - 1``), ``k/v [B, H_kv, T, d]``;
-    returns ``[B, T_q, H_q, d]`` in ``q``'s dtype.
-    """
-    b, hq, tq, d = q.shape
-    hkv, t = k.shape[1], k.shape[2]
-    g = hq // hkv
-    rk, rv = rot.k.float(), rot.v.float()
-    qr = rotate_heads(q.float(), rk).reshape(b, hkv, g * tq, d)  # query heads grouped per KV head
-    kr, vr = rotate_heads(k.float(), rk), rotate_heads(v.float(), rv)
-    # the quantized tier stores rows minus the layer's channel offsets (read back plus them)
-    ck = 0.0 if rot.k_offset is None else rot.k_offset.float().to(q.device)[None, :, None, :]
-    cv = 0.0 if rot.v_offset is None else rot.v_offset.float().to(q.device)[None, :, None, :]
-    kq, vq = fake_quantize_rows(kr - ck, kf) + ck, fake_quantize_rows(vr - cv, vf) + cv
-    i = torch.arange(t - tq, t, device=q.device).repeat(g)[:, None]
-    j = torch.arange(t, device=q.device)[None, :]
-    exact = (j < sink) | (i - j < recent)
-    s = torch.where(exact, qr @ kr.transpose(-1, -2), qr @ kq.transpose(-1, -2)) * scale
-    p = s.masked_fill(j > i, float("-inf")).softmax(-1)
-    o = (p * exact) @ vr + (p * ~exact) @ vq
-    o = rotate_heads(o.reshape(b, hq, tq, d), rv, inverse=True)
-    return o.transpose(1, 2).to(q.dtype).contiguous()
 
 
 def _loss_forward(module: Any, query, key, value, attention_mask, **kwargs):
@@ -131,38 +96,6 @@ def _neighbours(grid: tuple[float, ...], value: float) -> tuple[float, ...]:
     """``value``'s neighbours in the sorted ``grid`` (the per-layer pass moves one step)."""
     i = grid.index(value)
     return grid[max(i - 1, 0) : i + 2]
-
-
-@torch.inference_mode()
-def held_out_nll(
-    model: Any,
-    rotations: dict[int, LayerRotation],
-    spec: QuantSpec,
-    head_dim: int,
-    batches: Sequence[torch.Tensor],
-    n_score: int = 1024,
-) -> float:
-    """Mean next-token NLL of the last ``n_score`` tokens of each of ``batches`` (``[B, T]``), one
-    forward each: the prefix attends exactly (as a prefill does), the suffix through every layer
-    fake-quantized as the cache stores it (``rotations``' clips, else the spec's; their offsets) —
-    the protocol of :meth:`LossClipSearch.loss` without a kept cache, so hybrid models work too."""
-    ls = LossClipSearch(model, rotations, spec, head_dim, (spec.k_clip,), (spec.v_clip,), "nll")
-    ls.clips = {
-        i: (spec.k_clip if lr.k_clip is None else lr.k_clip, spec.v_clip if lr.v_clip is None else lr.v_clip)
-        for i, lr in rotations.items()
-    }
-    device = next(model.parameters()).device
-    total, count = 0.0, 0
-    for b in batches:
-        ids = b.to(device)
-        n = min(n_score, ids.shape[1] - 1)
-        ls.score_last = n + 1  # the prefix exact (as prefilled), the scored suffix through the "cache"
-        with _patched(model, ls):
-            logits = model(input_ids=ids, use_cache=False).logits[:, -n - 1 : -1]
-        lp = logits.float().log_softmax(-1)
-        total -= float(lp.gather(-1, ids[:, -n:, None]).sum())
-        count += ids[:, -n:].numel()
-    return total / max(count, 1)
 
 
 class LossClipSearch:
