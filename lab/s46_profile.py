@@ -4,12 +4,13 @@ kernel's *exclusive* time (the part of its interval no earlier kernel covers: a 
 programmatic dependent waits inside stage 1's interval, so its plain duration overstates it), the
 union of kernel intervals (device busy) and the step's wall time, next to its memory roofline.
 
-    python lab/s46_profile.py SHAPE L BATCH KV [--no-pdl] [--steps K]
+    python lab/s46_profile.py SHAPE L BATCH KV [--no-pdl] [--steps K] [--tuning FIELD=VALUE ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -46,7 +47,16 @@ def main() -> None:
     ap.add_argument("--no-pdl", action="store_true")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--budget-gb", type=float, default=0)
+    ap.add_argument(
+        "--tuning", nargs="*", default=[], help="DecodeTuning fields for every plan, e.g. programs_few=2048"
+    )
     a = ap.parse_args()
+    if a.tuning:
+        over = {k: type(getattr(planner.DEFAULT_TUNING, k))(v) for k, v in (x.split("=") for x in a.tuning)}
+        inner = planner._plan
+        planner._plan = lambda *args, **kw: inner(
+            *args[:8], dataclasses.replace(args[8], **over), *args[9:], **kw
+        )
     if a.no_pdl:
         facts = planner.device_facts
         planner.device_facts = lambda d: (facts(d)[0], False)
@@ -95,7 +105,7 @@ def main() -> None:
         busy += x
         reach = max(reach, t)
     n = a.steps
-    print(f"## {a.shape} L={a.L} batch={snap.batch} {a.kv} pdl={'off' if a.no_pdl else 'on'}: wall {wall:.3f} ms/step, "
+    print(f"## {a.shape} L={a.L} batch={snap.batch} {a.kv} pdl={'off' if a.no_pdl else 'on'} {' '.join(a.tuning)}: wall {wall:.3f} ms/step, "
           f"device busy {busy / n / 1e3:.3f} ms, roofline {roof_ms:.3f} ms ({100 * roof_ms / wall:.0f}% of wall), "
           f"copy {bw / 1e9:.0f} GB/s")  # fmt: skip
     print("| kernel | launches/step | us/step (duration) | us/step (exclusive) | us per launch (excl) |")
