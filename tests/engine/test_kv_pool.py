@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -52,6 +53,37 @@ def test_too_small_budget_names_the_bytes_and_the_flag(kv_dtype):
     with pytest.raises(InputError, match=f"at least {need} bytes") as e:
         plan_pools(cfg, spec, L, HKV, D, torch.bfloat16, need - 1)
     assert "kv_budget_gb" in e.value.hint
+
+
+@pytest.mark.parametrize("kv_dtype", ["int2", "bf16"])
+def test_unset_max_running_takes_the_requests_of_max_model_len_the_budget_holds(kv_dtype):
+    """Slots unset: every slot's full-length request fits (sinks, ring and INT2 pages for every token
+    past the sink, or 16-bit pages for all of them); one slot more would not; at most 64. A budget
+    without room for one such request names both numbers and both fixes."""
+    cfg = EngineConfig(kv_dtype=kv_dtype, page_tokens=16)
+    spec = QuantSpec() if kv_dtype == "int2" else None
+    n = 32768
+    for budget in (6 * GIB, 40 * GIB, 300 * GIB):
+        plan = plan_pools(cfg, spec, L, HKV, D, torch.bfloat16, budget, max_model_len=n)
+        per = (
+            (INT2_PER_TOKEN * (n - 64) + BF16_PER_TOKEN * (4 * 2 * 16 + 272))
+            if plan.int2
+            else BF16_PER_TOKEN * n
+        )
+        fixed = plan.hp_page_bytes + plan.q_page_bytes * plan.int2
+        assert plan.max_running == min(64, (budget - fixed) // per), budget
+        if plan.max_running < 64:  # explicit slots: the same plan
+            assert plan == plan_pools(replace(cfg, max_running=plan.max_running), spec, L, HKV, D, torch.bfloat16,
+                                      budget)  # fmt: skip
+        if plan.int2:  # every slot's request fits the INT2 pages left after the fixed part
+            assert (plan.q_pages - 1) * 16 >= plan.max_running * (n - 64)
+        else:
+            assert (plan.hp_pages - 1) * 16 >= plan.max_running * n
+    with pytest.raises(InputError, match="too small for one request of max_model_len=32768") as e:
+        plan_pools(cfg, spec, L, HKV, D, torch.bfloat16, GIB // 4, max_model_len=n)
+    assert "--kv-budget-gb" in e.value.hint and "--max-model-len" in e.value.hint
+    with pytest.raises(SpecError, match="max_running"):
+        EngineConfig(max_running=0)
 
 
 def test_int2_plan_checks_the_spec_against_the_page_size():

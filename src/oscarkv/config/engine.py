@@ -14,6 +14,8 @@ KV_DTYPES = ("int2", "bf16")
 LOAD_FORMATS = ("safetensors", "dummy")
 #: the KV budget on CPU when ``kv_budget_gb`` is unset (on CUDA: a fraction of free memory)
 CPU_DEFAULT_BUDGET_GB = 0.25
+#: the most request slots the engine takes when ``max_running`` is unset
+AUTO_MAX_RUNNING = 64
 
 
 @dataclass(frozen=True)
@@ -37,8 +39,10 @@ class EngineConfig:
         "share of free GPU memory for the KV pools when no budget is set", default=0.9
     )
     page_tokens: int = help_field("tokens per KV page (both tiers)", default=16)
-    max_running: int = help_field(
-        "most requests decoding at once (ring slabs allocated up front)", default=64
+    max_running: int | None = help_field(
+        "most requests decoding at once (ring slabs allocated up front; unset: as many requests of "
+        f"max_model_len tokens as the KV budget holds, at most {AUTO_MAX_RUNNING})",
+        default=None,
     )
     max_batched_tokens: int = help_field(
         "most prompt tokens computed in one step (chunked prefill)", default=8192
@@ -102,7 +106,6 @@ class EngineConfig:
             raise field_error(n, "memory_fraction", "a number in (0, 1]", f, True)
         for name, lo in (
             ("page_tokens", 1),
-            ("max_running", 1),
             ("max_batched_tokens", 1),
             ("decode_reserve_pages", 0),
             ("tensor_parallel", 1),
@@ -110,6 +113,8 @@ class EngineConfig:
             v = getattr(self, name)
             if not is_int(v) or v < lo:
                 raise field_error(n, name, f"an integer >= {lo}", v, True)
+        if self.max_running is not None and (not is_int(self.max_running) or self.max_running < 1):
+            raise field_error(n, "max_running", "unset or an integer >= 1", self.max_running, True)
         if self.max_model_len is not None and (not is_int(self.max_model_len) or self.max_model_len < 2):
             raise field_error(n, "max_model_len", "unset or an integer >= 2", self.max_model_len, True)
         if not is_int(self.seed):

@@ -9,6 +9,7 @@ page mutation happens inside ``step``, in the caller's thread.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterator
@@ -54,6 +55,8 @@ class Engine:
             self.runner, self.workers = launch(cfg)
         else:
             self.runner = ModelRunner(cfg)
+        # max_running as the runner chose it where it was unset
+        self.cfg = cfg = dataclasses.replace(cfg, max_running=self.runner.cfg.max_running)
         self.tokenizer = self.runner.tokenizer
         plan, spec = self.runner.plan, self.runner.spec
         self.hp = PagePool(plan.hp_pages)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..config import META_DTYPE_BYTES, EngineConfig, QuantSpec
-from ..config.engine import CPU_DEFAULT_BUDGET_GB
+from ..config.engine import AUTO_MAX_RUNNING, CPU_DEFAULT_BUDGET_GB
 from ..errors import InputError
 from ..quant import RowFormat
 from ..quant.tiers import window_limit
@@ -48,6 +48,7 @@ def plan_pools(
     dtype: torch.dtype,
     budget_bytes: int,
     layer_fmts: Sequence[tuple[RowFormat, RowFormat]] | None = None,
+    max_model_len: int | None = None,
 ) -> PoolPlan:
     """Split ``budget_bytes`` over the pools (§5.2). ``kv_heads`` are this rank's KV heads;
     ``layer_fmts``: every layer's ``(k_fmt, v_fmt)`` when they differ (per-layer key bits; else
@@ -55,12 +56,17 @@ def plan_pools(
 
     INT2 mode: the 16-bit part is fixed, ``(1 + max_running·sink_pages·2)`` pages plus
     ``max_running`` ring slabs; the INT2 pages take the rest. BF16 mode: all 16-bit pages.
-    Raises :class:`~oscarkv.errors.InputError` when the budget cannot hold one usable page per tier.
+    With ``cfg.max_running`` unset, the slots are as many requests of ``max_model_len`` tokens
+    as the budget holds whole, at most ``AUTO_MAX_RUNNING``.
+    Raises :class:`~oscarkv.errors.InputError` when the budget cannot hold one usable page per
+    tier, or (slots unset) one request of ``max_model_len`` tokens.
     """
     ps, mr = cfg.page_tokens, cfg.max_running
     hp_tok = 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
     hp_page = ps * hp_tok
     if cfg.kv_dtype == "bf16":
+        if mr is None:
+            mr = _slots(budget_bytes - hp_page, -(-_length(max_model_len) // ps) * hp_page, max_model_len)
         hp_pages = budget_bytes // hp_page
         _need(budget_bytes, 2 * hp_page, "two 16-bit pages (the dummy page and one usable page)")
         return PoolPlan(False, ps, mr, 0, 0, hp_pages, 0, 0, 0, hp_page, hp_pages * hp_page)
@@ -74,9 +80,13 @@ def plan_pools(
         raise ValueError(f"plan_pools: {len(layer_fmts)} layer formats for {layers} layers")
     q_page = ps * sum(_int2_row_bytes(fk, fv, kv_heads) for fk, fv in layer_fmts)
     sink_pages = spec.sink_tokens // ps
-    hp_pages = 1 + mr * sink_pages * 2
     ring = window_limit(spec)
     cap = -(-ring // ps) * ps
+    if mr is None:  # a slot's sinks and ring, and INT2 pages for every token past its sink
+        slot = sink_pages * 2 * hp_page + cap * hp_tok
+        q_need = -(-max(_length(max_model_len) - spec.sink_tokens, 0) // ps) * q_page
+        mr = _slots(budget_bytes - hp_page - q_page, slot + q_need, max_model_len)
+    hp_pages = 1 + mr * sink_pages * 2
     fixed = hp_pages * hp_page + mr * cap * hp_tok
     _need(
         budget_bytes,
@@ -86,6 +96,25 @@ def plan_pools(
     q_pages = (budget_bytes - fixed) // q_page
     total = fixed + q_pages * q_page
     return PoolPlan(True, ps, mr, sink_pages, q_pages, hp_pages, ring, cap, q_page, hp_page, total)
+
+
+def _length(max_model_len: int | None) -> int:
+    if max_model_len is None:
+        raise ValueError("plan_pools: max_running unset needs max_model_len")
+    return max_model_len
+
+
+def _slots(room: int, per_request: int, max_model_len: int) -> int:
+    """Requests of ``per_request`` bytes that ``room`` holds, at most ``AUTO_MAX_RUNNING``."""
+    n = min(AUTO_MAX_RUNNING, max(room, 0) // per_request)
+    if n < 1:
+        raise InputError(
+            f"the KV budget is too small for one request of max_model_len={max_model_len} tokens: one "
+            f"needs {per_request} bytes ({per_request / GIB:.3g} GiB), the budget has {max(room, 0)} "
+            "left after the dummy pages",
+            "raise kv_budget_gb (--kv-budget-gb), or lower max_model_len (--max-model-len)",
+        )
+    return n
 
 
 def _need(budget: int, need: int, what: str) -> None:

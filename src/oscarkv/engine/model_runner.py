@@ -120,7 +120,11 @@ class ModelRunner:
             self.dtype,
             budget,
             fmts,
+            self.max_model_len,
         )
+        self.slots_chosen = cfg.max_running is None
+        if self.slots_chosen:  # every later reader (scheduler, buckets) sees the slots chosen
+            self.cfg = cfg = dataclasses.replace(cfg, max_running=self.plan.max_running)
         self.pool = KVPool(self.plan, s.num_layers, kv_heads, s.head_dim, self.dtype, fmts, self.device)
         scale = s.head_dim**-0.5
         self.attn = []
@@ -197,6 +201,11 @@ class ModelRunner:
             else "on"
         )
         tp = f"; tensor parallel {self.tp} (pools per rank)" if self.tp > 1 else ""
+        chosen = (
+            f" (requests of max_model_len {self.max_model_len} the budget holds; --max-running sets it)"
+            if self.slots_chosen
+            else ""
+        )
         if self.rotations is not None:  # what the artifact costs: the quality it was measured at
             rs = self.rotations.with_spec(self.spec)
             raised = sorted({rs.key_bits(i) for i in rs.layer_ids} - {rs.spec.key_bits})
@@ -204,7 +213,7 @@ class ModelRunner:
             tiers += f"; {rs.bits_per_element(131072):.2f} bits per K/V element at 128K{widths}"
         return (
             f"KV pools {plan.total_bytes / gib:.2f} GiB ({self.cfg.kv_dtype}): {tiers}; max_running "
-            f"{plan.max_running}{peak}; CUDA graphs {graphs}; kernels {self.ops.backend.value}{tp}"
+            f"{plan.max_running}{chosen}{peak}; CUDA graphs {graphs}; kernels {self.ops.backend.value}{tp}"
         )
 
     def _graphs(self) -> DecodeGraphs | None:
