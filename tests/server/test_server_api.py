@@ -191,6 +191,13 @@ def test_chat_without_template_is_400(secured: RunningServer) -> None:
         ({"echo": True}, "echo"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"temperature": "hot"}, "temperature"),
+        ({"temperature": "0.5"}, "temperature"),  # a string is not a number, even when it reads as one
+        ({"temperature": True}, "temperature"),
+        ({"top_p": "1"}, "top_p"),
+        ({"stream": "yes"}, "stream"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+        ({"echo": "false"}, "echo"),
+        ({"user": 5}, "user"),
     ],
 )
 def test_bad_parameters_are_400(srv: RunningServer, extra: dict, param: str | None) -> None:
@@ -325,6 +332,7 @@ def test_queue_full_503_and_engine_death(tmp_path: Path) -> None:
                 s.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
             )
             assert _assert_error(r2, 503)["type"] == "service_unavailable"
+            assert r2.headers["retry-after"] == "1"
             assert s.async_engine.num_live == 1
         _wait_idle(s)
 
@@ -337,6 +345,7 @@ def test_queue_full_503_and_engine_death(tmp_path: Path) -> None:
         assert httpx.get(s.url + "/health").status_code == 503
         r4 = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
         _assert_error(r4, 503)
+        assert r4.headers["retry-after"] == "1"
     finally:
         s.stop()
 
@@ -351,6 +360,26 @@ def test_cli_serve_refuses_bad_setups(capsys: pytest.CaptureFixture[str]) -> Non
     assert "--api-key-file" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", "--kv-dtype", "bf16"])  # --model is required
+
+
+def test_key_and_template_files_are_checked_before_the_model_loads(tmp_path: Path, monkeypatch) -> None:
+    """An empty or missing key file, or a missing template, fails before any engine is built."""
+    import oscarkv.server.launch as launch
+
+    def no_engine(cfg: Any) -> Any:
+        raise AssertionError("the engine was built before the server's files were checked")
+
+    monkeypatch.setattr(launch, "Engine", no_engine)
+    empty = tmp_path / "key.txt"
+    empty.write_text("\n")
+    for cfg, words in [
+        (ServerConfig(port=0, api_key_file=str(empty)), "is empty"),
+        (ServerConfig(port=0, api_key_file=str(tmp_path / "none.txt")), "none.txt"),
+        (ServerConfig(port=0, chat_template=str(tmp_path / "none.jinja")), "none.jinja"),
+    ]:
+        for run in (launch.serve, launch.start_server):
+            with pytest.raises(oscarkv.errors.InputError, match=words):
+                run(_engine_cfg(), cfg)
 
 
 def test_concurrent_requests(srv: RunningServer) -> None:

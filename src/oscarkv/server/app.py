@@ -45,8 +45,22 @@ log = logging.getLogger("oscarkv.server")
 DISCONNECT_POLL_S = 0.25
 
 
+#: seconds a 503 (queue full, engine stopped) asks a client to wait before retrying
+RETRY_AFTER_S = 1
+
+
 def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def check_server_files(cfg: ServerConfig) -> None:
+    """Read the API key and chat template files now (before a model loads): a missing or empty
+    file fails at once."""
+    if cfg.api_key_file:
+        _read_key(cfg.api_key_file)
+    if cfg.chat_template:
+        read_text(cfg.chat_template, "--chat-template")
 
 
 def _read_key(path: str) -> bytes:

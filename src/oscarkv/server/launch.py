@@ -22,8 +22,9 @@ __all__ = ["RunningServer", "build_app", "serve", "start_server"]
 def build_app(engine_cfg: EngineConfig, server_cfg: ServerConfig, engine: Engine | None = None,
               metrics: Any | None = None) -> Any:  # fmt: skip
     """Load the engine (unless given) and return the FastAPI app over it."""
-    from .app import create_app
+    from .app import check_server_files, create_app
 
+    check_server_files(server_cfg)
     eng = engine if engine is not None else Engine(engine_cfg)
     return create_app(AsyncEngine(eng, server_cfg.max_queued), server_cfg, metrics)
 
@@ -32,6 +33,9 @@ def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> None:
     """Load the model and serve until interrupted (uvicorn in this thread)."""
     import uvicorn
 
+    from .app import check_server_files
+
+    check_server_files(server_cfg)  # before the model loads
     eng = Engine(engine_cfg)
     print(f"oscarkv serve: {eng.startup_report()}", file=sys.stderr, flush=True)
     try:
@@ -78,6 +82,9 @@ def start_server(
     """Serve on ``server_cfg.host`` in a background thread (port 0 picks a free port)."""
     import uvicorn
 
+    from .app import check_server_files
+
+    check_server_files(server_cfg)  # before the model loads
     eng = engine if engine is not None else Engine(engine_cfg)
     app = build_app(engine_cfg, server_cfg, eng, metrics)
     fam = socket.AF_INET6 if ":" in server_cfg.host else socket.AF_INET

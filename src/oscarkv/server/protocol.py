@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from ..config.base import SpecError
 from ..engine.request import SamplingParams
@@ -54,8 +54,12 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+#: a JSON number (an integer is a number); strings and booleans are refused, not converted
+Number = Annotated[float, Field(strict=True)]
+
+
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _Sampling(BaseModel):
@@ -63,21 +67,21 @@ class _Sampling(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str | None = None
+    model: StrictStr | None = None
     max_tokens: StrictInt | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
     top_k: StrictInt | None = None
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
-    ignore_eos: bool = False
-    stream: bool = False
+    ignore_eos: StrictBool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    user: str | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    user: StrictStr | None = None
 
     def stops(self) -> tuple[str, ...]:
         s = self.stop
@@ -99,10 +103,10 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: StrictStr | list[StrictInt]
-    echo: bool = False
+    echo: StrictBool = False
     logprobs: StrictInt | None = None
     best_of: StrictInt | None = None
-    suffix: str | None = None
+    suffix: StrictStr | None = None
 
     def unsupported(self) -> ApiError | None:
         if self.echo:
@@ -124,7 +128,7 @@ class ContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: str
+    role: StrictStr
     content: StrictStr | list[ContentPart] | None = None
 
     def text(self, i: int) -> str:
@@ -142,7 +146,7 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
     tools: list[Any] | None = None
