@@ -186,7 +186,12 @@ def test_chat_without_template_is_400(secured: RunningServer) -> None:
         ({"max_tokens": 5000}, None),  # prompt + max_tokens > max_model_len
         ({"prompt": [5, 2048]}, "prompt"),  # id >= vocab
         ({"prompt": ""}, "prompt"),
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
+        ({"n": 0}, "n"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [[5, 2048]]}, "prompt"),  # an id >= vocab in a batch
+        ({"prompt": ["fine", ""]}, "prompt"),
+        ({"n": 2, "best_of": 3}, "best_of"),
         ({"logprobs": 1}, "logprobs"),
         ({"echo": True}, "echo"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),

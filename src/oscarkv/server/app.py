@@ -24,15 +24,11 @@ from ..engine.request import RequestOutput, SamplingParams
 from ..errors import InputError, OscarkvError
 from ..utils.files import read_text
 from .async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from .choices import DISCONNECT_POLL_S, Choice, add_choices, answer, event_stream
 from .protocol import (
     ApiError,
     ChatRequest,
     CompletionRequest,
-    Usage,
-    chat_chunk,
-    chat_response,
-    completion_chunk,
-    completion_response,
     error_body,
     new_id,
     sampling_params,
@@ -42,7 +38,6 @@ from .protocol import (
 __all__ = ["create_app"]
 
 log = logging.getLogger("oscarkv.server")
-DISCONNECT_POLL_S = 0.25
 
 
 #: seconds a 503 (queue full, engine stopped) asks a client to wait before retrying
@@ -99,15 +94,6 @@ def _parse(cls: type[BaseModel], body: Any) -> Any:
     if bad is not None:
         raise bad
     return req
-
-
-async def _until_disconnected(request: Request) -> None:
-    while not await request.is_disconnected():
-        await asyncio.sleep(DISCONNECT_POLL_S)
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
 def create_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Any | None = None) -> FastAPI:
@@ -188,80 +174,27 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Any | None = Non
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
                            "model", "model_not_found")  # fmt: skip
 
-    async def run(request: Request, req: Any, ids: list[int], params: SamplingParams, chat: bool) -> Response:
-        rid = new_id("chatcmpl" if chat else "cmpl")
-        q = await engine.add(ids, params, rid)
-        outs = engine.stream(rid, q)
+    async def run(request: Request, req: Any, items: list[tuple[list[int], SamplingParams, bool]],
+                  chat: bool) -> Response:  # fmt: skip
+        base = new_id("chatcmpl" if chat else "cmpl")
+        choices = await add_choices(engine, items, base)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = _stream(rid, outs, chat, usage)
-            watcher = asyncio.ensure_future(_abort_on_disconnect(request, rid))  # also if never iterated
+            body = event_stream(engine, choices, base, model_name, chat, usage)
+            watcher = asyncio.ensure_future(_abort_on_disconnect(request, choices))  # also if never iterated
             watchers.add(watcher)
             watcher.add_done_callback(watchers.discard)
             return StreamingResponse(body, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
-        return await _complete(request, rid, outs, chat)
+        return await answer(engine, request, choices, base, model_name, chat)
 
-    async def _complete(
-        request: Request, rid: str, outs: AsyncIterator[RequestOutput], chat: bool
-    ) -> Response:
-        async def last() -> RequestOutput:
-            out = None
-            async for out in outs:  # noqa: B007
-                pass
-            assert out is not None
-            return out
-
-        task = asyncio.ensure_future(last())
-        watch = asyncio.ensure_future(_until_disconnected(request))
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
-            task.cancel()  # the stream's `finally` aborts the request
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            return Response(status_code=499)
-        watch.cancel()
-        out = task.result()
-        usage = Usage.of(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)
-        make = chat_response if chat else completion_response
-        return JSONResponse(make(rid, model_name, out.text, out.finish_reason, usage))
-
-    async def _abort_on_disconnect(request: Request, rid: str) -> None:
-        while engine.is_live(rid):
+    async def _abort_on_disconnect(request: Request, choices: list[Choice]) -> None:
+        while any(engine.is_live(c.rid) for c in choices):
             if await request.is_disconnected():
-                engine.abort(rid)
+                for c in choices:
+                    engine.abort(c.rid)
                 return
             await asyncio.sleep(DISCONNECT_POLL_S)
-
-    async def _stream(
-        rid: str, outs: AsyncIterator[RequestOutput], chat: bool, with_usage: bool
-    ) -> AsyncIterator[str]:
-        created, sent = int(time.time()), 0
-
-        def chunk(text: str | None, finish: str | None, usage: Usage | None = None) -> str:
-            if chat:
-                delta = None if text is None else ({"content": text} if text or not finish else {})
-                return _sse(chat_chunk(rid, model_name, created, delta, finish, usage, with_usage))
-            return _sse(completion_chunk(rid, model_name, created, text, finish, usage, with_usage))
-
-        try:
-            if chat:
-                first = chat_chunk(rid, model_name, created, {"role": "assistant", "content": ""}, None, None,
-                                   with_usage)  # fmt: skip
-                yield _sse(first)
-            async for out in outs:
-                delta, sent = out.text[sent:], len(out.text)
-                finish = out.finish_reason if out.finished else None
-                if delta or finish:
-                    yield chunk(delta, finish)
-                if out.finished and with_usage:
-                    n_p, n_o = len(out.prompt_token_ids), len(out.token_ids)
-                    yield chunk(None, None, Usage.of(n_p, n_o, out.num_cached_tokens))
-            yield "data: [DONE]\n\n"
-        except OscarkvError as e:
-            yield _sse(error_body(503, str(e), code="unavailable"))
-        finally:
-            await outs.aclose()  # type: ignore[attr-defined]
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -269,9 +202,12 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Any | None = Non
         req = _parse(CompletionRequest, await _read_json(request, cfg.max_body_bytes))
         check_model(req.model)
         request.state.prompt_param = "prompt"
-        ids = await engine.encode(req.prompt)
-        params = sampling_params(req, len(ids), req.max_tokens, "completion", max_len)
-        return await run(request, req, ids, params, chat=False)
+        items = []
+        for p in req.prompts():
+            ids = await engine.encode(p)
+            items += [(ids, sampling_params(req, len(ids), req.max_tokens, "completion", max_len, j), j == 0)
+                      for j in range(req.n or 1)]  # fmt: skip
+        return await run(request, req, items, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -285,8 +221,9 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Any | None = Non
                            "--chat-template FILE, or use /v1/completions", "messages", "no_chat_template")  # fmt: skip
         ids = await engine.encode_chat(req.plain_messages(), template)
         max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
-        params = sampling_params(req, len(ids), max_tokens, "chat", max_len)
-        return await run(request, req, ids, params, chat=True)
+        items = [(ids, sampling_params(req, len(ids), max_tokens, "chat", max_len, j), j == 0)
+                 for j in range(req.n or 1)]  # fmt: skip
+        return await run(request, req, items, chat=True)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:

@@ -32,6 +32,8 @@ __all__ = [
 
 #: the most stop strings a request may carry (OpenAI's limit)
 MAX_STOPS = 4
+#: the most choices (``n``) one request may ask for per prompt
+MAX_N = 16
 #: max_tokens when a request sets none (capped to what fits in max_model_len)
 DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256}
 
@@ -89,8 +91,8 @@ class _Sampling(BaseModel):
 
     def unsupported(self) -> ApiError | None:
         """The first field asking for something this server does not do."""
-        if self.n is not None and self.n != 1:
-            return ApiError(400, f"n must be 1 (one choice per request); got {self.n}", "n")
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            return ApiError(400, f"n must be between 1 and {MAX_N}; got {self.n}", "n")
         if len(self.stops()) > MAX_STOPS:
             return ApiError(400, f"stop takes at most {MAX_STOPS} strings; got {len(self.stops())}", "stop")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -102,19 +104,28 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: StrictStr | list[StrictInt]
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     echo: StrictBool = False
     logprobs: StrictInt | None = None
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
 
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: one string or id list, or a batch of either (a choice block each)."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
     def unsupported(self) -> ApiError | None:
+        if isinstance(self.prompt, list) and not self.prompt:
+            return ApiError(400, "prompt must not be an empty list", "prompt")
         if self.echo:
             return ApiError(400, "echo is not supported", "echo")
         if self.logprobs is not None:
             return ApiError(400, "logprobs is not supported", "logprobs")
-        if self.best_of not in (None, 1):
-            return ApiError(400, "best_of must be 1", "best_of")
+        if self.best_of not in (None, self.n or 1):
+            return ApiError(400, "best_of must equal n (choices are not ranked on the server)", "best_of")
         if self.suffix:
             return ApiError(400, "suffix is not supported", "suffix")
         return super().unsupported()
@@ -182,15 +193,17 @@ def _head(rid: str, obj: str, model: str, created: int | None) -> dict:
     return {"id": rid, "object": obj, "created": created or int(time.time()), "model": model}
 
 
-def completion_response(rid: str, model: str, text: str, finish: str | None, usage: Usage) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    return {**_head(rid, "text_completion", model, None), "choices": [choice], "usage": usage.model_dump()}
+def completion_response(rid: str, model: str, choices: list[tuple[str, str | None]], usage: Usage) -> dict:
+    """``choices``: ``(text, finish_reason)`` in index order."""
+    out = [{"index": i, "text": t, "logprobs": None, "finish_reason": f} for i, (t, f) in enumerate(choices)]
+    return {**_head(rid, "text_completion", model, None), "choices": out, "usage": usage.model_dump()}
 
 
-def chat_response(rid: str, model: str, text: str, finish: str | None, usage: Usage) -> dict:
-    msg = {"role": "assistant", "content": text}
-    choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": finish}
-    return {**_head(rid, "chat.completion", model, None), "choices": [choice], "usage": usage.model_dump()}
+def chat_response(rid: str, model: str, choices: list[tuple[str, str | None]], usage: Usage) -> dict:
+    """``choices``: ``(text, finish_reason)`` in index order."""
+    out = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": f}
+           for i, (t, f) in enumerate(choices)]  # fmt: skip
+    return {**_head(rid, "chat.completion", model, None), "choices": out, "usage": usage.model_dump()}
 
 
 def completion_chunk(
@@ -201,11 +214,12 @@ def completion_chunk(
     finish: str | None,
     usage: Usage | None,
     with_usage: bool,
+    index: int = 0,
 ) -> dict:
-    """One SSE chunk; ``text is None`` makes the final usage-only chunk (no choices)."""
+    """One SSE chunk of choice ``index``; ``text is None`` makes the final usage-only chunk."""
     out = _head(rid, "text_completion", model, created)
     out["choices"] = (
-        [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+        [] if text is None else [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}]
     )
     if with_usage:
         out["usage"] = usage.model_dump() if usage is not None else None
@@ -220,10 +234,11 @@ def chat_chunk(
     finish: str | None,
     usage: Usage | None,
     with_usage: bool,
+    index: int = 0,
 ) -> dict:
-    """One SSE chunk; ``delta is None`` makes the final usage-only chunk (no choices)."""
+    """One SSE chunk of choice ``index``; ``delta is None`` makes the final usage-only chunk."""
     out = _head(rid, "chat.completion.chunk", model, created)
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
     out["choices"] = [] if delta is None else [choice]
     if with_usage:
         out["usage"] = usage.model_dump() if usage is not None else None
@@ -237,15 +252,18 @@ def spec_param(msg: str) -> str | None:
 
 
 def sampling_params(
-    req: Any, n_prompt: int, max_tokens: int | None, kind: str, max_len: int
+    req: Any, n_prompt: int, max_tokens: int | None, kind: str, max_len: int, choice: int = 0
 ) -> SamplingParams:
-    """SamplingParams of a request (a default ``max_tokens`` that fits); 400 for a bad value."""
+    """SamplingParams of a request's ``choice``-th choice of a prompt (a default ``max_tokens``
+    that fits; with a ``seed``, choice ``j`` samples with ``seed + j``); 400 for a bad value."""
     if max_tokens is None:
         max_tokens = max(1, min(DEFAULT_MAX_TOKENS[kind], max_len - n_prompt))
     kw: dict[str, Any] = {"max_tokens": max_tokens, "stop": req.stops(), "ignore_eos": req.ignore_eos}
     for name in ("temperature", "top_p", "top_k", "seed"):
         if getattr(req, name) is not None:
             kw[name] = getattr(req, name)
+    if "seed" in kw:
+        kw["seed"] += choice
     if req.stop_token_ids:
         kw["stop_token_ids"] = tuple(req.stop_token_ids)
     try:

@@ -1,0 +1,154 @@
+"""One HTTP request's choices: every prompt of the request times ``n``, each its own engine request
+(choices of one prompt share its KV pages through the prefix cache). They are added all or none,
+answered together (one JSON body, or one event stream merged in arrival order, each chunk naming
+its choice's index), and aborted together when the client leaves."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from ..engine.request import RequestOutput, SamplingParams
+from ..errors import OscarkvError
+from .async_engine import AsyncEngine
+from .protocol import Usage, chat_chunk, chat_response, completion_chunk, completion_response, error_body
+
+__all__ = ["DISCONNECT_POLL_S", "Choice", "add_choices", "answer", "event_stream", "until_disconnected"]
+
+#: how often a waiting handler checks whether its client has gone
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass
+class Choice:
+    """A choice's engine request: its index in the response, id and outputs; ``first`` marks the
+    first choice of its prompt (the one whose prompt tokens ``usage`` counts)."""
+
+    index: int
+    rid: str
+    outs: AsyncIterator[RequestOutput]
+    first: bool
+
+
+async def add_choices(
+    engine: AsyncEngine, items: Sequence[tuple[list[int], SamplingParams, bool]], base: str
+) -> list[Choice]:
+    """Add ``items`` (prompt ids, params, first of its prompt) in index order: ids ``base`` for
+    one choice, else ``base-INDEX``. If one is refused, the ones added before are aborted."""
+    choices: list[Choice] = []
+    try:
+        for k, (ids, params, first) in enumerate(items):
+            rid = base if len(items) == 1 else f"{base}-{k}"
+            q = await engine.add(ids, params, rid)
+            choices.append(Choice(k, rid, engine.stream(rid, q), first))
+    except BaseException:
+        for c in choices:
+            engine.abort(c.rid)
+        raise
+    return choices
+
+
+def _usage(outs: Sequence[tuple[Choice, RequestOutput]]) -> Usage:
+    prompt = sum(len(o.prompt_token_ids) for c, o in outs if c.first)
+    cached = sum(o.num_cached_tokens for c, o in outs if c.first)
+    return Usage.of(prompt, sum(len(o.token_ids) for _, o in outs), cached)
+
+
+async def until_disconnected(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+async def answer(
+    engine: AsyncEngine, request: Request, choices: list[Choice], base: str, model: str, chat: bool
+) -> Response:
+    """The non-streamed response once every choice finished; 499 (all aborted) if the client left."""
+
+    async def last(c: Choice) -> RequestOutput:
+        out = None
+        async for out in c.outs:  # noqa: B007
+            pass
+        assert out is not None
+        return out
+
+    task = asyncio.ensure_future(asyncio.gather(*(last(c) for c in choices)))
+    watch = asyncio.ensure_future(until_disconnected(request))
+    await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        for c in choices:  # a stream cancelled before it started has not aborted its request
+            engine.abort(c.rid)
+        return Response(status_code=499)
+    watch.cancel()
+    outs = task.result()
+    make = chat_response if chat else completion_response
+    usage = _usage(list(zip(choices, outs, strict=True)))
+    body = make(base, model, [(o.text, o.finish_reason) for o in outs], usage)
+    return JSONResponse(body)
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def event_stream(
+    engine: AsyncEngine, choices: list[Choice], base: str, model: str, chat: bool, with_usage: bool
+) -> AsyncIterator[str]:
+    """Server-sent events of every choice, merged as their tokens arrive, then the usage chunk
+    (``with_usage``) and ``[DONE]``; an engine error ends the stream with an error event."""
+    created = int(time.time())
+    sent = {c.index: 0 for c in choices}
+    arrivals: asyncio.Queue = asyncio.Queue()
+
+    async def pump(c: Choice) -> None:
+        try:
+            async for out in c.outs:
+                await arrivals.put((c, out))
+        except Exception as e:
+            await arrivals.put((c, e))
+
+    def chunk(index: int, text: str | None, finish: str | None, usage: Usage | None = None) -> str:
+        if chat:
+            delta = None if text is None else ({"content": text} if text or not finish else {})
+            return _sse(chat_chunk(base, model, created, delta, finish, usage, with_usage, index))
+        return _sse(completion_chunk(base, model, created, text, finish, usage, with_usage, index))
+
+    pumps = [asyncio.ensure_future(pump(c)) for c in choices]
+    finals: dict[int, tuple[Choice, RequestOutput]] = {}
+    try:
+        if chat:
+            for c in choices:
+                yield _sse(chat_chunk(base, model, created, {"role": "assistant", "content": ""}, None, None,
+                                      with_usage, c.index))  # fmt: skip
+        while len(finals) < len(choices):
+            c, out = await arrivals.get()
+            if isinstance(out, BaseException):
+                raise out
+            delta, sent[c.index] = out.text[sent[c.index] :], len(out.text)
+            finish = out.finish_reason if out.finished else None
+            if delta or finish:
+                yield chunk(c.index, delta, finish)
+            if out.finished:
+                finals[c.index] = (c, out)
+        if with_usage:
+            yield chunk(0, None, None, _usage(list(finals.values())))
+        yield "data: [DONE]\n\n"
+    except OscarkvError as e:
+        yield _sse(error_body(503, str(e), code="unavailable"))
+    finally:
+        for p in pumps:
+            p.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+        for c in choices:
+            await c.outs.aclose()  # type: ignore[attr-defined]
+            if c.index not in finals:  # unknown (finished) ids are ignored by abort
+                engine.abort(c.rid)

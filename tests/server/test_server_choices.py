@@ -1,0 +1,125 @@
+"""Several choices in one request, through the official ``openai`` client against a live server
+(the bundled demo model, bf16 KV, CPU): a batch of prompts (strings or token-id lists), as
+lm-eval's ``local-completions`` sends them, and ``n`` choices per prompt; streamed and not."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+import oscarkv
+from oscarkv.config import EngineConfig, ServerConfig
+from oscarkv.engine import SamplingParams
+from oscarkv.engine.llm import LLM
+from oscarkv.server.launch import RunningServer, start_server
+
+DEMO = str(Path(oscarkv.__file__).parent / "assets" / "demo-model")
+MODEL = "demo-model"
+TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}<|assistant|>"
+PROMPTS = ["Once upon a time", "The cat sat", "In the beginning"]
+
+
+def _cfg(**kw) -> EngineConfig:
+    return EngineConfig(model=DEMO, kv_dtype="bf16", device="cpu", max_running=4, check_invariants=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    tpl = tmp_path_factory.mktemp("tpl") / "chat.jinja"
+    tpl.write_text(TEMPLATE)
+    s = start_server(_cfg(), ServerConfig(port=0, chat_template=str(tpl)))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(DEMO, kv_dtype="bf16", device="cpu", max_running=4)
+
+
+def _client(s: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+
+
+def test_a_batch_of_prompts_answers_each_in_order(srv: RunningServer, llm: LLM) -> None:
+    refs = llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0))
+    c = _client(srv)
+    r = c.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=6, temperature=0)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    assert [ch.text for ch in r.choices] == [o.text for o in refs]
+    assert r.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in refs)
+    assert r.usage.completion_tokens == 18
+    ids = [list(o.prompt_token_ids) for o in refs]
+    r2 = c.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    assert [ch.text for ch in r2.choices] == [o.text for o in refs]
+    assert srv.async_engine.num_live == 0
+
+
+def test_n_choices_per_prompt(srv: RunningServer) -> None:
+    c = _client(srv)
+    kw = {"model": MODEL, "max_tokens": 12, "temperature": 1.0, "seed": 3}
+    r = c.completions.create(prompt=PROMPTS[:2], n=3, **kw)
+    texts = [ch.text for ch in r.choices]
+    assert [ch.index for ch in r.choices] == list(range(6))
+    assert len(set(texts[:3])) > 1  # choice j samples with seed + j
+    assert texts == [ch.text for ch in c.completions.create(prompt=PROMPTS[:2], n=3, **kw).choices]
+    one = c.completions.create(prompt=PROMPTS[1], **{**kw, "seed": 4})  # the second choice's seed
+    assert one.choices[0].text == texts[4]
+    prompt_tokens = c.completions.create(prompt=PROMPTS[:2], max_tokens=1, model=MODEL).usage.prompt_tokens
+    assert r.usage.prompt_tokens == prompt_tokens  # each prompt counted once, not n times
+    assert r.usage.completion_tokens == len(texts) * 12
+    greedy = c.completions.create(model=MODEL, prompt=PROMPTS[0], n=2, max_tokens=8, temperature=0)
+    assert greedy.choices[0].text == greedy.choices[1].text
+
+
+def test_streamed_choices_merge_and_match_the_whole_answers(srv: RunningServer) -> None:
+    c = _client(srv)
+    kw = {"model": MODEL, "prompt": PROMPTS, "n": 2, "max_tokens": 7, "temperature": 1.0, "seed": 11}
+    full = c.completions.create(**kw)
+    chunks = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    got: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    for ch in chunks[:-1]:
+        (choice,) = ch.choices
+        got[choice.index] = got.get(choice.index, "") + choice.text
+        if choice.finish_reason:
+            assert choice.index not in finishes
+            finishes[choice.index] = choice.finish_reason
+    assert got == {ch.index: ch.text for ch in full.choices} and set(finishes) == set(range(6))
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens
+
+
+def test_chat_n_choices(srv: RunningServer) -> None:
+    msgs = [{"role": "user", "content": "hello there"}]
+    c = _client(srv)
+    r = c.chat.completions.create(model=MODEL, messages=msgs, n=3, max_tokens=8, temperature=1.0, seed=5)  # type: ignore[arg-type]
+    assert [ch.index for ch in r.choices] == [0, 1, 2] and len({ch.message.content for ch in r.choices}) > 1
+    chunks = list(c.chat.completions.create(model=MODEL, messages=msgs, n=3, max_tokens=8, temperature=1.0,  # type: ignore[arg-type]
+                                            seed=5, stream=True))  # fmt: skip
+    roles = [ch.choices[0].index for ch in chunks if ch.choices[0].delta.role == "assistant"]
+    assert roles == [0, 1, 2]
+    text: dict[int, str] = {}
+    for ch in chunks:
+        text[ch.choices[0].index] = text.get(ch.choices[0].index, "") + (ch.choices[0].delta.content or "")
+    assert text == {ch.index: ch.message.content for ch in r.choices}
+
+
+def test_a_request_whose_choices_do_not_all_fit_the_queue_adds_none() -> None:
+    s = start_server(_cfg(), ServerConfig(port=0, max_queued=2))
+    try:
+        body = {"model": MODEL, "prompt": PROMPTS, "max_tokens": 4}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        t0 = time.monotonic()
+        while s.async_engine.num_live and time.monotonic() - t0 < 20:
+            time.sleep(0.05)
+        assert s.async_engine.num_live == 0
+        ok = httpx.post(s.url + "/v1/completions", json={**body, "prompt": PROMPTS[:2]}, timeout=60)
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+    finally:
+        s.stop()
