@@ -68,6 +68,18 @@ def _check_messages(messages: Any) -> None:
         if not isinstance(m.get("content"), str):
             got = type(m.get("content")).__name__
             raise InputError(f"messages[{i}].content must be a string (text only); got {got}")
+        _check_text(m["content"], f"messages[{i}].content")
+
+
+def _check_text(text: str, what: str) -> None:
+    """``text`` encodes to UTF-8 (JSON's ``\\ud800`` escapes can carry lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(
+            f"{what} is not valid text: a lone UTF-16 surrogate at character {e.start}",
+            "send the text as UTF-8 (surrogates only in valid pairs)",
+        ) from None
 
 
 def apply_chat(tokenizer: Any, messages: list[dict], chat_template: str | None = None) -> list[int]:
@@ -94,6 +106,7 @@ def apply_chat(tokenizer: Any, messages: list[dict], chat_template: str | None =
 def encode_prompt(tokenizer: Any, prompt: str | Sequence[int], vocab_size: int) -> list[int]:
     """Token ids of a text prompt (the tokenizer's default special tokens), or checked given ids."""
     if isinstance(prompt, str):
+        _check_text(prompt, "the prompt")
         ids = list(tokenizer.encode(prompt))
         if not ids:
             raise InputError("the prompt is empty: it encodes to no tokens", "pass some text")

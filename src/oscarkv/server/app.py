@@ -19,12 +19,13 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config.base import SpecError
-from ..config.server import ServerConfig
+from ..config.server import ServerConfig, is_loopback
 from ..engine.request import RequestOutput, SamplingParams
 from ..errors import InputError, OscarkvError
 from ..utils.files import read_text
 from .async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from .choices import DISCONNECT_POLL_S, Choice, add_choices, answer, event_stream
+from .guard import GuardMiddleware
 from .protocol import (
     ApiError,
     ChatRequest,
@@ -79,6 +80,8 @@ async def _read_json(request: Request, limit: int) -> Any:
         return json.loads(buf)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(422, f"the request body is not valid JSON ({e})", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(422, "the request body's JSON is nested too deeply", code="invalid_json") from None
 
 
 def _parse(cls: type[BaseModel], body: Any) -> Any:
@@ -134,6 +137,8 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Any | None = Non
     app = FastAPI(title="oscarkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.async_engine, app.state.metrics, app.state.model_name = engine, metrics, model_name
 
+    app.add_middleware(GuardMiddleware, loopback=is_loopback(cfg.host))
+
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError) -> JSONResponse:
         return _error(e.status, e.message, e.param, e.code)
@@ -158,7 +163,9 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Any | None = Non
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> JSONResponse:
         log.exception("internal error on %s", request.url.path)
-        return _error(500, "internal server error", code="internal_error")
+        r = _error(500, "internal server error", code="internal_error")
+        r.headers["Connection"] = "close"  # the client knows this connection ends here
+        return r
 
     def check_auth(request: Request) -> None:
         if api_key is None:

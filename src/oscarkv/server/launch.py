@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import copy
+import logging
 import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qsl
 
 from ..config import EngineConfig
 from ..config.server import ServerConfig
@@ -16,7 +19,30 @@ from ..engine.engine import Engine
 from ..errors import InputError
 from .async_engine import AsyncEngine
 
-__all__ = ["RunningServer", "build_app", "serve", "start_server"]
+__all__ = ["RedactQuery", "RunningServer", "access_log_config", "build_app", "serve", "start_server"]
+
+
+class RedactQuery(logging.Filter):
+    """Access-log records show a path's query keys, never their values (a client that sends
+    ``?api_key=...`` does not leave its key in the log)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str) and "?" in args[2]:
+            path, _, query = args[2].partition("?")
+            keys = "&".join(f"{k}=[redacted]" for k, _ in parse_qsl(query, keep_blank_values=True))
+            record.args = (*args[:2], f"{path}?{keys}", *args[3:])
+        return True
+
+
+def access_log_config() -> dict:
+    """uvicorn's logging configuration with :class:`RedactQuery` on the access log."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    out = copy.deepcopy(LOGGING_CONFIG)
+    out.setdefault("filters", {})["redact_query"] = {"()": RedactQuery}
+    out["handlers"]["access"]["filters"] = ["redact_query"]
+    return out
 
 
 def build_app(engine_cfg: EngineConfig, server_cfg: ServerConfig, engine: Engine | None = None,
@@ -40,9 +66,8 @@ def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> None:
     print(f"oscarkv serve: {eng.startup_report()}", file=sys.stderr, flush=True)
     try:
         app = build_app(engine_cfg, server_cfg, eng)
-        uvicorn.run(
-            app, host=server_cfg.host, port=server_cfg.port, log_level="info", timeout_graceful_shutdown=5
-        )
+        uvicorn.run(app, host=server_cfg.host, port=server_cfg.port, log_level="info",
+                    log_config=access_log_config(), timeout_graceful_shutdown=5)  # fmt: skip
     finally:
         eng.shutdown()
 

@@ -46,8 +46,9 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          413: "invalid_request_error", 422: "invalid_request_error", 503: "service_unavailable"}  # fmt: skip
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 413: "invalid_request_error", 415: "invalid_request_error",
+          422: "invalid_request_error", 503: "service_unavailable"}  # fmt: skip
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
