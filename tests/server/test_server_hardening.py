@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import logging
 import logging.config
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +118,78 @@ def test_api_keys_in_query_strings_stay_out_of_the_access_log() -> None:
     cfg = access_log_config()
     assert cfg["handlers"]["access"]["filters"] == ["redact_query"]
     logging.config.dictConfig(cfg)  # the configuration uvicorn gets is valid
+
+
+# ---- tokenization: a byte cap, a short-prompt thread, and the queue counting what is tokenized --
+def _slow_long_prompts(monkeypatch: pytest.MonkeyPatch, delay: float) -> None:
+    """Long prompts take ``delay`` seconds to tokenize (as a megabyte does on a slow tokenizer)."""
+    import oscarkv.server.async_engine as ae
+
+    real = ae.encode_prompt
+
+    def slow(tok: Any, prompt: Any, vocab: int) -> list[int]:
+        if isinstance(prompt, str) and len(prompt) > ae.SHORT_PROMPT_CHARS:
+            time.sleep(delay)
+        return real(tok, prompt, vocab)
+
+    monkeypatch.setattr(ae, "encode_prompt", slow)
+
+
+def _start(**server: Any) -> RunningServer:
+    cfg = EngineConfig(model=DEMO, kv_dtype="bf16", device="cpu", max_running=2)
+    return start_server(cfg, ServerConfig(port=0, **server))
+
+
+def test_prompts_over_the_byte_cap_are_refused_before_tokenizing(monkeypatch: pytest.MonkeyPatch) -> None:
+    _slow_long_prompts(monkeypatch, 30.0)  # a tokenized prompt would time the test out
+    s = _start(max_prompt_bytes=20_000)
+    try:
+        t0 = time.monotonic()
+        r = httpx.post(
+            s.url + "/v1/completions", json={"model": MODEL, "prompt": "é" * 10_001, "max_tokens": 2}
+        )
+        assert r.status_code == 400 and r.json()["error"]["code"] == "prompt_too_large"
+        assert "20002 bytes" in r.json()["error"]["message"] and time.monotonic() - t0 < 5
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 20_001}]}
+        assert httpx.post(s.url + "/v1/chat/completions", json=chat).status_code == 400
+    finally:
+        s.stop()
+    assert ServerConfig().max_prompt_bytes is None  # unset: 64 bytes per token of max_model_len
+
+
+def test_a_short_request_is_not_held_behind_long_prompts(monkeypatch: pytest.MonkeyPatch) -> None:
+    _slow_long_prompts(monkeypatch, 3.0)
+    s = _start(tokenizer_workers=2)
+    try:
+        long = {"model": MODEL, "prompt": "word " * 3000, "max_tokens": 1}
+        with ThreadPoolExecutor(6) as ex:
+            futs = [ex.submit(httpx.post, s.url + "/v1/completions", json=long, timeout=60) for _ in range(5)]
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            short_s = time.monotonic() - t0
+            assert r.status_code == 200 and short_s < 2.5  # not after five 3 s tokenizations
+            assert all(f.result().status_code in (200, 400) for f in futs)
+    finally:
+        s.stop()
+
+
+def test_prompts_being_tokenized_count_toward_max_queued(monkeypatch: pytest.MonkeyPatch) -> None:
+    _slow_long_prompts(monkeypatch, 3.0)
+    s = _start(max_queued=2)
+    try:
+        long = {"model": MODEL, "prompt": "word " * 3000, "max_tokens": 1}
+        with ThreadPoolExecutor(2) as ex:
+            futs = [ex.submit(httpx.post, s.url + "/v1/completions", json=long, timeout=60) for _ in range(2)]
+            time.sleep(0.5)  # both are being tokenized; none is in the engine yet
+            r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            [f.result() for f in futs]
+        assert (
+            httpx.post(
+                s.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}
+            ).status_code
+            == 200
+        )
+    finally:
+        s.stop()

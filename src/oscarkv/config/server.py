@@ -37,6 +37,14 @@ class ServerConfig:
     )
     max_queued: int = help_field("most requests waiting or running; more get 503", default=1024)
     max_body_bytes: int = help_field("largest request body in bytes; larger get 413", default=1_000_000)
+    max_prompt_bytes: int | None = help_field(
+        "largest prompt text in UTF-8 bytes, refused (400) before it is tokenized (unset: 64 bytes "
+        "per token of max_model_len)",
+        default=None,
+    )
+    tokenizer_workers: int = help_field(
+        "threads tokenizing long prompts; prompts under 8 KiB have a thread of their own", default=4
+    )
     insecure_no_api_key: bool = help_field(
         "allow a non-loopback --host without --api-key-file (anyone who can connect may use it)",
         default=False,
@@ -52,10 +60,14 @@ class ServerConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
                 raise field_error(n, name, "unset or a non-empty string", v, True)
-        for name in ("max_queued", "max_body_bytes"):
+        for name in ("max_queued", "max_body_bytes", "tokenizer_workers"):
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 raise field_error(n, name, "an integer >= 1", v, True)
+        if self.max_prompt_bytes is not None and (
+            not is_int(self.max_prompt_bytes) or self.max_prompt_bytes < 1
+        ):
+            raise field_error(n, "max_prompt_bytes", "unset or an integer >= 1", self.max_prompt_bytes, True)
         if not isinstance(self.insecure_no_api_key, bool):
             raise field_error(n, "insecure_no_api_key", "a bool", self.insecure_no_api_key)
         if not is_loopback(self.host) and self.api_key_file is None and not self.insecure_no_api_key:

@@ -41,6 +41,8 @@ __all__ = ["create_app"]
 log = logging.getLogger("oscarkv.server")
 
 
+#: the prompt text a server takes per token of max_model_len (unless --max-prompt-bytes is set)
+PROMPT_BYTES_PER_TOKEN = 64
 #: seconds a 503 (queue full, engine stopped) asks a client to wait before retrying
 RETRY_AFTER_S = 1
 
@@ -109,6 +111,15 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Any | None = Non
     template = read_text(cfg.chat_template, "--chat-template") if cfg.chat_template else None
     api_key = _read_key(cfg.api_key_file) if cfg.api_key_file else None
     max_len = engine.engine.max_model_len
+    max_prompt_bytes = cfg.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * max_len
+
+    def check_size(text: str, param: str) -> None:
+        """Refuse a text no prompt of ``max_len`` tokens could be, before tokenizing it."""
+        n = len(text.encode("utf-8", "surrogatepass"))
+        if n > max_prompt_bytes:
+            raise ApiError(400, f"{param} is {n} bytes of text, more than this server takes ({max_prompt_bytes}: "
+                           f"--max-prompt-bytes, unset {PROMPT_BYTES_PER_TOKEN} bytes per token of max_model_len "
+                           f"{max_len})", param, "prompt_too_large")  # fmt: skip
 
     def observe(out: RequestOutput) -> None:
         n = len(out.token_ids)
@@ -211,6 +222,8 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Any | None = Non
         request.state.prompt_param = "prompt"
         items = []
         for p in req.prompts():
+            if isinstance(p, str):
+                check_size(p, "prompt")
             ids = await engine.encode(p)
             items += [(ids, sampling_params(req, len(ids), req.max_tokens, "completion", max_len, j), j == 0)
                       for j in range(req.n or 1)]  # fmt: skip
@@ -226,7 +239,9 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Any | None = Non
         if template is None and not getattr(tok, "chat_template", None):
             raise ApiError(400, "this model's tokenizer has no chat template; start the server with "
                            "--chat-template FILE, or use /v1/completions", "messages", "no_chat_template")  # fmt: skip
-        ids = await engine.encode_chat(req.plain_messages(), template)
+        messages = req.plain_messages()
+        check_size("".join(m["content"] for m in messages), "messages")
+        ids = await engine.encode_chat(messages, template)
         max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
         items = [(ids, sampling_params(req, len(ids), max_tokens, "chat", max_len, j), j == 0)
                  for j in range(req.n or 1)]  # fmt: skip

@@ -24,6 +24,8 @@ __all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError"]
 
 log = logging.getLogger("oscarkv.server")
 _IDLE_WAIT_S = 0.05
+#: prompts up to this many characters are tokenized on the short-prompt thread
+SHORT_PROMPT_CHARS = 8192
 
 
 class QueueFullError(OscarkvError):
@@ -42,6 +44,7 @@ class AsyncEngine:
         engine: Engine,
         max_queued: int = 1024,
         on_finished: Callable[[RequestOutput], None] | None = None,
+        tokenizer_workers: int = 4,
     ):
         self.engine = engine
         self.max_queued = max_queued
@@ -52,7 +55,11 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._tok_pool = ThreadPoolExecutor(1, thread_name_prefix="oscarkv-tokenize")
+        # long prompts share a pool; short ones (and chats) have a thread of their own, so a burst
+        # of long prompts does not hold back a short request
+        self._tok_pool = ThreadPoolExecutor(tokenizer_workers, thread_name_prefix="oscarkv-tokenize")
+        self._tok_short = ThreadPoolExecutor(1, thread_name_prefix="oscarkv-tokenize-short")
+        self._tokenizing = 0  # prompts being tokenized: they count toward max_queued
         self.error: BaseException | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -68,6 +75,7 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
         self._tok_pool.shutdown(wait=False)
+        self._tok_short.shutdown(wait=False)
         self.engine.shutdown()  # tensor-parallel workers (a no-op with one rank)
 
     @property
@@ -93,15 +101,29 @@ class AsyncEngine:
     async def encode(self, prompt: str | list[int]) -> list[int]:
         """Checked token ids of a text prompt or an id list (``InputError`` for a bad one)."""
         tok, vocab = self.engine.tokenizer, self.engine.vocab_size
-        return await asyncio.get_running_loop().run_in_executor(
-            self._tok_pool, encode_prompt, tok, prompt, vocab
+        long = isinstance(prompt, str) and len(prompt) > SHORT_PROMPT_CHARS
+        return await self._tokenize(
+            self._tok_pool if long else self._tok_short, encode_prompt, tok, prompt, vocab
         )
 
     async def encode_chat(self, messages: list[dict], template: str | None) -> list[int]:
         tok = self.engine.tokenizer
-        return await asyncio.get_running_loop().run_in_executor(
-            self._tok_pool, apply_chat, tok, messages, template
-        )
+        chars = sum(len(m.get("content") or "") for m in messages if isinstance(m, dict))
+        pool = self._tok_pool if chars > SHORT_PROMPT_CHARS else self._tok_short
+        return await self._tokenize(pool, apply_chat, tok, messages, template)
+
+    async def _tokenize(
+        self, pool: ThreadPoolExecutor, fn: Callable[..., list[int]], *args: Any
+    ) -> list[int]:
+        with self._lock:  # a prompt being tokenized is a queued request
+            if len(self._queues) + self._tokenizing >= self.max_queued:
+                raise QueueFullError(f"the server is busy: {self.max_queued} requests are queued")
+            self._tokenizing += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+        finally:
+            with self._lock:
+                self._tokenizing -= 1
 
     # ---- requests ---------------------------------------------------------------------------
     async def add(self, prompt_ids: list[int], params: SamplingParams, rid: str) -> asyncio.Queue:

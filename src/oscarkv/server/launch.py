@@ -52,7 +52,8 @@ def build_app(engine_cfg: EngineConfig, server_cfg: ServerConfig, engine: Engine
 
     check_server_files(server_cfg)
     eng = engine if engine is not None else Engine(engine_cfg)
-    return create_app(AsyncEngine(eng, server_cfg.max_queued), server_cfg, metrics)
+    aeng = AsyncEngine(eng, server_cfg.max_queued, tokenizer_workers=server_cfg.tokenizer_workers)
+    return create_app(aeng, server_cfg, metrics)
 
 
 def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> None:
