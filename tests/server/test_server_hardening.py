@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import logging.config
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,7 @@ import pytest
 
 import oscarkv
 from oscarkv.config import EngineConfig, ServerConfig
+from oscarkv.config.base import SpecError
 from oscarkv.server.launch import RedactQuery, RunningServer, access_log_config, start_server
 
 DEMO = str(Path(oscarkv.__file__).parent / "assets" / "demo-model")
@@ -193,3 +195,38 @@ def test_prompts_being_tokenized_count_toward_max_queued(monkeypatch: pytest.Mon
         )
     finally:
         s.stop()
+
+
+# ---- shutdown and connection limits ----------------------------------------------------------
+def test_sigterm_ends_open_streams_with_an_error_event_and_done() -> None:
+    s = _start(shutdown_grace_s=10.0)
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    events: list[str] = []
+    try:
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            events.append(next(lines))  # the stream is open and generating
+            t = threading.Thread(target=s.stop)  # what SIGTERM does to `oscarkv serve`
+            t0 = time.monotonic()
+            t.start()
+            events += [x for x in lines if x]
+        t.join(30)
+    finally:
+        s.stop()
+    assert events[-1] == "data: [DONE]" and "shutting_down" in events[-2]
+    assert time.monotonic() - t0 < 8  # the stream ended at once, not at the grace period's end
+
+
+def test_connection_cap_and_keep_alive_come_from_the_config() -> None:
+    s = _start(max_connections=3, keep_alive_s=1.5)
+    try:
+        cfg = s.server.config
+        assert (cfg.limit_concurrency, cfg.timeout_keep_alive, cfg.timeout_graceful_shutdown) == (3, 1.5, 5.0)
+        with httpx.Client(timeout=10) as c:
+            assert c.get(s.url + "/health").status_code == 200
+            time.sleep(2.5)  # past keep_alive_s the server has closed the idle connection
+            assert c.get(s.url + "/health").status_code == 200  # httpx reconnects
+    finally:
+        s.stop()
+    with pytest.raises(SpecError, match="keep_alive_s"):
+        ServerConfig(keep_alive_s=0)

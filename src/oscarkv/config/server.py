@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-from .base import SpecError, field_error, help_field, is_int
+from .base import SpecError, field_error, help_field, is_int, is_num
 
 __all__ = ["ServerConfig", "is_loopback"]
 
@@ -42,6 +42,15 @@ class ServerConfig:
         "per token of max_model_len)",
         default=None,
     )
+    max_connections: int = help_field(
+        "most open connections; more are answered 503 at once (uvicorn's limit_concurrency)", default=1024
+    )
+    keep_alive_s: float = help_field("seconds an idle keep-alive connection stays open", default=5.0)
+    shutdown_grace_s: float = help_field(
+        "seconds SIGTERM waits for requests in flight; open streams end at once with an error event "
+        "and [DONE]",
+        default=5.0,
+    )
     tokenizer_workers: int = help_field(
         "threads tokenizing long prompts; prompts under 8 KiB have a thread of their own", default=4
     )
@@ -60,7 +69,11 @@ class ServerConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
                 raise field_error(n, name, "unset or a non-empty string", v, True)
-        for name in ("max_queued", "max_body_bytes", "tokenizer_workers"):
+        for name in ("keep_alive_s", "shutdown_grace_s"):
+            v = getattr(self, name)
+            if not is_num(v) or not 0 < v < float("inf"):
+                raise field_error(n, name, "a positive number of seconds", v, True)
+        for name in ("max_queued", "max_body_bytes", "tokenizer_workers", "max_connections"):
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 raise field_error(n, name, "an integer >= 1", v, True)

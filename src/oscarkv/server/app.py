@@ -7,6 +7,7 @@ import contextlib
 import hmac
 import json
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -147,6 +148,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Any | None = Non
 
     app = FastAPI(title="oscarkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.async_engine, app.state.metrics, app.state.model_name = engine, metrics, model_name
+    app.state.draining = draining = threading.Event()  # set by the exit signal (launch.py)
 
     app.add_middleware(GuardMiddleware, loopback=is_loopback(cfg.host))
 
@@ -198,13 +200,13 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Any | None = Non
         choices = await add_choices(engine, items, base)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = event_stream(engine, choices, base, model_name, chat, usage)
+            body = event_stream(engine, choices, base, model_name, chat, usage, draining)
             watcher = asyncio.ensure_future(_abort_on_disconnect(request, choices))  # also if never iterated
             watchers.add(watcher)
             watcher.add_done_callback(watchers.discard)
             return StreamingResponse(body, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
-        return await answer(engine, request, choices, base, model_name, chat)
+        return await answer(engine, request, choices, base, model_name, chat, draining)
 
     async def _abort_on_disconnect(request: Request, choices: list[Choice]) -> None:
         while any(engine.is_live(c.rid) for c in choices):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -66,10 +67,22 @@ async def until_disconnected(request: Request) -> None:
         await asyncio.sleep(DISCONNECT_POLL_S)
 
 
+async def _until_set(event: threading.Event) -> None:
+    while not event.is_set():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
 async def answer(
-    engine: AsyncEngine, request: Request, choices: list[Choice], base: str, model: str, chat: bool
+    engine: AsyncEngine,
+    request: Request,
+    choices: list[Choice],
+    base: str,
+    model: str,
+    chat: bool,
+    draining: threading.Event,
 ) -> Response:
-    """The non-streamed response once every choice finished; 499 (all aborted) if the client left."""
+    """The non-streamed response once every choice finished; 499 (all aborted) if the client
+    left, 503 (all aborted) if the server began shutting down first."""
 
     async def last(c: Choice) -> RequestOutput:
         out = None
@@ -80,15 +93,20 @@ async def answer(
 
     task = asyncio.ensure_future(asyncio.gather(*(last(c) for c in choices)))
     watch = asyncio.ensure_future(until_disconnected(request))
-    await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    drain = asyncio.ensure_future(_until_set(draining))
+    await asyncio.wait({task, watch, drain}, return_when=asyncio.FIRST_COMPLETED)
+    watch.cancel()
+    drain.cancel()
     if not task.done():
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
         for c in choices:  # a stream cancelled before it started has not aborted its request
             engine.abort(c.rid)
+        if draining.is_set():
+            body = error_body(503, "the server is shutting down", code="shutting_down")
+            return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
         return Response(status_code=499)
-    watch.cancel()
     outs = task.result()
     make = chat_response if chat else completion_response
     usage = _usage(list(zip(choices, outs, strict=True)))
@@ -101,10 +119,17 @@ def _sse(obj: dict) -> str:
 
 
 async def event_stream(
-    engine: AsyncEngine, choices: list[Choice], base: str, model: str, chat: bool, with_usage: bool
+    engine: AsyncEngine,
+    choices: list[Choice],
+    base: str,
+    model: str,
+    chat: bool,
+    with_usage: bool,
+    draining: threading.Event,
 ) -> AsyncIterator[str]:
     """Server-sent events of every choice, merged as their tokens arrive, then the usage chunk
-    (``with_usage``) and ``[DONE]``; an engine error ends the stream with an error event."""
+    (``with_usage``) and ``[DONE]``; an engine error, or the server shutting down (``draining``),
+    ends the stream with an error event (and ``[DONE]`` on shutdown)."""
     created = int(time.time())
     sent = {c.index: 0 for c in choices}
     arrivals: asyncio.Queue = asyncio.Queue()
@@ -130,7 +155,14 @@ async def event_stream(
                 yield _sse(chat_chunk(base, model, created, {"role": "assistant", "content": ""}, None, None,
                                       with_usage, c.index))  # fmt: skip
         while len(finals) < len(choices):
-            c, out = await arrivals.get()
+            if draining.is_set():  # the finally aborts what is unfinished
+                yield _sse(error_body(503, "the server is shutting down", code="shutting_down"))
+                yield "data: [DONE]\n\n"
+                return
+            try:
+                c, out = await asyncio.wait_for(arrivals.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                continue
             if isinstance(out, BaseException):
                 raise out
             delta, sent[c.index] = out.text[sent[c.index] :], len(out.text)

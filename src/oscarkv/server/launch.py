@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import signal
 import socket
 import sys
 import threading
@@ -56,9 +57,29 @@ def build_app(engine_cfg: EngineConfig, server_cfg: ServerConfig, engine: Engine
     return create_app(aeng, server_cfg, metrics)
 
 
+def _uvicorn_config(app: Any, cfg: ServerConfig, **kw: Any) -> Any:
+    import uvicorn
+
+    return uvicorn.Config(app, limit_concurrency=cfg.max_connections, timeout_keep_alive=cfg.keep_alive_s,
+                          timeout_graceful_shutdown=cfg.shutdown_grace_s, **kw)  # fmt: skip
+
+
+def _draining_server(config: Any) -> Any:
+    """uvicorn's server whose exit signal first tells the app to drain (``app.state.draining``):
+    open streams end with an error event and ``[DONE]``, waiting requests get 503, before the
+    connections close."""
+    import uvicorn
+
+    class Draining(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            self.config.app.state.draining.set()
+            super().handle_exit(sig, frame)
+
+    return Draining(config)
+
+
 def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> None:
     """Load the model and serve until interrupted (uvicorn in this thread)."""
-    import uvicorn
 
     from .app import check_server_files
 
@@ -67,8 +88,9 @@ def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> None:
     print(f"oscarkv serve: {eng.startup_report()}", file=sys.stderr, flush=True)
     try:
         app = build_app(engine_cfg, server_cfg, eng)
-        uvicorn.run(app, host=server_cfg.host, port=server_cfg.port, log_level="info",
-                    log_config=access_log_config(), timeout_graceful_shutdown=5)  # fmt: skip
+        config = _uvicorn_config(app, server_cfg, host=server_cfg.host, port=server_cfg.port, log_level="info",
+                                 log_config=access_log_config())  # fmt: skip
+        _draining_server(config).run()
     finally:
         eng.shutdown()
 
@@ -88,7 +110,7 @@ class RunningServer:
         return self.app.state.async_engine
 
     def stop(self, timeout: float = 30.0) -> None:
-        self.server.should_exit = True
+        self.server.handle_exit(signal.SIGTERM, None)  # what SIGTERM does to `oscarkv serve`
         self.thread.join(timeout)
 
     def __enter__(self) -> RunningServer:
@@ -106,7 +128,6 @@ def start_server(
     timeout: float = 60.0,
 ) -> RunningServer:
     """Serve on ``server_cfg.host`` in a background thread (port 0 picks a free port)."""
-    import uvicorn
 
     from .app import check_server_files
 
@@ -118,8 +139,8 @@ def start_server(
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((server_cfg.host, server_cfg.port))
     host, port = sock.getsockname()[:2]
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    config = _uvicorn_config(app, server_cfg, log_level="warning", lifespan="on")
+    server = _draining_server(config)
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [sock]}, name="oscarkv-uvicorn", daemon=True
     )
