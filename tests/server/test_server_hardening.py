@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import logging.config
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -230,3 +231,20 @@ def test_connection_cap_and_keep_alive_come_from_the_config() -> None:
         s.stop()
     with pytest.raises(SpecError, match="keep_alive_s"):
         ServerConfig(keep_alive_s=0)
+
+
+def test_a_client_leaving_mid_upload_is_no_internal_error(
+    srv: RunningServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    host, port = srv.url.removeprefix("http://").split(":")
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            "Content-Length: 100000\r\n\r\n")  # fmt: skip
+    with caplog.at_level(logging.INFO):
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(head.encode() + b'{"model": "demo-model", "prompt": "' + b"x" * 5000)
+            time.sleep(0.3)
+        time.sleep(0.5)
+        assert httpx.get(srv.url + "/health").status_code == 200
+    assert "disconnected while sending" in caplog.text
+    assert "internal error" not in caplog.text and "Traceback" not in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..config.base import SpecError
 from ..config.server import ServerConfig, is_loopback
@@ -75,10 +76,16 @@ async def _read_json(request: Request, limit: int) -> Any:
     if cl is not None and (not cl.isdigit() or int(cl) > limit):
         raise ApiError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
     buf = bytearray()
-    async for chunk in request.stream():
-        buf += chunk
-        if len(buf) > limit:
-            raise ApiError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
+    try:
+        async for chunk in request.stream():
+            buf += chunk
+            if len(buf) > limit:
+                raise ApiError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
+    except ClientDisconnect:  # nobody to answer, nothing went wrong here: no traceback in the log
+        log.info("client disconnected while sending a request to %s", request.url.path)
+        raise ApiError(
+            499, "the client disconnected while sending the request", code="client_closed"
+        ) from None
     try:
         return json.loads(buf)
     except (ValueError, UnicodeDecodeError) as e:
