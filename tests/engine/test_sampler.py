@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from oscarkv.config.base import SpecError
 from oscarkv.engine.request import SamplingParams
 from oscarkv.engine.sampler import _filter, make_generator, sample
 
@@ -184,3 +185,32 @@ def test_no_host_sync_on_cuda() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.device.type == "cuda" and out[0] == logits[0].argmax()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logit_bias_shifts_only_its_rows_tokens(device: str) -> None:
+    """A +100 bias makes its token the greedy choice, -100 bans the argmax; rows without a bias
+    draw exactly what they draw alone (same seed), and the caller's logits stay as they were."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=g).to(device)
+    before = logits.clone()
+    top = logits.argmax(-1)
+    params = [SamplingParams(temperature=0, logit_bias=((7, 100.0),)),
+              SamplingParams(temperature=0, logit_bias=((int(top[1]), -100.0),)),
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=1.0, seed=3)]  # fmt: skip
+    gens = [None, None, None, make_generator(3, device)]
+    got = sample(logits, params, gens)
+    assert int(got[0]) == 7 and int(got[1]) != int(top[1]) and int(got[2]) == int(top[2])
+    alone = sample(logits[3:], params[3:], [make_generator(3, device)])
+    assert int(got[3]) == int(alone[0]) and torch.equal(logits, before)
+    sampled = [SamplingParams(temperature=1.0, seed=s, logit_bias=((11, 100.0),)) for s in range(20)]
+    toks = sample(
+        logits[:1].expand(20, -1).contiguous(), sampled, [make_generator(s, device) for s in range(20)]
+    )
+    assert set(toks.tolist()) == {11}  # a +100 bias holds all the mass
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        sample(logits, [SamplingParams(logit_bias=((50, 1.0),))] * 4, [None] * 4)
+    for bad in (((1, 101.0),), ((-1, 1.0),), ((1,),)):
+        with pytest.raises(SpecError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)

@@ -123,3 +123,26 @@ def test_a_request_whose_choices_do_not_all_fit_the_queue_adds_none() -> None:
         assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
     finally:
         s.stop()
+
+
+def test_logit_bias_is_applied_not_ignored(srv: RunningServer, llm: LLM) -> None:
+    c = _client(srv)
+    plain = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0)
+    tok = llm.tokenizer.encode(" the")[-1]
+    r = c.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0, logit_bias={str(tok): 100}
+    )
+    ref = llm.generate(PROMPTS[0], SamplingParams(max_tokens=6, temperature=0, logit_bias=((tok, 100.0),)))[0]
+    assert r.choices[0].text == ref.text != plain.choices[0].text and list(ref.token_ids) == [tok] * 6
+    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,  # type: ignore[arg-type]
+                                     temperature=0, logit_bias={str(tok): 100})  # fmt: skip
+    assert chat.choices[0].message.content == llm.tokenizer.decode([tok] * 3)
+    for bias, words in [
+        ({"x": 1}, "token ids"),
+        ({str(tok): 101}, "logit_bias"),
+        ({"99999999": 1}, "vocabulary"),
+    ]:
+        resp = httpx.post(
+            srv.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "logit_bias": bias}
+        )
+        assert resp.status_code == 400 and words in resp.json()["error"]["message"], (bias, resp.text)

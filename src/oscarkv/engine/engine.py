@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..config import EngineConfig
+from ..errors import InputError
 from .check import check
 from .detok import IncrementalDetokenizer
 from .load import EngineLoad, PoolLoad
@@ -115,6 +116,10 @@ class Engine:
         a prompt that is empty, too long for ``max_model_len`` or larger than the KV pools."""
         params = params or SamplingParams()
         ids = encode_prompt(self.tokenizer, prompt, self.vocab_size)
+        bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise InputError(f"logit_bias names token {bad[0]}, outside the vocabulary of {self.vocab_size}",
+                             "bias token ids in [0, vocab_size)")  # fmt: skip
         rid = rid if rid is not None else f"req-{next(self._ids)}"
         seq = Sequence(rid, ids, params)
         self.scheduler.add(seq)

@@ -52,6 +52,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    #: ``(token_id, bias)`` pairs added to the logits before any other step (OpenAI's logit_bias)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         n = type(self).__name__
@@ -74,6 +76,11 @@ class SamplingParams:
         if any(not is_int(i) or i < 0 for i in self.stop_token_ids):
             raise field_error(n, "stop_token_ids", "token ids >= 0", self.stop_token_ids)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = tuple(tuple(x) for x in self.logit_bias)
+        if any(len(x) != 2 or not is_int(x[0]) or x[0] < 0 or not is_num(x[1]) or not -100 <= x[1] <= 100
+               for x in bias):  # fmt: skip
+            raise field_error(n, "logit_bias", "(token id >= 0, bias in [-100, 100]) pairs", self.logit_bias)
+        object.__setattr__(self, "logit_bias", tuple((int(i), float(b)) for i, b in bias))
 
     @property
     def greedy(self) -> bool:

@@ -1,4 +1,5 @@
-"""Next-token sampling for one engine step (§5.8): greedy, temperature, top-k, top-p, per-request seed.
+"""Next-token sampling for one engine step (§5.8): logit bias, greedy, temperature, top-k, top-p,
+per-request seed.
 
 Rows are filtered independently and then drawn with the exponential-race trick: ``argmax(p / E)``
 with ``E ~ Exp(1)`` draws from ``p``. Unseeded rows share one batched draw from the device's default
@@ -69,6 +70,25 @@ def _filter(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     return x
 
 
+def _biased(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``logits`` (a copy) plus each row's ``logit_bias``."""
+    rows, cols, vals = [], [], []
+    for i, p in enumerate(params):
+        for t, b in p.logit_bias:
+            if t >= logits.shape[1]:
+                raise ValueError(
+                    f"sample: logit_bias token {t} is outside the vocabulary of {logits.shape[1]}"
+                )
+            rows.append(i)
+            cols.append(t)
+            vals.append(b)
+    out = logits.float().clone()
+    dev = logits.device
+    out.index_put_((to_device(rows, torch.long, dev), to_device(cols, torch.long, dev)),
+                   to_device(vals, torch.float32, dev), accumulate=True)  # fmt: skip
+    return out
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -80,6 +100,8 @@ def sample(
     noise when given; rows with ``None`` use the default generator. Greedy rows ignore both.
     """
     _check(logits, params, generators)
+    if any(p.logit_bias for p in params):
+        logits = _biased(logits, params)
     greedy = [p.greedy for p in params]
     if all(greedy):
         return logits.argmax(-1)

@@ -82,6 +82,7 @@ class _Sampling(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt | None = None
+    logit_bias: dict[StrictStr, Number] | None = None
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
     user: StrictStr | None = None
@@ -267,6 +268,10 @@ def sampling_params(
         kw["seed"] += choice
     if req.stop_token_ids:
         kw["stop_token_ids"] = tuple(req.stop_token_ids)
+    if req.logit_bias:
+        if not all(k.isdigit() for k in req.logit_bias):
+            raise ApiError(400, "logit_bias keys must be token ids (decimal strings)", "logit_bias")
+        kw["logit_bias"] = tuple((int(k), v) for k, v in req.logit_bias.items())
     try:
         return SamplingParams(**kw)
     except SpecError as e:
