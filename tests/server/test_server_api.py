@@ -192,6 +192,10 @@ def test_chat_without_template_is_400(secured: RunningServer) -> None:
         ({"prompt": [[5, 2048]]}, "prompt"),  # an id >= vocab in a batch
         ({"prompt": ["fine", ""]}, "prompt"),
         ({"n": 2, "best_of": 3}, "best_of"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty"),  # vLLM's extension: refused, not ignored
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"min_p": 0.1}, "min_p"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
         ({"logprobs": 1}, "logprobs"),
         ({"echo": True}, "echo"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),

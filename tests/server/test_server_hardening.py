@@ -248,3 +248,9 @@ def test_a_client_leaving_mid_upload_is_no_internal_error(
     assert "disconnected while sending" in caplog.text
     assert "internal error" not in caplog.text and "Traceback" not in caplog.text
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_other_servers_fields_are_taken_at_their_neutral_values(srv: RunningServer) -> None:
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "repetition_penalty": 1.0,
+            "response_format": {"type": "text"}, "min_p": 0, "tool_choice": "none"}  # fmt: skip
+    assert httpx.post(srv.url + "/v1/completions", json=body).status_code == 200

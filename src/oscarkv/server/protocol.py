@@ -34,6 +34,14 @@ __all__ = [
 MAX_STOPS = 4
 #: the most choices (``n``) one request may ask for per prompt
 MAX_N = 16
+#: fields other servers take that would change the output, with the values that change nothing
+OUTPUT_FIELDS: dict[str, tuple[Any, ...]] = {
+    "repetition_penalty": (None, 1, 1.0), "response_format": (None, {"type": "text"}), "tool_choice": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"), "min_p": (None, 0, 0.0), "min_tokens": (None, 0),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "prompt_logprobs": (None,), "length_penalty": (None, 1, 1.0), "use_beam_search": (None, False),
+    "bad_words": (None, []), "allowed_token_ids": (None,), "structured_outputs": (None,),
+}  # fmt: skip
 #: max_tokens when a request sets none (capped to what fits in max_model_len)
 DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256}
 
@@ -92,7 +100,12 @@ class _Sampling(BaseModel):
         return () if s is None else (s,) if isinstance(s, str) else tuple(s)
 
     def unsupported(self) -> ApiError | None:
-        """The first field asking for something this server does not do."""
+        """The first field asking for something this server does not do (unknown fields that
+        would change the output are refused by name, never ignored)."""
+        extra = self.model_extra or {}
+        for name, neutral in OUTPUT_FIELDS.items():
+            if name in extra and extra[name] not in neutral:
+                return ApiError(400, f"{name} is not supported; leave it out", name)
         if self.n is not None and not 1 <= self.n <= MAX_N:
             return ApiError(400, f"n must be between 1 and {MAX_N}; got {self.n}", "n")
         if len(self.stops()) > MAX_STOPS:
