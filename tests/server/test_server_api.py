@@ -196,7 +196,7 @@ def test_chat_without_template_is_400(secured: RunningServer) -> None:
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"min_p": 0.1}, "min_p"),
         ({"guided_json": {"type": "object"}}, "guided_json"),
-        ({"logprobs": 1}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
         ({"echo": True}, "echo"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"temperature": "hot"}, "temperature"),
@@ -227,7 +227,11 @@ def test_openai_client_sees_400_and_404(srv: RunningServer) -> None:
         c.completions.create(model=MODEL, prompt=PROMPT, temperature=-1)
     assert e.value.status_code == 400
     with pytest.raises(openai.BadRequestError):
-        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], logprobs=True)
+        c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            tools=[{"type": "function", "function": {"name": "f"}}],
+        )
     with pytest.raises(openai.NotFoundError):
         c.completions.create(model="gpt-4", prompt=PROMPT)
 

@@ -146,3 +146,38 @@ def test_logit_bias_is_applied_not_ignored(srv: RunningServer, llm: LLM) -> None
             srv.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "logit_bias": bias}
         )
         assert resp.status_code == 400 and words in resp.json()["error"]["message"], (bias, resp.text)
+
+
+def test_logprobs_on_both_endpoints_streamed_and_not(srv: RunningServer, llm: LLM) -> None:
+    """The sampled tokens' log-probabilities and the top k, in OpenAI's two shapes, equal the
+    engine's own (``SamplingParams.logprobs``); the stream's pieces add up to the whole."""
+    c = _client(srv)
+    ref = llm.generate(PROMPTS[0], SamplingParams(max_tokens=6, temperature=0, logprobs=2))[0]
+    r = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([x for x, _ in ref.logprobs], abs=1e-6)
+    assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset[0] == 0
+    assert [len(d) for d in lp.top_logprobs] == [2] * 6
+    assert all(
+        max(d.values()) == pytest.approx(v, abs=1e-6)
+        for d, v in zip(lp.top_logprobs, lp.token_logprobs, strict=True)
+    )
+    chunks = list(c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=2,
+                                       stream=True))  # fmt: skip
+    streamed = [
+        v for ch in chunks for v in (ch.choices[0].logprobs.token_logprobs if ch.choices[0].logprobs else [])
+    ]
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-6)
+    msgs = [{"role": "user", "content": "hello there"}]
+    chat = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0, logprobs=True,  # type: ignore[arg-type]
+                                     top_logprobs=3)  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(e.top_logprobs) == 3 for e in content)
+    assert all(e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-6) for e in content)
+    assert "".join(e.token for e in content) == chat.choices[0].message.content
+    plain = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2)
+    assert plain.choices[0].logprobs is None
+    bad = httpx.post(
+        srv.url + "/v1/chat/completions", json={"model": MODEL, "messages": msgs, "top_logprobs": 2}
+    )
+    assert bad.status_code == 400 and "logprobs: true" in bad.json()["error"]["message"]

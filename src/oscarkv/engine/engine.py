@@ -23,7 +23,7 @@ from .load import EngineLoad, PoolLoad
 from .model_runner import Launched, ModelRunner
 from .pages import PagePool
 from .prefix_cache import PrefixCache
-from .request import RequestOutput, SamplingParams, Sequence
+from .request import RequestOutput, SamplingParams, Sequence, TokenLogprob
 from .scheduler import Scheduler
 from .timing import StepTimer, StepTiming
 from .tokenizer import encode_prompt
@@ -171,16 +171,23 @@ class Engine:
         """Read a launched step's tokens and apply them: finishes, text, outputs."""
         with self.timer.waiting(), self._guard():
             toks = self.runner.collect(launched)
+        lps = {it.seq.rid: lp for it, lp in zip(launched.batch.items, self.runner.collect_logprobs(launched),
+                                                strict=True) if lp is not None}  # fmt: skip
         gained: dict[str, Sequence] = {}
         finished = self.scheduler.postprocess(
-            launched.batch, toks, lambda seq, tok: self._on_token(seq, tok, gained)
+            launched.batch, toks, lambda seq, tok: self._on_token(seq, tok, gained, lps.get(seq.rid))
         )
         outs = [self._output(seq, False) for seq in gained.values() if seq not in finished]
         return outs + [self._output(seq, True) for seq in finished]
 
-    def _on_token(self, seq: Sequence, tok: int, gained: dict[str, Sequence]) -> bool:
-        """A kept token: feed the detokenizer; True when the text now holds a stop string."""
+    def _on_token(
+        self, seq: Sequence, tok: int, gained: dict[str, Sequence], lp: TokenLogprob | None
+    ) -> bool:
+        """A kept token (and its log-probabilities, where asked): feed the detokenizer; True when
+        the text now holds a stop string."""
         gained[seq.rid] = seq
+        if lp is not None:
+            seq.out_logprobs.append(lp)
         det = self._detok.get(seq.rid)
         if det is None:
             return False
@@ -244,6 +251,7 @@ class Engine:
             num_cached_tokens=seq.n_cached,
             ttft_s=None if t.first_token is None else t.first_token - t.arrival,
             e2e_s=None if t.finished is None else t.finished - t.arrival,
+            logprobs=None if seq.params.logprobs is None else list(seq.out_logprobs),
         )
 
     def memory_report(self) -> dict[str, Any]:

@@ -36,8 +36,8 @@ from .models import load_decoder
 from .models.parallel import Comm
 from .planner import fill_lists, plan_decode_host, plan_prefill
 from .prefix_cache import tokens_between
-from .request import Batch, SamplingParams
-from .sampler import make_generator, sample, to_device
+from .request import Batch, SamplingParams, TokenLogprob
+from .sampler import make_generator, sample, to_device, token_logprobs
 from .tokenizer import load_tokenizer
 from .tp_step import StepMsg, prefill_to, rank_rotation
 
@@ -62,6 +62,9 @@ class Launched:
     tokens: torch.Tensor | None  # long [R]: one per item that samples, in item order
     host: torch.Tensor | None = None
     event: torch.cuda.Event | None = None
+    # (chosen [R], top values [R, K], top ids [R, K]) where a row asked for log-probabilities;
+    # host copies on CUDA, read after ``event``
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -378,13 +381,18 @@ class ModelRunner:
         toks = sample(logits, params, gens)
         slots = [it.seq.slot or 0 for it in rows]
         self.last_tok.index_copy_(0, to_device(slots, torch.long, self.device), toks)
+        ks = [p.logprobs for p in params if p.logprobs is not None]
+        lps = token_logprobs(logits, toks, max(ks)) if ks else None
         if self.device.type != "cuda":
-            return Launched(batch, toks)
+            return Launched(batch, toks, logprobs=lps)
         out = torch.empty(toks.shape, dtype=toks.dtype, pin_memory=True)
         out.copy_(toks, non_blocking=True)
+        if lps is not None:  # pinned copies, read after the event like the tokens
+            lps = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                        for t in lps)  # type: ignore[assignment]  # fmt: skip
         ev = torch.cuda.Event()
         ev.record()
-        return Launched(batch, toks, out, ev)
+        return Launched(batch, toks, out, ev, lps)
 
     @staticmethod
     def collect(step: Launched) -> list[int | None]:
@@ -399,6 +407,24 @@ class ModelRunner:
         else:
             toks = iter(step.tokens.tolist())
         return [next(toks) if it.ends_prompt else None for it in step.batch.items]
+
+    @staticmethod
+    def collect_logprobs(step: Launched) -> list[TokenLogprob | None]:
+        """Each item's sampled-token log-probability and its top ``params.logprobs`` (None where
+        the item samples nothing or asked for none); call after :meth:`collect`."""
+        if step.logprobs is None:
+            return [None] * len(step.batch.items)
+        chosen, vals, ids = (t.tolist() for t in step.logprobs)
+        out: list[TokenLogprob | None] = []
+        r = 0
+        for it in step.batch.items:
+            if not it.ends_prompt:
+                out.append(None)
+                continue
+            k = it.seq.params.logprobs
+            out.append(None if k is None else (chosen[r], tuple(zip(ids[r][:k], vals[r][:k], strict=True))))
+            r += 1
+        return out
 
     def memory_report(self, tokens_quantized: int = 0, tokens_hp: int = 0) -> dict[str, Any]:
         return self.pool.memory_report(tokens_quantized, tokens_hp)

@@ -54,6 +54,9 @@ class SamplingParams:
     ignore_eos: bool = False
     #: ``(token_id, bias)`` pairs added to the logits before any other step (OpenAI's logit_bias)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    #: None: no log-probabilities; k >= 0: each sampled token's log-probability under the model
+    #: (raw logits: no temperature, no bias) and the k most likely tokens' (at most MAX_LOGPROBS)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         n = type(self).__name__
@@ -81,6 +84,10 @@ class SamplingParams:
                for x in bias):  # fmt: skip
             raise field_error(n, "logit_bias", "(token id >= 0, bias in [-100, 100]) pairs", self.logit_bias)
         object.__setattr__(self, "logit_bias", tuple((int(i), float(b)) for i, b in bias))
+        if self.logprobs is not None and (
+            not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise field_error(n, "logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
 
     @property
     def greedy(self) -> bool:
@@ -95,6 +102,12 @@ class Timing:
     first_scheduled: float | None = None
     first_token: float | None = None
     finished: float | None = None
+
+
+#: the most top log-probabilities a request may ask for per token
+MAX_LOGPROBS = 20
+#: a sampled token's log-probability and the top ``k`` ``(token id, log-probability)`` pairs
+TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]
 
 
 @dataclass(eq=False)
@@ -120,6 +133,7 @@ class Sequence:
     preemptions: int = 0
     finish_reason: FinishReason | None = None
     times: Timing = field(default_factory=Timing)
+    out_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per out token (params.logprobs)
 
     @property
     def tokens(self) -> list[int]:
@@ -184,3 +198,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     ttft_s: float | None = None
     e2e_s: float | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, with params.logprobs set

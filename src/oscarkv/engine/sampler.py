@@ -15,7 +15,7 @@ import torch
 
 from .request import SamplingParams
 
-__all__ = ["make_generator", "sample", "to_device"]
+__all__ = ["make_generator", "sample", "to_device", "token_logprobs"]
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -119,3 +119,19 @@ def sample(
     if any(greedy):
         tokens = torch.where(_column(greedy, torch.bool, dev).squeeze(1), logits.argmax(-1), tokens)
     return tokens
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The model's log-probabilities (raw ``logits [B, V]``: no temperature, no bias) of the
+    sampled ``tokens [B]`` and the ``k`` most likely per row: ``chosen [B]``, ``values [B, k]``,
+    ``ids [B, k]`` (fp32, long), on the logits' device."""
+    lp = logits.float().log_softmax(-1)
+    top = lp.topk(k, dim=-1) if k else None
+    empty = lp.new_empty(lp.shape[0], 0)
+    return (
+        lp.gather(1, tokens[:, None]).squeeze(1),
+        top.values if top is not None else empty,
+        top.indices if top is not None else empty.long(),
+    )

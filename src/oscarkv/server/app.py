@@ -119,6 +119,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Any | None = Non
     template = read_text(cfg.chat_template, "--chat-template") if cfg.chat_template else None
     api_key = _read_key(cfg.api_key_file) if cfg.api_key_file else None
     max_len = engine.engine.max_model_len
+    decode = engine.engine.tokenizer.decode  # a token's text, for log-probabilities
     max_prompt_bytes = cfg.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * max_len
 
     def check_size(text: str, param: str) -> None:
@@ -207,13 +208,13 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Any | None = Non
         choices = await add_choices(engine, items, base)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = event_stream(engine, choices, base, model_name, chat, usage, draining)
+            body = event_stream(engine, choices, base, model_name, chat, usage, draining, decode)
             watcher = asyncio.ensure_future(_abort_on_disconnect(request, choices))  # also if never iterated
             watchers.add(watcher)
             watcher.add_done_callback(watchers.discard)
             return StreamingResponse(body, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
-        return await answer(engine, request, choices, base, model_name, chat, draining)
+        return await answer(engine, request, choices, base, model_name, chat, draining, decode)
 
     async def _abort_on_disconnect(request: Request, choices: list[Choice]) -> None:
         while any(engine.is_live(c.rid) for c in choices):

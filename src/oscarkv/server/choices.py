@@ -10,7 +10,7 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -19,7 +19,15 @@ from fastapi.responses import JSONResponse, Response
 from ..engine.request import RequestOutput, SamplingParams
 from ..errors import OscarkvError
 from .async_engine import AsyncEngine
-from .protocol import Usage, chat_chunk, chat_response, completion_chunk, completion_response, error_body
+from .protocol import (
+    Usage,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    error_body,
+    logprobs_object,
+)
 
 __all__ = ["DISCONNECT_POLL_S", "Choice", "add_choices", "answer", "event_stream", "until_disconnected"]
 
@@ -62,6 +70,15 @@ def _usage(outs: Sequence[tuple[Choice, RequestOutput]]) -> Usage:
     return Usage.of(prompt, sum(len(o.token_ids) for _, o in outs), cached)
 
 
+def _logprobs(
+    decode: Callable[[list[int]], str], out: RequestOutput, chat: bool, start: int = 0, offset: int = 0
+) -> dict | None:
+    """The OpenAI logprobs object of ``out``'s tokens from ``start`` (None where none were asked)."""
+    if out.logprobs is None:
+        return None
+    return logprobs_object(decode, out.token_ids[start:], out.logprobs[start:], chat, offset)
+
+
 async def until_disconnected(request: Request) -> None:
     while not await request.is_disconnected():
         await asyncio.sleep(DISCONNECT_POLL_S)
@@ -80,9 +97,11 @@ async def answer(
     model: str,
     chat: bool,
     draining: threading.Event,
+    decode: Callable[[list[int]], str],
 ) -> Response:
     """The non-streamed response once every choice finished; 499 (all aborted) if the client
-    left, 503 (all aborted) if the server began shutting down first."""
+    left, 503 (all aborted) if the server began shutting down first. ``decode`` gives the token
+    texts of the log-probabilities."""
 
     async def last(c: Choice) -> RequestOutput:
         out = None
@@ -110,7 +129,7 @@ async def answer(
     outs = task.result()
     make = chat_response if chat else completion_response
     usage = _usage(list(zip(choices, outs, strict=True)))
-    body = make(base, model, [(o.text, o.finish_reason) for o in outs], usage)
+    body = make(base, model, [(o.text, o.finish_reason, _logprobs(decode, o, chat)) for o in outs], usage)
     return JSONResponse(body)
 
 
@@ -126,6 +145,7 @@ async def event_stream(
     chat: bool,
     with_usage: bool,
     draining: threading.Event,
+    decode: Callable[[list[int]], str],
 ) -> AsyncIterator[str]:
     """Server-sent events of every choice, merged as their tokens arrive, then the usage chunk
     (``with_usage``) and ``[DONE]``; an engine error, or the server shutting down (``draining``),
@@ -141,11 +161,14 @@ async def event_stream(
         except Exception as e:
             await arrivals.put((c, e))
 
-    def chunk(index: int, text: str | None, finish: str | None, usage: Usage | None = None) -> str:
+    def chunk(index: int, text: str | None, finish: str | None, usage: Usage | None = None,
+              lp: dict | None = None) -> str:  # fmt: skip
         if chat:
             delta = None if text is None else ({"content": text} if text or not finish else {})
-            return _sse(chat_chunk(base, model, created, delta, finish, usage, with_usage, index))
-        return _sse(completion_chunk(base, model, created, text, finish, usage, with_usage, index))
+            return _sse(chat_chunk(base, model, created, delta, finish, usage, with_usage, index, lp))
+        return _sse(completion_chunk(base, model, created, text, finish, usage, with_usage, index, lp))
+
+    n_lp = {c.index: 0 for c in choices}  # tokens whose log-probabilities were sent
 
     pumps = [asyncio.ensure_future(pump(c)) for c in choices]
     finals: dict[int, tuple[Choice, RequestOutput]] = {}
@@ -168,7 +191,9 @@ async def event_stream(
             delta, sent[c.index] = out.text[sent[c.index] :], len(out.text)
             finish = out.finish_reason if out.finished else None
             if delta or finish:
-                yield chunk(c.index, delta, finish)
+                lp = _logprobs(decode, out, chat, n_lp[c.index], sent[c.index] - len(delta))
+                n_lp[c.index] = len(out.token_ids)
+                yield chunk(c.index, delta, finish, lp=lp)
             if out.finished:
                 finals[c.index] = (c, out)
         if with_usage:

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from ..config.base import SpecError
-from ..engine.request import SamplingParams
+from ..engine.request import MAX_LOGPROBS, SamplingParams, TokenLogprob
 
 __all__ = [
     "ApiError",
@@ -132,13 +132,18 @@ class CompletionRequest(_Sampling):
             return [p]  # type: ignore[list-item]
         return list(p)  # type: ignore[arg-type]
 
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
     def unsupported(self) -> ApiError | None:
         if isinstance(self.prompt, list) and not self.prompt:
             return ApiError(400, "prompt must not be an empty list", "prompt")
         if self.echo:
             return ApiError(400, "echo is not supported", "echo")
-        if self.logprobs is not None:
-            return ApiError(400, "logprobs is not supported", "logprobs")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            return ApiError(
+                400, f"logprobs must be between 0 and {MAX_LOGPROBS}; got {self.logprobs}", "logprobs"
+            )
         if self.best_of not in (None, self.n or 1):
             return ApiError(400, "best_of must equal n (choices are not ranked on the server)", "best_of")
         if self.suffix:
@@ -177,9 +182,15 @@ class ChatRequest(_Sampling):
     max_completion_tokens: StrictInt | None = None
     tools: list[Any] | None = None
 
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def unsupported(self) -> ApiError | None:
-        if self.logprobs or self.top_logprobs is not None:
-            return ApiError(400, "logprobs is not supported", "logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            return ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            return ApiError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}; got {self.top_logprobs}",
+                            "top_logprobs")  # fmt: skip
         if self.tools:
             return ApiError(400, "tools are not supported", "tools")
         return super().unsupported()
@@ -208,16 +219,21 @@ def _head(rid: str, obj: str, model: str, created: int | None) -> dict:
     return {"id": rid, "object": obj, "created": created or int(time.time()), "model": model}
 
 
-def completion_response(rid: str, model: str, choices: list[tuple[str, str | None]], usage: Usage) -> dict:
-    """``choices``: ``(text, finish_reason)`` in index order."""
-    out = [{"index": i, "text": t, "logprobs": None, "finish_reason": f} for i, (t, f) in enumerate(choices)]
+Choice = tuple[str, "str | None", "dict | None"]  # text, finish_reason, logprobs object
+
+
+def completion_response(rid: str, model: str, choices: list[Choice], usage: Usage) -> dict:
+    """``choices``: ``(text, finish_reason, logprobs)`` in index order."""
+    out = [
+        {"index": i, "text": t, "logprobs": lp, "finish_reason": f} for i, (t, f, lp) in enumerate(choices)
+    ]
     return {**_head(rid, "text_completion", model, None), "choices": out, "usage": usage.model_dump()}
 
 
-def chat_response(rid: str, model: str, choices: list[tuple[str, str | None]], usage: Usage) -> dict:
-    """``choices``: ``(text, finish_reason)`` in index order."""
-    out = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": f}
-           for i, (t, f) in enumerate(choices)]  # fmt: skip
+def chat_response(rid: str, model: str, choices: list[Choice], usage: Usage) -> dict:
+    """``choices``: ``(text, finish_reason, logprobs)`` in index order."""
+    out = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp, "finish_reason": f}
+           for i, (t, f, lp) in enumerate(choices)]  # fmt: skip
     return {**_head(rid, "chat.completion", model, None), "choices": out, "usage": usage.model_dump()}
 
 
@@ -230,11 +246,14 @@ def completion_chunk(
     usage: Usage | None,
     with_usage: bool,
     index: int = 0,
+    logprobs: dict | None = None,
 ) -> dict:
     """One SSE chunk of choice ``index``; ``text is None`` makes the final usage-only chunk."""
     out = _head(rid, "text_completion", model, created)
     out["choices"] = (
-        [] if text is None else [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}]
+        []
+        if text is None
+        else [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]
     )
     if with_usage:
         out["usage"] = usage.model_dump() if usage is not None else None
@@ -250,14 +269,38 @@ def chat_chunk(
     usage: Usage | None,
     with_usage: bool,
     index: int = 0,
+    logprobs: dict | None = None,
 ) -> dict:
     """One SSE chunk of choice ``index``; ``delta is None`` makes the final usage-only chunk."""
     out = _head(rid, "chat.completion.chunk", model, created)
-    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     out["choices"] = [] if delta is None else [choice]
     if with_usage:
         out["usage"] = usage.model_dump() if usage is not None else None
     return out
+
+
+def logprobs_object(
+    decode: Any, token_ids: list[int], lps: list[TokenLogprob], chat: bool, offset: int = 0
+) -> dict:
+    """OpenAI's logprobs of ``token_ids`` (``decode([id])`` gives a token's text): completions'
+    ``{tokens, token_logprobs, top_logprobs, text_offset}`` (offsets from ``offset``), or chat's
+    ``{content: [{token, logprob, bytes, top_logprobs}]}``."""
+    texts = [decode([t]) for t in token_ids]
+    tops = [[(decode([i]), v) for i, v in top] for _, top in lps]
+    if chat:
+
+        def entry(t: str, v: float) -> dict:
+            return {"token": t, "logprob": v, "bytes": list(t.encode("utf-8", "replace"))}
+
+        return {"content": [{**entry(t, c), "top_logprobs": [entry(s, v) for s, v in top]}
+                            for t, (c, _), top in zip(texts, lps, tops, strict=True)]}  # fmt: skip
+    offsets, at = [], offset
+    for t in texts:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": texts, "token_logprobs": [c for c, _ in lps], "top_logprobs": [dict(top) for top in tops],
+            "text_offset": offsets}  # fmt: skip
 
 
 def spec_param(msg: str) -> str | None:
@@ -281,6 +324,7 @@ def sampling_params(
         kw["seed"] += choice
     if req.stop_token_ids:
         kw["stop_token_ids"] = tuple(req.stop_token_ids)
+    kw["logprobs"] = req.logprob_count()
     if req.logit_bias:
         if not all(k.isdigit() for k in req.logit_bias):
             raise ApiError(400, "logit_bias keys must be token ids (decimal strings)", "logit_bias")
