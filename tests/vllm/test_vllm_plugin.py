@@ -177,7 +177,15 @@ def test_int2_matches_our_engine(model: Path, work: Path, artifact: Path, absorb
     res, log = _run_vllm(work, f"int2_{absorb_v}", job)
     assert "oscarkv: KV pages hold INT2 rows (144 bytes per token per layer)" in log
     assert ("oscarkv: R_V absorbed into qkv_proj of 8 layers" in log) == absorb_v
-    kw = {"device": "cpu", "page_tokens": 16, "max_batched_tokens": 64, "prefix_cache": False}
+    # max_model_len: the CPU default budget (0.25 GiB) holds no BF16 request of the model's 32K
+    # positions, and with max_running unset the engine takes the requests of max_model_len it holds
+    kw = {
+        "device": "cpu",
+        "page_tokens": 16,
+        "max_batched_tokens": 64,
+        "prefix_cache": False,
+        "max_model_len": 4096,
+    }
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     ours = LLM(str(model), rotations=str(artifact), absorb_v=absorb_v, **kw)
     want = [[o.token_ids for o in ours.generate(b, sp)] for b in _prompts()]
