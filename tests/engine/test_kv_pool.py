@@ -72,6 +72,7 @@ def test_unset_max_running_takes_the_requests_of_max_model_len_the_budget_holds(
         )
         fixed = plan.hp_page_bytes + plan.q_page_bytes * plan.int2
         assert plan.max_running == min(64, (budget - fixed) // per), budget
+        assert plan.request_bytes(n) == per
         if plan.max_running < 64:  # explicit slots: the same plan
             assert plan == plan_pools(replace(cfg, max_running=plan.max_running), spec, L, HKV, D, torch.bfloat16,
                                       budget)  # fmt: skip

@@ -37,14 +37,16 @@ def compare_serving(
     same = [a == b for a, b in zip(bf16.tokens, int2.tokens, strict=True)]
     first = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
              for a, b in zip(bf16.tokens, int2.tokens, strict=True)]  # fmt: skip
+    lengths = [256 << i for i in range(8)]  # 256 .. 32K: the storage format, past the demo's 2K
     return {
         "context": context, "budget_mib": budget / MIB, "prompts": len(prompts), "generated": gen,
         "held": {"bf16": bf16.held, "int2": int2.held},
-        "request_mib": {"bf16": bf16.request_bytes / MIB, "int2": int2.request_bytes / MIB},
+        "request_mib": {"bf16": bf16.plan.request_bytes(context) / MIB, "int2": int2.plan.request_bytes(context) / MIB},
         "bits_per_element": {"bf16": 16.0, "int2": rots.bits_per_element(context)},
         "greedy_identical": sum(same), "greedy_equal_prefix": sum(first) / len(first),
         "tok_s": {"bf16": bf16.tok_s, "int2": int2.tok_s},
-        "per_token_bytes": {"bf16": _per_token(model_dir)}, "spec": {"sink": rots.spec.sink_tokens},
+        "request_mib_by_length": {"lengths": lengths, "bf16": [bf16.plan.request_bytes(n) / MIB for n in lengths],
+                                  "int2": [int2.plan.request_bytes(n) / MIB for n in lengths]},
     }  # fmt: skip
 
 
@@ -85,23 +87,13 @@ def serving_table(r: dict[str, Any]) -> Table:
 def demo_plots(out: Path, summ: dict[str, dict[str, Any]], r: dict[str, Any], rots: Any) -> list[Path]:
     """``memory.png`` (KV MiB per request against context, the budget marked) and
     ``quality.png`` (perplexity ratio against bits per element)."""
-    hp_tok = r["per_token_bytes"]["bf16"]
-    lengths = [256 << i for i in range(8)]  # 256 .. 32K: the storage format, past the demo's 2K
-    int2_fixed = r["request_mib"]["int2"] * MIB - _int2_pages(r["context"], r, rots, hp_tok)
+    by = r["request_mib_by_length"]
     mib = {
-        "BF16": [-(-n // 16) * 16 * hp_tok / MIB for n in lengths],
-        f"INT2 ({rots.bits_per_element(None):.2f} bits beyond the 16-bit windows)": [
-            (int2_fixed + _int2_pages(n, r, rots, hp_tok)) / MIB for n in lengths
-        ],
+        "BF16": by["bf16"],
+        f"INT2 ({rots.bits_per_element(None):.2f} bits beyond the 16-bit windows)": by["int2"],
     }
     points = {m: (s["bits_per_element"], s["ppl_ratio"]) for m, s in summ.items() if s.get("ppl_ratio")}
     return [
-        plot_memory(lengths, mib, r["budget_mib"], out / "memory.png"),
+        plot_memory(by["lengths"], mib, r["budget_mib"], out / "memory.png"),
         plot_quality(points, r["context"], out / "quality.png"),
     ]
-
-
-def _int2_pages(n: int, r: dict[str, Any], rots: Any, hp_tok: int) -> float:
-    """INT2 page bytes of a request of ``n`` tokens (every token past its sink, whole pages)."""
-    q_tok = rots.bits_per_element(None) / 8 * hp_tok / 2  # hp_tok holds 16 bits per element
-    return -(-max(n - r["spec"]["sink"], 0) // 16) * 16 * q_tok

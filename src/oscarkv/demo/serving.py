@@ -10,34 +10,22 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Side", "request_bytes", "serve_side"]
+__all__ = ["Side", "serve_side"]
 
 
 @dataclass(frozen=True)
 class Side:
-    """One engine's result: slots, bytes of one full-length request, outputs and speed."""
+    """One engine's result: slots, its pools' plan, outputs and speed."""
 
     kv_dtype: str
     held: int
-    request_bytes: int
+    plan: Any  # store.PoolPlan: request_bytes(length) is one request's KV bytes
     tokens: list[list[int]]
     seconds: float
 
     @property
     def tok_s(self) -> float:
         return sum(len(t) for t in self.tokens) / max(self.seconds, 1e-9)
-
-
-def request_bytes(plan: Any, spec: Any, length: int) -> int:
-    """KV bytes one request of ``length`` tokens takes in ``plan``'s pools (the engine's own
-    accounting: an INT2 slot's sinks and ring, and INT2 pages for every token past its sink; or
-    16-bit pages for all of them)."""
-    ps = plan.page_tokens
-    hp_tok = plan.hp_page_bytes // ps
-    if not plan.int2:
-        return -(-length // ps) * plan.hp_page_bytes
-    slot = plan.sink_pages * 2 * plan.hp_page_bytes + plan.ring_cap * hp_tok
-    return slot + -(-max(length - spec.sink_tokens, 0) // ps) * plan.q_page_bytes
 
 
 def serve_side(
@@ -51,12 +39,16 @@ def serve_side(
     llm = LLM(model, rotations=rotations, kv_dtype=kv_dtype, device="cpu", dtype="bf16",
               kv_budget_gb=budget_gb, max_model_len=max_model_len)  # fmt: skip
     try:
-        runner = llm.engine.runner
-        size = request_bytes(runner.plan, runner.spec, max_model_len)
         params = SamplingParams(max_tokens=gen_tokens, temperature=0, ignore_eos=True)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
         seconds = time.perf_counter() - t0
-        return Side(kv_dtype, llm.engine.cfg.max_running, size, [list(o.token_ids) for o in outs], seconds)
+        return Side(
+            kv_dtype,
+            llm.engine.cfg.max_running,
+            llm.engine.runner.plan,
+            [list(o.token_ids) for o in outs],
+            seconds,
+        )
     finally:
         llm.shutdown()

@@ -66,7 +66,8 @@ def plan_pools(
     hp_page = ps * hp_tok
     if cfg.kv_dtype == "bf16":
         if mr is None:
-            mr = _slots(budget_bytes - hp_page, -(-_length(max_model_len) // ps) * hp_page, max_model_len)
+            per = PoolPlan(False, ps, 0, 0, 0, 0, 0, 0, 0, hp_page, 0).request_bytes(_length(max_model_len))
+            mr = _slots(budget_bytes - hp_page, per, max_model_len)
         hp_pages = budget_bytes // hp_page
         _need(budget_bytes, 2 * hp_page, "two 16-bit pages (the dummy page and one usable page)")
         return PoolPlan(False, ps, mr, 0, 0, hp_pages, 0, 0, 0, hp_page, hp_pages * hp_page)
@@ -82,10 +83,11 @@ def plan_pools(
     sink_pages = spec.sink_tokens // ps
     ring = window_limit(spec)
     cap = -(-ring // ps) * ps
-    if mr is None:  # a slot's sinks and ring, and INT2 pages for every token past its sink
-        slot = sink_pages * 2 * hp_page + cap * hp_tok
-        q_need = -(-max(_length(max_model_len) - spec.sink_tokens, 0) // ps) * q_page
-        mr = _slots(budget_bytes - hp_page - q_page, slot + q_need, max_model_len)
+    if mr is None:
+        shape = PoolPlan(True, ps, 0, sink_pages, 0, 0, ring, cap, q_page, hp_page, 0)
+        mr = _slots(
+            budget_bytes - hp_page - q_page, shape.request_bytes(_length(max_model_len)), max_model_len
+        )
     hp_pages = 1 + mr * sink_pages * 2
     fixed = hp_pages * hp_page + mr * cap * hp_tok
     _need(

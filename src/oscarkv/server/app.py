@@ -32,7 +32,7 @@ from .protocol import (
     ApiError,
     ChatRequest,
     CompletionRequest,
-    error_body,
+    error_response,
     new_id,
     sampling_params,
     spec_param,
@@ -45,13 +45,6 @@ log = logging.getLogger("oscarkv.server")
 
 #: the prompt text a server takes per token of max_model_len (unless --max-prompt-bytes is set)
 PROMPT_BYTES_PER_TOKEN = 64
-#: seconds a 503 (queue full, engine stopped) asks a client to wait before retrying
-RETRY_AFTER_S = 1
-
-
-def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
 def check_server_files(cfg: ServerConfig) -> None:
@@ -161,30 +154,30 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Any | None = Non
     app.add_middleware(GuardMiddleware, loopback=is_loopback(cfg.host))
 
     @app.exception_handler(ApiError)
-    async def _api_error(request: Request, e: ApiError) -> JSONResponse:
-        return _error(e.status, e.message, e.param, e.code)
+    async def _apierror_response(request: Request, e: ApiError) -> JSONResponse:
+        return error_response(e.status, e.message, e.param, e.code)
 
     @app.exception_handler(OscarkvError)
-    async def _user_error(request: Request, e: OscarkvError) -> JSONResponse:
+    async def _usererror_response(request: Request, e: OscarkvError) -> JSONResponse:
         if isinstance(e, (QueueFullError, EngineDeadError)):
-            return _error(503, str(e), code="unavailable")
+            return error_response(503, str(e), code="unavailable")
         param = (
             spec_param(str(e)) if isinstance(e, SpecError) else getattr(request.state, "prompt_param", None)
         )
-        return _error(400, str(e), param)
+        return error_response(400, str(e), param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        return _error(e.status_code, str(e.detail))
+    async def _httperror_response(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error_response(e.status_code, str(e.detail))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
-        return _error(400, str(e.errors()[:1]))
+        return error_response(400, str(e.errors()[:1]))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> JSONResponse:
         log.exception("internal error on %s", request.url.path)
-        r = _error(500, "internal server error", code="internal_error")
+        r = error_response(500, "internal server error", code="internal_error")
         r.headers["Connection"] = "close"  # the client knows this connection ends here
         return r
 
@@ -267,7 +260,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Any | None = Non
     @app.get("/health")
     async def health() -> Response:
         if not engine.alive:
-            return _error(503, "the engine thread has stopped", code="engine_dead")
+            return error_response(503, "the engine thread has stopped", code="engine_dead")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

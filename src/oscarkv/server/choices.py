@@ -26,6 +26,7 @@ from .protocol import (
     completion_chunk,
     completion_response,
     error_body,
+    error_response,
     logprobs_object,
 )
 
@@ -123,8 +124,7 @@ async def answer(
         for c in choices:  # a stream cancelled before it started has not aborted its request
             engine.abort(c.rid)
         if draining.is_set():
-            body = error_body(503, "the server is shutting down", code="shutting_down")
-            return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+            return error_response(503, "the server is shutting down", code="shutting_down")
         return Response(status_code=499)
     outs = task.result()
     make = chat_response if chat else completion_response

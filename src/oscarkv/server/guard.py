@@ -9,13 +9,9 @@ from urllib.parse import urlsplit
 from fastapi.responses import JSONResponse
 
 from ..config.server import is_loopback
-from .protocol import error_body
+from .protocol import error_response
 
 __all__ = ["GuardMiddleware"]
-
-
-def _error(status: int, message: str, code: str) -> JSONResponse:
-    return JSONResponse(error_body(status, message, None, code), status_code=status)
 
 
 def _loopback_name(netloc: str) -> bool:
@@ -52,11 +48,11 @@ class GuardMiddleware:
             if not _loopback_name(headers.get("host", "")) or (
                 origin is not None and not _loopback_name(urlsplit(origin).netloc)
             ):
-                return _error(403, "this server listens on a loopback address and answers only requests "
+                return error_response(403, "this server listens on a loopback address and answers only requests "
                               "addressed to it as localhost (Host and Origin headers)", code="forbidden_host")  # fmt: skip
         if method == "POST":
             ctype = headers.get("content-type", "").split(";")[0].strip().lower()
             if ctype != "application/json":
-                return _error(415, f"the request body must be application/json; got {ctype or 'no Content-Type'}",
+                return error_response(415, f"the request body must be application/json; got {ctype or 'no Content-Type'}",
                               code="unsupported_media_type")  # fmt: skip
         return None

@@ -7,6 +7,7 @@ import time
 import uuid
 from typing import Annotated, Any
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from ..config.base import SpecError
@@ -25,6 +26,7 @@ __all__ = [
     "completion_chunk",
     "completion_response",
     "error_body",
+    "error_response",
     "new_id",
     "sampling_params",
     "spec_param",
@@ -63,6 +65,18 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     """OpenAI's error object for ``status``."""
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+#: seconds a 503 (queue full, engine stopped, shutting down) asks a client to wait before retrying
+RETRY_AFTER_S = 1
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    """The error answered with ``status`` (a 503 says when to retry)."""
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
 #: a JSON number (an integer is a number); strings and booleans are refused, not converted
@@ -219,10 +233,10 @@ def _head(rid: str, obj: str, model: str, created: int | None) -> dict:
     return {"id": rid, "object": obj, "created": created or int(time.time()), "model": model}
 
 
-Choice = tuple[str, "str | None", "dict | None"]  # text, finish_reason, logprobs object
+ChoiceBody = tuple[str, "str | None", "dict | None"]  # text, finish_reason, logprobs object
 
 
-def completion_response(rid: str, model: str, choices: list[Choice], usage: Usage) -> dict:
+def completion_response(rid: str, model: str, choices: list[ChoiceBody], usage: Usage) -> dict:
     """``choices``: ``(text, finish_reason, logprobs)`` in index order."""
     out = [
         {"index": i, "text": t, "logprobs": lp, "finish_reason": f} for i, (t, f, lp) in enumerate(choices)
@@ -230,7 +244,7 @@ def completion_response(rid: str, model: str, choices: list[Choice], usage: Usag
     return {**_head(rid, "text_completion", model, None), "choices": out, "usage": usage.model_dump()}
 
 
-def chat_response(rid: str, model: str, choices: list[Choice], usage: Usage) -> dict:
+def chat_response(rid: str, model: str, choices: list[ChoiceBody], usage: Usage) -> dict:
     """``choices``: ``(text, finish_reason, logprobs)`` in index order."""
     out = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp, "finish_reason": f}
            for i, (t, f, lp) in enumerate(choices)]  # fmt: skip

@@ -52,6 +52,16 @@ class PoolPlan:
         """First row of the ring slab of request slot ``slot``."""
         return self.ring0 + slot * self.ring_cap
 
+    def request_bytes(self, length: int) -> int:
+        """KV bytes one request of ``length`` tokens holds at most: an INT2 slot's sink pages and
+        ring slab, and INT2 pages for every token past its sink; in bf16 mode 16-bit pages for all
+        of its tokens."""
+        ps = self.page_tokens
+        if not self.int2:
+            return -(-length // ps) * self.hp_page_bytes
+        slot = self.sink_pages * 2 * self.hp_page_bytes + self.ring_cap * (self.hp_page_bytes // ps)
+        return slot + -(-max(length - self.sink_pages * ps, 0) // ps) * self.q_page_bytes
+
 
 @dataclass(frozen=True)
 class LayerViews:
