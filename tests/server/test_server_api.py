@@ -13,24 +13,21 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from serve_demo import DEMO, MODEL, TEMPLATE, engine_config, serve_with_template
 
 import oscarkv
-from oscarkv.config import EngineConfig, ServerConfig
+from oscarkv.config import ServerConfig
 from oscarkv.config.base import SpecError
 from oscarkv.engine import SamplingParams
 from oscarkv.engine.llm import LLM
 from oscarkv.engine.tokenizer import apply_chat
 from oscarkv.server.launch import RunningServer, start_server
 
-DEMO = str(Path(oscarkv.__file__).parent / "assets" / "demo-model")
-MODEL = "demo-model"
-TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}<|assistant|>"
 KEY = "sk-test-0123456789"
 PROMPT = "Once upon a time"
 
 
-def _engine_cfg(**kw: Any) -> EngineConfig:
-    return EngineConfig(model=DEMO, kv_dtype="bf16", device="cpu", max_running=4, check_invariants=True, **kw)
+_engine_cfg = engine_config
 
 
 def _wait_idle(srv: RunningServer, timeout: float = 20.0) -> None:
@@ -42,9 +39,7 @@ def _wait_idle(srv: RunningServer, timeout: float = 20.0) -> None:
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    tpl = tmp_path_factory.mktemp("tpl") / "chat.jinja"
-    tpl.write_text(TEMPLATE)
-    s = start_server(_engine_cfg(), ServerConfig(port=0, chat_template=str(tpl)))
+    s = serve_with_template(tmp_path_factory.mktemp("tpl"))
     yield s
     s.stop()
 

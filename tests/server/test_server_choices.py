@@ -6,33 +6,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from serve_demo import DEMO, MODEL, engine_config, serve_with_template
 
-import oscarkv
-from oscarkv.config import EngineConfig, ServerConfig
+from oscarkv.config import ServerConfig
 from oscarkv.engine import SamplingParams
 from oscarkv.engine.llm import LLM
 from oscarkv.server.launch import RunningServer, start_server
 
-DEMO = str(Path(oscarkv.__file__).parent / "assets" / "demo-model")
-MODEL = "demo-model"
-TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}<|assistant|>"
 PROMPTS = ["Once upon a time", "The cat sat", "In the beginning"]
 
 
-def _cfg(**kw) -> EngineConfig:
-    return EngineConfig(model=DEMO, kv_dtype="bf16", device="cpu", max_running=4, check_invariants=True, **kw)
+_cfg = engine_config
 
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    tpl = tmp_path_factory.mktemp("tpl") / "chat.jinja"
-    tpl.write_text(TEMPLATE)
-    s = start_server(_cfg(), ServerConfig(port=0, chat_template=str(tpl)))
+    s = serve_with_template(tmp_path_factory.mktemp("tpl"))
     yield s
     s.stop()
 

@@ -5,35 +5,31 @@ kept out of the access log."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import logging.config
 import socket
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
+from serve_demo import DEMO, MODEL, serve_with_template
 
-import oscarkv
 from oscarkv.config import EngineConfig, ServerConfig
 from oscarkv.config.base import SpecError
 from oscarkv.server.launch import RedactQuery, RunningServer, access_log_config, start_server
 
-DEMO = str(Path(oscarkv.__file__).parent / "assets" / "demo-model")
-MODEL = "demo-model"
 JSON = {"Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    tpl = tmp_path_factory.mktemp("tpl") / "chat.jinja"
-    tpl.write_text("{% for m in messages %}{{ m.content }}\n{% endfor %}")
-    cfg = EngineConfig(model=DEMO, kv_dtype="bf16", device="cpu", max_running=2)
-    s = start_server(cfg, ServerConfig(port=0, chat_template=str(tpl)))
+    s = serve_with_template(tmp_path_factory.mktemp("tpl"), "{% for m in messages %}{{ m.content }}\n{% endfor %}",
+                            EngineConfig(model=DEMO, kv_dtype="bf16", device="cpu", max_running=2))  # fmt: skip
     yield s
     s.stop()
 
@@ -138,6 +134,16 @@ def _slow_long_prompts(monkeypatch: pytest.MonkeyPatch, delay: float) -> None:
     monkeypatch.setattr(ae, "encode_prompt", slow)
 
 
+@contextlib.contextmanager
+def _long_prompts_in_flight(s: RunningServer, n: int, settle_s: float) -> Iterator[list[Future]]:
+    """``n`` long-prompt requests posted from threads, ``settle_s`` seconds after they were sent."""
+    long = {"model": MODEL, "prompt": "word " * 3000, "max_tokens": 1}
+    with ThreadPoolExecutor(n) as ex:
+        futs = [ex.submit(httpx.post, s.url + "/v1/completions", json=long, timeout=60) for _ in range(n)]
+        time.sleep(settle_s)
+        yield futs
+
+
 def _start(**server: Any) -> RunningServer:
     cfg = EngineConfig(model=DEMO, kv_dtype="bf16", device="cpu", max_running=2)
     return start_server(cfg, ServerConfig(port=0, **server))
@@ -164,10 +170,7 @@ def test_a_short_request_is_not_held_behind_long_prompts(monkeypatch: pytest.Mon
     _slow_long_prompts(monkeypatch, 3.0)
     s = _start(tokenizer_workers=2)
     try:
-        long = {"model": MODEL, "prompt": "word " * 3000, "max_tokens": 1}
-        with ThreadPoolExecutor(6) as ex:
-            futs = [ex.submit(httpx.post, s.url + "/v1/completions", json=long, timeout=60) for _ in range(5)]
-            time.sleep(0.3)
+        with _long_prompts_in_flight(s, 5, settle_s=0.3) as futs:
             t0 = time.monotonic()
             r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
             short_s = time.monotonic() - t0
@@ -181,10 +184,7 @@ def test_prompts_being_tokenized_count_toward_max_queued(monkeypatch: pytest.Mon
     _slow_long_prompts(monkeypatch, 3.0)
     s = _start(max_queued=2)
     try:
-        long = {"model": MODEL, "prompt": "word " * 3000, "max_tokens": 1}
-        with ThreadPoolExecutor(2) as ex:
-            futs = [ex.submit(httpx.post, s.url + "/v1/completions", json=long, timeout=60) for _ in range(2)]
-            time.sleep(0.5)  # both are being tokenized; none is in the engine yet
+        with _long_prompts_in_flight(s, 2, settle_s=0.5) as futs:  # both being tokenized, none in the engine
             r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
             [f.result() for f in futs]

@@ -171,8 +171,10 @@ class Engine:
         """Read a launched step's tokens and apply them: finishes, text, outputs."""
         with self.timer.waiting(), self._guard():
             toks = self.runner.collect(launched)
-        lps = {it.seq.rid: lp for it, lp in zip(launched.batch.items, self.runner.collect_logprobs(launched),
-                                                strict=True) if lp is not None}  # fmt: skip
+        lps = {} if launched.logprobs is None else {
+            it.seq.rid: lp for it, lp in zip(launched.batch.items, self.runner.collect_logprobs(launched), strict=True)
+            if lp is not None
+        }  # fmt: skip
         gained: dict[str, Sequence] = {}
         finished = self.scheduler.postprocess(
             launched.batch, toks, lambda seq, tok: self._on_token(seq, tok, gained, lps.get(seq.rid))
