@@ -233,6 +233,53 @@ def test_connection_cap_and_keep_alive_come_from_the_config() -> None:
         ServerConfig(keep_alive_s=0)
 
 
+def _closed_within(sock: socket.socket, seconds: float, trickle: bytes = b"") -> float | None:
+    """Seconds until the server closes ``sock`` (None if it stays open ``seconds``), sending
+    ``trickle`` one byte every 0.2 s meanwhile."""
+    t0 = time.monotonic()
+    sock.settimeout(0.2)
+    for i in range(int(seconds / 0.2)):
+        try:
+            if sock.recv(4096) == b"":
+                return time.monotonic() - t0
+        except TimeoutError:
+            pass
+        except ConnectionResetError:
+            return time.monotonic() - t0
+        if trickle:
+            try:
+                sock.sendall(trickle[i % len(trickle) : i % len(trickle) + 1])
+            except (BrokenPipeError, ConnectionResetError):
+                return time.monotonic() - t0
+    return None
+
+
+def test_a_request_head_trickled_past_the_header_timeout_is_closed() -> None:
+    """A client sending headers a byte at a time (each byte resets keep-alive) is cut off after
+    ``header_timeout_s``; an idle new connection too; a prompt request is unaffected."""
+    s = _start(header_timeout_s=1.0, keep_alive_s=30)
+    host, port = s.url.removeprefix("http://").split(":")
+    try:
+        assert s.server.config.timeout_keep_alive == 30
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(f"GET /health HTTP/1.1\r\nHost: {host}:{port}\r\n".encode())
+            took = _closed_within(sock, 4.0, trickle=b"X-Slow: aaaaaaaa\r\n")
+        assert took is not None and 0.5 < took < 2.5
+        with socket.create_connection((host, int(port))) as sock:
+            took = _closed_within(sock, 4.0)
+        assert took is not None and 0.5 < took < 2.5
+        with socket.create_connection((host, int(port))) as sock:  # a whole head in time: answered
+            sock.sendall(f"GET /health HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
+            sock.settimeout(5)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200
+    finally:
+        s.stop()
+    with pytest.raises(SpecError, match="header_timeout_s"):
+        ServerConfig(header_timeout_s=0)
+
+
 def test_a_client_leaving_mid_upload_is_no_internal_error(
     srv: RunningServer, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -46,6 +46,11 @@ class ServerConfig:
         "most open connections; more are answered 503 at once (uvicorn's limit_concurrency)", default=1024
     )
     keep_alive_s: float = help_field("seconds an idle keep-alive connection stays open", default=5.0)
+    header_timeout_s: float = help_field(
+        "seconds a connection may take to send a whole request head (from opening, or from its "
+        "last response) before it is closed",
+        default=10.0,
+    )
     shutdown_grace_s: float = help_field(
         "seconds SIGTERM waits for requests in flight; open streams end at once with an error event "
         "and [DONE]",
@@ -69,7 +74,7 @@ class ServerConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
                 raise field_error(n, name, "unset or a non-empty string", v, True)
-        for name in ("keep_alive_s", "shutdown_grace_s"):
+        for name in ("keep_alive_s", "header_timeout_s", "shutdown_grace_s"):
             v = getattr(self, name)
             if not is_num(v) or not 0 < v < float("inf"):
                 raise field_error(n, name, "a positive number of seconds", v, True)

@@ -19,6 +19,7 @@ from ..config.server import ServerConfig
 from ..engine.engine import Engine
 from ..errors import InputError
 from .async_engine import AsyncEngine
+from .connection import header_timeout_protocol
 
 __all__ = ["RedactQuery", "RunningServer", "access_log_config", "build_app", "serve", "start_server"]
 
@@ -61,7 +62,8 @@ def _uvicorn_config(app: Any, cfg: ServerConfig, **kw: Any) -> Any:
     import uvicorn
 
     return uvicorn.Config(app, limit_concurrency=cfg.max_connections, timeout_keep_alive=cfg.keep_alive_s,
-                          timeout_graceful_shutdown=cfg.shutdown_grace_s, **kw)  # fmt: skip
+                          timeout_graceful_shutdown=cfg.shutdown_grace_s,
+                          http=header_timeout_protocol(cfg.header_timeout_s), **kw)  # fmt: skip
 
 
 def _draining_server(config: Any) -> Any:
