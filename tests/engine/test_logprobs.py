@@ -71,3 +71,33 @@ def test_int2_engine_logprobs_follow_its_tokens(rotations: str) -> None:
     assert len(o.logprobs) == len(o.token_ids) == 6 and all(len(t) == 2 for _, t in o.logprobs)
     assert all(c <= 0 for c, _ in o.logprobs)
     assert len(cut.logprobs) == len(cut.token_ids) and cut.logprobs == full.logprobs[: len(cut.token_ids)]
+
+
+@pytest.mark.parametrize("chunk", [8192, 7])
+def test_prompt_logprobs_are_the_models_at_every_position(hf, chunk: int) -> None:
+    """``prompt_logprobs``: every prompt token after the first is scored by the logits of the
+    position before it, in one prefill step or in chunks of 7 tokens; a repeat of the prompt is
+    scored again in full (no prefix-cache hit), while a plain request still hits the cache."""
+    prompt = "import os\nimport sys\n\ndef main(argv):\n    return len(argv)\n"
+    params = SamplingParams(max_tokens=2, temperature=0, logprobs=1, prompt_logprobs=2)
+    with LLM(DEMO, kv_dtype="bf16", device="cpu", max_running=2, max_batched_tokens=chunk) as llm:
+        first, again = (llm.generate(prompt, params)[0] for _ in range(2))
+        plain = llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0))[0]
+    ids = first.prompt_token_ids
+    with torch.no_grad():
+        lp = hf(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    assert first.prompt_logprobs is not None and len(first.prompt_logprobs) == len(ids) > 16
+    assert first.prompt_logprobs[0] is None and plain.prompt_logprobs is None
+    for p in range(1, len(ids)):
+        chosen, top = first.prompt_logprobs[p]
+        assert chosen == pytest.approx(float(lp[p - 1, ids[p]]), abs=1e-4)
+        want = lp[p - 1].topk(2)
+        assert [t for t, _ in top] == want.indices.tolist()
+        assert [v for _, v in top] == pytest.approx(want.values.tolist(), abs=1e-4)
+    assert again.num_cached_tokens == 0 and plain.num_cached_tokens > 0
+    for a, b in zip(first.prompt_logprobs[1:], again.prompt_logprobs[1:], strict=True):
+        assert a[0] == pytest.approx(b[0], abs=1e-5)
+    # the first sampled token's log-probability continues the prompt's scores
+    assert first.logprobs[0][0] == pytest.approx(float(lp[-1, first.token_ids[0]]), abs=1e-4)
+    with pytest.raises(SpecError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=-1)

@@ -25,6 +25,7 @@ from oscarkv.rotation import LayerRotation, RotationSet, save_rotations
 REF = SHARED_DIR / "models" / "oscar-ref-qwen3-30m"  # Qwen3: 8 layers, 4 heads, 2 KV heads, d 128
 SPEC = QuantSpec(sink_tokens=16, recent_tokens=32, demote_block=8)
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+SCORE = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2)
 KW = dict(device="cpu", page_tokens=8, max_batched_tokens=96, max_running=8, kv_budget_gb=0.05,
           check_invariants=True)  # fmt: skip
 
@@ -85,15 +86,23 @@ def test_tp2_gives_the_tokens_of_tp1(kv: str, model: tuple[Path, int, int], kv_h
     path, _, vocab = model
     rot = {"rotations": str(kv_head_rotations), "spec": SPEC} if kv == "int2" else {}
     ps = prompts(vocab)
-    want = LLM(str(path), kv_dtype=kv, **rot, **KW).generate(ps, GREEDY)
+    with LLM(str(path), kv_dtype=kv, **rot, **KW) as one:
+        want = one.generate(ps, GREEDY)
+        scored = one.generate(ps[:2], SCORE)
     with LLM(str(path), kv_dtype=kv, **rot, **KW, tensor_parallel=2) as llm:
         got = llm.generate(ps, GREEDY)
+        scored_tp = llm.generate(ps[:2], SCORE)  # prompt rows through the vocab-parallel head
         again = llm.generate(ps[-1:], GREEDY)[0]  # served partly from the prefix cache
         assert "tensor parallel 2" in llm.engine.runner.startup_report()
         procs = list(llm.engine.workers.procs)
     for p, a, b in zip(ps, want, got, strict=True):
         assert a.token_ids == b.token_ids, (kv, len(p), first_diff(a.token_ids, b.token_ids))
     assert again.num_cached_tokens > 0 and again.token_ids == got[-1].token_ids
+    for a, b in zip(scored, scored_tp, strict=True):  # fp32 sums split over ranks: 1e-3
+        assert b.prompt_logprobs[0] is None and len(b.prompt_logprobs) == len(a.prompt_token_ids)
+        assert [x[0] for x in b.prompt_logprobs[1:]] == pytest.approx(
+            [x[0] for x in a.prompt_logprobs[1:]], abs=1e-3
+        )
     assert all(p.exitcode == 0 for p in procs)  # stopped cleanly by shutdown()
 
 

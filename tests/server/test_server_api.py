@@ -187,12 +187,13 @@ def test_chat_without_template_is_400(secured: RunningServer) -> None:
         ({"prompt": [[5, 2048]]}, "prompt"),  # an id >= vocab in a batch
         ({"prompt": ["fine", ""]}, "prompt"),
         ({"n": 2, "best_of": 3}, "best_of"),
-        ({"repetition_penalty": 1.2}, "repetition_penalty"),  # vLLM's extension: refused, not ignored
+        ({"repetition_penalty": 0}, "repetition_penalty"),  # vLLM's extension, in (0, 2]
+        ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"min_p": 0.1}, "min_p"),
         ({"guided_json": {"type": "object"}}, "guided_json"),
         ({"logprobs": 21}, "logprobs"),
-        ({"echo": True}, "echo"),
+        ({"echo": True, "max_tokens": 0}, "max_tokens"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"temperature": "hot"}, "temperature"),
         ({"temperature": "0.5"}, "temperature"),  # a string is not a number, even when it reads as one

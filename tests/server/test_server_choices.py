@@ -174,3 +174,44 @@ def test_logprobs_on_both_endpoints_streamed_and_not(srv: RunningServer, llm: LL
         srv.url + "/v1/chat/completions", json={"model": MODEL, "messages": msgs, "top_logprobs": 2}
     )
     assert bad.status_code == 400 and "logprobs: true" in bad.json()["error"]["message"]
+
+
+def test_echo_returns_the_prompt_scored_as_lm_eval_reads_it(srv: RunningServer, llm: LLM) -> None:
+    """``echo`` with ``logprobs``: the text starts with the prompt, and the logprobs list every
+    prompt token (the first unscored) then the output's, as lm-eval's loglikelihood reads them
+    (``token_logprobs[ctxlen:-1]``); scores equal the engine's ``prompt_logprobs``; a batch of
+    id lists, and the stream, answer the same."""
+    c = _client(srv)
+    ref = llm.generate(
+        PROMPTS[0], SamplingParams(max_tokens=1, temperature=0, logprobs=1, prompt_logprobs=1)
+    )[0]
+    n = len(ref.prompt_token_ids)
+    r = c.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=1, temperature=0, logprobs=1, echo=True
+    )
+    ch = r.choices[0]
+    assert ch.text == PROMPTS[0] + ref.text
+    lp = ch.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n] == pytest.approx([x for x, _ in ref.prompt_logprobs[1:]], abs=1e-6)
+    assert lp.token_logprobs[n] == pytest.approx(ref.logprobs[0][0], abs=1e-6)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[n] == len(PROMPTS[0])
+    assert all(len(d) == 1 for d in lp.top_logprobs[1:])
+    batch = c.completions.create(model=MODEL, prompt=[ref.prompt_token_ids] * 2, max_tokens=1, temperature=0,
+                                 logprobs=1, echo=True)  # fmt: skip
+    for b in batch.choices:  # batched with another prompt: fp32 sums in another order
+        assert b.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+        assert b.text == llm.tokenizer.decode(ref.prompt_token_ids) + ref.text
+    chunks = list(c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0, logprobs=1,
+                                       echo=True, stream=True))  # fmt: skip
+    assert chunks[0].choices[0].text == PROMPTS[0]
+    streamed = [
+        v
+        for k in chunks
+        for v in (k.choices[0].logprobs.token_logprobs if k.choices and k.choices[0].logprobs else [])
+    ]
+    assert len(streamed) == n + 3 and streamed[0] is None
+    assert streamed[1 : n + 1] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
+    text_only = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=2, temperature=0, echo=True)
+    assert text_only.choices[0].text.startswith(PROMPTS[1]) and text_only.choices[0].logprobs is None

@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 from .base import field_error, help_field, is_int, is_num
 from .spec import QuantSpec
 
-__all__ = ["KV_DTYPES", "LOAD_FORMATS", "EngineConfig"]
+__all__ = ["KV_DTYPES", "LOAD_FORMATS", "PREFILL_ATTENTION", "EngineConfig"]
 
 KV_DTYPES = ("int2", "bf16")
 LOAD_FORMATS = ("safetensors", "dummy")
+PREFILL_ATTENTION = ("fresh", "invariant")
 #: the KV budget on CPU when ``kv_budget_gb`` is unset (on CUDA: a fraction of free memory)
 CPU_DEFAULT_BUDGET_GB = 0.25
 #: the most request slots the engine takes when ``max_running`` is unset
@@ -51,6 +52,14 @@ class EngineConfig:
         "longest prompt + output (unset: the model's positions)", default=None
     )
     prefix_cache: bool = help_field("reuse full KV pages of identical prompt prefixes", default=True)
+    prefill_attention: str = help_field(
+        "what prompt tokens attend to (int2): fresh (the step's own tokens in 16-bit, earlier chunks "
+        "and prefix hits as stored, so outputs depend on cache state) | invariant (16-bit only in "
+        "the sink and the token's own window block of the recent window rounded to pages, INT2 "
+        "before it: outputs independent of prefix hits, chunking and batch; prefix hits end on "
+        "a block)",
+        default="fresh",
+    )
     absorb_v: bool = help_field("fold R_V into v_proj and R_V^T into o_proj at load (int2)", default=True)
     decode_reserve_pages: int = help_field("pages kept free per running request at admission", default=1)
     tensor_parallel: int = help_field(
@@ -96,6 +105,10 @@ class EngineConfig:
             raise field_error(n, "overlap", "auto | on | off", self.overlap, True)
         if self.overlap == "on" and self.tensor_parallel > 1:  # workers take input ids from the host
             raise field_error(n, "overlap", "auto or off with tensor_parallel > 1", self.overlap, True)
+        if self.prefill_attention not in PREFILL_ATTENTION:
+            raise field_error(
+                n, "prefill_attention", " | ".join(PREFILL_ATTENTION), self.prefill_attention, True
+            )
         if self.backend not in ("auto", "torch", "triton"):
             raise field_error(n, "backend", "auto | torch | triton", self.backend, True)
         b = self.kv_budget_gb
@@ -134,3 +147,8 @@ class EngineConfig:
             raise field_error(
                 n, "page_tokens", f">= demote_block ({spec.demote_block})", self.page_tokens, True
             )
+        if self.prefill_attention == "invariant" and spec.recent_tokens < self.page_tokens:
+            raise field_error(
+                n, "page_tokens", f"<= recent_tokens ({spec.recent_tokens}) with prefill_attention=invariant",
+                self.page_tokens, True,
+            )  # fmt: skip

@@ -65,8 +65,9 @@ class Engine:
         prefix = None
         if cfg.prefix_cache:
             prefix = PrefixCache(
-                self.runner.fingerprint, cfg.page_tokens, spec, cfg.kv_dtype, self.hp, self.q or PagePool(1)
-            )
+                self.runner.fingerprint, cfg.page_tokens, spec, cfg.kv_dtype, self.hp, self.q or PagePool(1),
+                hit_block=plan.window_block,
+            )  # fmt: skip
         self.scheduler = Scheduler(
             cfg, self.hp, self.q, prefix, spec=spec, eos_ids=self.runner.shape.eos_token_ids,
             max_model_len=self.runner.max_model_len,
@@ -122,6 +123,8 @@ class Engine:
                              "bias token ids in [0, vocab_size)")  # fmt: skip
         rid = rid if rid is not None else f"req-{next(self._ids)}"
         seq = Sequence(rid, ids, params)
+        if params.prompt_logprobs is not None:
+            seq.prompt_lps = [None] * len(ids)
         self.scheduler.add(seq)
         self._detok[rid] = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
         return rid
@@ -171,6 +174,8 @@ class Engine:
         """Read a launched step's tokens and apply them: finishes, text, outputs."""
         with self.timer.waiting(), self._guard():
             toks = self.runner.collect(launched)
+            for it, scored in self.runner.collect_prompt_logprobs(launched):  # idempotent on recompute
+                it.seq.prompt_lps[it.start + 1 : it.start + 1 + len(scored)] = scored
         lps = {} if launched.logprobs is None else {
             it.seq.rid: lp for it, lp in zip(launched.batch.items, self.runner.collect_logprobs(launched), strict=True)
             if lp is not None
@@ -254,6 +259,7 @@ class Engine:
             ttft_s=None if t.first_token is None else t.first_token - t.arrival,
             e2e_s=None if t.finished is None else t.finished - t.arrival,
             logprobs=None if seq.params.logprobs is None else list(seq.out_logprobs),
+            prompt_logprobs=None if seq.params.prompt_logprobs is None else list(seq.prompt_lps),
         )
 
     def memory_report(self) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from ..errors import InputError
 from ..quant import RowFormat
 from ..quant.tiers import window_limit
 from ..store import LayerViews, PoolPlan
+from ..store.windows import window_block
 
 __all__ = ["DUMMY_PAGE", "KVPool", "budget_bytes", "plan_pools"]
 
@@ -97,7 +98,8 @@ def plan_pools(
     )
     q_pages = (budget_bytes - fixed) // q_page
     total = fixed + q_pages * q_page
-    return PoolPlan(True, ps, mr, sink_pages, q_pages, hp_pages, ring, cap, q_page, hp_page, total)
+    block = window_block(spec.recent_tokens, ps) if cfg.prefill_attention == "invariant" else 0
+    return PoolPlan(True, ps, mr, sink_pages, q_pages, hp_pages, ring, cap, q_page, hp_page, total, block)
 
 
 def _length(max_model_len: int | None) -> int:

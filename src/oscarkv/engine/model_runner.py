@@ -36,14 +36,18 @@ from .models import load_decoder
 from .models.parallel import Comm
 from .planner import fill_lists, plan_decode_host, plan_prefill
 from .prefix_cache import tokens_between
-from .request import Batch, SamplingParams, TokenLogprob
-from .sampler import make_generator, sample, to_device, token_logprobs
+from .request import Batch, SamplingParams, StepSeq, TokenLogprob
+from .sampler import Seen, make_generator, sample, to_device, token_logprobs
 from .tokenizer import load_tokenizer
 from .tp_step import StepMsg, prefill_to, rank_rotation
 
 __all__ = ["Launched", "ModelRunner"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+#: prompt rows whose logits exist at once when scoring a prompt (bounds the [rows, vocab] buffer)
+SCORE_ROWS = 512
+#: log-probabilities of ``R`` rows: the scored token's ``[R]``, the top values and ids ``[R, K]``
+Scored = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _config_dict(model_dir: str) -> dict[str, Any]:
@@ -64,7 +68,9 @@ class Launched:
     event: torch.cuda.Event | None = None
     # (chosen [R], top values [R, K], top ids [R, K]) where a row asked for log-probabilities;
     # host copies on CUDA, read after ``event``
-    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    logprobs: Scored | None = None
+    # the same for the prompt rows a prefill scores (``StepSeq.n_prompt_scored`` per item)
+    prompt_logprobs: Scored | None = None
 
 
 class ModelRunner:
@@ -214,6 +220,11 @@ class ModelRunner:
             raised = sorted({rs.key_bits(i) for i in rs.layer_ids} - {rs.spec.key_bits})
             widths = f", {'/'.join(map(str, raised))}-bit keys in some layers" if raised else ""
             tiers += f"; {rs.bits_per_element(131072):.2f} bits per K/V element at 128K{widths}"
+        if plan.window_block:  # store/windows.py: a gather over the varlen prefill, any backend
+            tiers += (
+                f"; prefill attention invariant (16-bit in the sink and {plan.window_block}-token window "
+                "blocks, INT2 before; key lists gathered per block; prefix hits end on a block)"
+            )
         return (
             f"KV pools {plan.total_bytes / gib:.2f} GiB ({self.cfg.kv_dtype}): {tiers}; max_running "
             f"{plan.max_running}{chosen}{peak}; CUDA graphs {graphs}; kernels {self.ops.backend.value}{tp}"
@@ -293,6 +304,32 @@ class ModelRunner:
     def release(self, rid: str) -> None:
         self.generators.pop(rid, None)
 
+    def _seen(self, rows: list[StepSeq]) -> Seen | None:
+        """The tokens the penalized rows of a step have seen (None when no row uses a penalty,
+        so such steps cost nothing): the host's prompt and output lists, and the one token the
+        previous, overlapped step sampled for the row's slot and the host has not read yet,
+        taken from ``last_tok`` on the device (no sync). A row's penalties cost host work and a
+        copy linear in its prompt plus output, every step."""
+        if not any(it.seq.params.penalized for it in rows):
+            return None
+        prompt: list[list[int]] = []
+        output: list[list[int]] = []
+        slots: list[int] = []
+        for it in rows:
+            seq = it.seq
+            use = seq.params.penalized
+            prompt.append(seq.prompt if use else [])
+            output.append(seq.out if use else [])
+            # the step samples position start + n_new; every position before it is counted
+            unread = it.start + it.n_new - len(seq.prompt) - len(seq.out)
+            assert 0 <= unread <= 1, f"{seq.rid}: {unread} tokens not read before a step"
+            slots.append(seq.slot if use and unread and seq.slot is not None else -1)
+        pending = None
+        if any(s >= 0 for s in slots):
+            at = to_device(slots, torch.long, self.device)
+            pending = torch.where(at >= 0, self.last_tok[at.clamp(min=0)], -1)
+        return Seen(prompt, output, pending)
+
     def _decode_hidden(self, p: DecodeTensors) -> torch.Tensor:
         """The decode forward over tensors ``p`` up to the final hidden states (eager, or under a
         graph capture; the LM head runs outside graphs, so no graph holds a logits buffer): the
@@ -335,7 +372,7 @@ class ModelRunner:
             hidden = self._decode_hidden(p)
         return self.model.logits(hidden[:n])
 
-    def _prefill(self, batch: Batch) -> torch.Tensor:
+    def _prefill(self, batch: Batch) -> tuple[torch.Tensor, Scored | None]:
         dev = self.device
         ids = [t for it in batch.items for t in tokens_between(it.seq, it.start, it.start + it.n_new)]
         if self.publish is None:
@@ -346,13 +383,24 @@ class ModelRunner:
         self.publish(StepMsg(ids=input_ids, prefill=p))
         return self._prefill_logits(input_ids.to(dev, non_blocking=True), prefill_to(p, dev))
 
-    def _prefill_logits(self, input_ids: torch.Tensor, p: PrefillTensors) -> torch.Tensor:
+    def _prefill_logits(
+        self, input_ids: torch.Tensor, p: PrefillTensors
+    ) -> tuple[torch.Tensor, Scored | None]:
+        """The logits of the rows that sample, and the prompt rows' log-probabilities (if any)."""
         pool = self.pool
 
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return self.attn[layer].prefill(q, k, v, pool.layer(layer), p)
 
-        return self.model(input_ids, p.positions, attn, p.last_idx)
+        if p.lp_idx is None:
+            return self.model(input_ids, p.positions, attn, p.last_idx), None
+        n = p.last_idx.shape[0]
+        h = self.model.final_hidden(input_ids, p.positions, attn, torch.cat([p.last_idx, p.lp_idx]))
+        assert p.lp_target is not None
+        parts = [token_logprobs(self.model.logits(h[n + a : n + a + SCORE_ROWS]), p.lp_target[a : a + SCORE_ROWS],
+                                p.lp_k) for a in range(0, p.lp_idx.shape[0], SCORE_ROWS)]  # fmt: skip
+        scored = tuple(torch.cat(t) for t in zip(*parts, strict=True))
+        return self.model.logits(h[:n]), scored  # type: ignore[return-value]
 
     @torch.inference_mode()
     def execute(self, step: StepMsg) -> torch.Tensor:
@@ -361,7 +409,7 @@ class ModelRunner:
             return self._decode_logits(step.decode, step.n)
         assert step.ids is not None and step.prefill is not None
         dev = self.device
-        return self._prefill_logits(step.ids.to(dev, non_blocking=True), prefill_to(step.prefill, dev))
+        return self._prefill_logits(step.ids.to(dev, non_blocking=True), prefill_to(step.prefill, dev))[0]
 
     @torch.inference_mode()
     def launch(self, batch: Batch, host: HostDecode | None = None) -> Launched:
@@ -369,30 +417,40 @@ class ModelRunner:
         :meth:`plan_decode`, made here when not given): the forward, the sampling of one token
         per item that ends its prompt (every decode item), the tokens written to their slots'
         ``last_tok`` and copied to pinned host memory. :meth:`collect` reads them."""
+        prompt_lps = None
         if batch.is_decode:
             logits = self._decode(batch, host if host is not None else self.plan_decode(batch))
         else:
-            logits = self._prefill(batch)
+            logits, prompt_lps = self._prefill(batch)
         rows = [it for it in batch.items if it.ends_prompt]
         if not rows:
-            return Launched(batch, None)
+            ev = None
+            if prompt_lps is not None and self.device.type == "cuda":
+                prompt_lps, ev = self._to_host(prompt_lps), torch.cuda.Event()
+                ev.record()
+            return Launched(batch, None, event=ev, prompt_logprobs=prompt_lps)
         params = [it.seq.params for it in rows]
         gens = [self.generator(it.seq.rid, it.seq.params) for it in rows]
-        toks = sample(logits, params, gens)
+        toks = sample(logits, params, gens, self._seen(rows))
         slots = [it.seq.slot or 0 for it in rows]
         self.last_tok.index_copy_(0, to_device(slots, torch.long, self.device), toks)
         ks = [p.logprobs for p in params if p.logprobs is not None]
         lps = token_logprobs(logits, toks, max(ks)) if ks else None
         if self.device.type != "cuda":
-            return Launched(batch, toks, logprobs=lps)
+            return Launched(batch, toks, logprobs=lps, prompt_logprobs=prompt_lps)
         out = torch.empty(toks.shape, dtype=toks.dtype, pin_memory=True)
         out.copy_(toks, non_blocking=True)
-        if lps is not None:  # pinned copies, read after the event like the tokens
-            lps = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                        for t in lps)  # type: ignore[assignment]  # fmt: skip
+        lps, prompt_lps = self._to_host(lps), self._to_host(prompt_lps)
         ev = torch.cuda.Event()
         ev.record()
-        return Launched(batch, toks, out, ev, lps)
+        return Launched(batch, toks, out, ev, lps, prompt_lps)
+
+    def _to_host(self, t: Scored | None) -> Scored | None:
+        """Pinned host copies of ``t`` on CUDA (read after the step's event), else ``t``."""
+        if t is None or self.device.type != "cuda":
+            return t
+        return tuple(torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x, non_blocking=True)
+                     for x in t)  # type: ignore[return-value]  # fmt: skip
 
     @staticmethod
     def collect(step: Launched) -> list[int | None]:
@@ -424,6 +482,28 @@ class ModelRunner:
             k = it.seq.params.logprobs
             out.append(None if k is None else (chosen[r], tuple(zip(ids[r][:k], vals[r][:k], strict=True))))
             r += 1
+        return out
+
+    @staticmethod
+    def collect_prompt_logprobs(step: Launched) -> list[tuple[StepSeq, list[TokenLogprob]]]:
+        """For each item that scores prompt rows: the item and, per row, the next prompt token's
+        log-probability and the top ``params.prompt_logprobs`` (the row at position ``p`` scores
+        prompt token ``p + 1``)."""
+        if step.prompt_logprobs is None:
+            return []
+        if step.event is not None:
+            step.event.synchronize()
+        chosen, vals, ids = (t.tolist() for t in step.prompt_logprobs)
+        out, r = [], 0
+        for it in step.batch.items:
+            k = it.seq.params.prompt_logprobs
+            if k is None:
+                continue
+            n = it.n_prompt_scored
+            out.append(
+                (it, [(chosen[j], tuple(zip(ids[j][:k], vals[j][:k], strict=True))) for j in range(r, r + n)])
+            )
+            r += n
         return out
 
     def memory_report(self, tokens_quantized: int = 0, tokens_hp: int = 0) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from ..store import (
     paged_decode_rows,
     post_state,
 )
+from ..store.windows import SeqWindow, window_tensors
 from .decode_buffers import Alloc, DecodeLayout, HostDecode, fresh_buffers
 from .request import Batch, Sequence, StepSeq
 
@@ -63,6 +64,9 @@ def plan_prefill(batch: Batch, plan: PoolPlan, device: torch.device | str) -> Pr
     """The tensors of a prefill ``batch`` (chunks of prompts) on ``device``."""
     device = torch.device(device)
     step, cu, pos, last = PagedStep(plan), [0], [], []
+    lp_rows: list[int] = []
+    lp_target: list[int] = []
+    lp_k = 0
     for it in batch.items:
         step.add_seq(it.seq.hp_pages, it.seq.q_pages)
     for i, it in enumerate(batch.items):
@@ -74,6 +78,11 @@ def plan_prefill(batch: Batch, plan: PoolPlan, device: torch.device | str) -> Pr
         cu.append(cu[-1] + it.n_new)
         if it.ends_prompt:
             last.append(cu[-1] - 1)
+        if it.seq.params.prompt_logprobs is not None:  # positions whose next token is a prompt token
+            n = it.n_prompt_scored
+            lp_rows += range(cu[-2], cu[-2] + n)
+            lp_target += it.seq.prompt[it.start + 1 : it.start + 1 + n]
+            lp_k = max(lp_k, it.seq.params.prompt_logprobs)
     pages, t = step.pages.tensor(device), step.tabs
     starts = torch.tensor([p for p, _ in pos], dtype=_LONG)
     lens = torch.tensor([n for _, n in pos], dtype=_LONG)
@@ -81,6 +90,7 @@ def plan_prefill(batch: Batch, plan: PoolPlan, device: torch.device | str) -> Pr
     positions = (first + torch.arange(cu[-1])).to(device, non_blocking=True)
     q_dst, q_tok = t["q"].expand(pages)
     hp_dst, hp_tok = t["hp"].expand(pages)
+    win = _windows(batch, plan, device) if plan.window_block else {}
     return PrefillTensors(
         positions=positions,
         cu_seqlens=torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True),
@@ -94,7 +104,20 @@ def plan_prefill(batch: Batch, plan: PoolPlan, device: torch.device | str) -> Pr
         hp_dst=hp_dst,
         demote_src=t["dem_src"].expand(pages)[0],
         demote_dst=t["dem_dst"].expand(pages)[0],
+        lp_idx=torch.tensor(lp_rows, dtype=_LONG).to(device, non_blocking=True) if lp_rows else None,
+        lp_target=torch.tensor(lp_target, dtype=_LONG).to(device, non_blocking=True) if lp_rows else None,
+        lp_k=lp_k,
+        **win,
     )
+
+
+def _windows(batch: Batch, plan: PoolPlan, device: torch.device) -> dict:
+    """The key lists of ``prefill_attention="invariant"`` (:func:`~oscarkv.store.windows.window_tensors`)."""
+    seqs = [
+        SeqWindow(it.pre.n_sink, it.pre.n_q, it.pre.n_recent, it.start, it.n_new, it.seq.sink_len or 0)
+        for it in batch.items
+    ]
+    return window_tensors(seqs, plan.window_block, device)
 
 
 def _token(seq: Sequence, pos: int) -> int:

@@ -42,11 +42,22 @@ class PrefixCache:
     """Hashing, :meth:`match` and :meth:`publish_ready` over one ``hp`` and one ``q`` pool."""
 
     def __init__(
-        self, seed: bytes, ps: int, spec: QuantSpec, kv_dtype: str, hp_pool: PagePool, q_pool: PagePool
+        self,
+        seed: bytes,
+        ps: int,
+        spec: QuantSpec,
+        kv_dtype: str,
+        hp_pool: PagePool,
+        q_pool: PagePool,
+        hit_block: int = 0,
     ) -> None:
+        """``hit_block``: a hit that reaches past the sink ends on a multiple of it
+        (``prefill_attention="invariant"``'s window block; 0: on any page)."""
         if kv_dtype not in ("int2", "bf16"):
             raise ValueError(f"kv_dtype must be int2 or bf16; got {kv_dtype!r}")
-        self.ps, self.spec, self.kv_dtype = ps, spec, kv_dtype
+        if hit_block % ps:
+            raise ValueError(f"hit_block {hit_block} is not a multiple of the page ({ps} tokens)")
+        self.ps, self.spec, self.kv_dtype, self.hit_block = ps, spec, kv_dtype, hit_block
         self.hp, self.q = hp_pool, q_pool
         self.int2 = kv_dtype == "int2"
         self.sink_pages = spec.sink_tokens // ps if self.int2 else UNBOUNDED_SINK
@@ -70,7 +81,10 @@ class PrefixCache:
         """Most prompt tokens a match may serve for a prompt of ``n`` tokens."""
         if not self.int2:
             return align_down(n - 1, self.ps)
-        return align_down(min(n - 1, max(sink_len, n - self.spec.recent_tokens)), self.ps)
+        cap = align_down(min(n - 1, max(sink_len, n - self.spec.recent_tokens)), self.ps)
+        if self.hit_block and cap > sink_len:  # no window block starts before the hit's end
+            cap = max(align_down(cap, self.hit_block), align_down(sink_len, self.ps))
+        return cap
 
     def hit_state(self, n: int, m: int, sink_target: int) -> TierState:
         """The tiers after an ``m``-token hit on an ``n``-token prompt: the first ``m``

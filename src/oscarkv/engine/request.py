@@ -54,9 +54,21 @@ class SamplingParams:
     ignore_eos: bool = False
     #: ``(token_id, bias)`` pairs added to the logits before any other step (OpenAI's logit_bias)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    #: OpenAI's penalties on the output so far (in [-2, 2]; vLLM's semantics, applied after the
+    #: logit bias): each token's logit minus ``frequency_penalty`` x its count in the output, minus
+    #: ``presence_penalty`` if it occurs there at all
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    #: vLLM's (CTRL's) repetition penalty in (0, 2], 1 = off: the logit of every token seen in the
+    #: prompt or the output is divided by it where positive, multiplied by it where negative
+    repetition_penalty: float = 1.0
     #: None: no log-probabilities; k >= 0: each sampled token's log-probability under the model
     #: (raw logits: no temperature, no bias) and the k most likely tokens' (at most MAX_LOGPROBS)
     logprobs: int | None = None
+    #: None: none; k >= 0: each prompt token's log-probability given the tokens before it (the
+    #: first has none) and the k most likely there (raw logits). The request skips the prefix cache:
+    #: every prompt position is computed.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         n = type(self).__name__
@@ -84,14 +96,26 @@ class SamplingParams:
                for x in bias):  # fmt: skip
             raise field_error(n, "logit_bias", "(token id >= 0, bias in [-100, 100]) pairs", self.logit_bias)
         object.__setattr__(self, "logit_bias", tuple((int(i), float(b)) for i, b in bias))
-        if self.logprobs is not None and (
-            not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise field_error(n, "logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_num(v) or not -2 <= v <= 2:  # NaN fails the range too
+                raise field_error(n, name, "a number in [-2, 2] (0 = off)", v)
+        r = self.repetition_penalty
+        if not is_num(r) or not 0 < r <= 2:
+            raise field_error(n, "repetition_penalty", "a number in (0, 2] (1 = off)", r)
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+                raise field_error(n, name, f"None or an integer in [0, {MAX_LOGPROBS}]", k)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any of the three penalties is on (the sampler then counts the seen tokens)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 @dataclass
@@ -134,6 +158,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     times: Timing = field(default_factory=Timing)
     out_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per out token (params.logprobs)
+    # one per prompt token with params.prompt_logprobs (position 0: None); rewritten on recompute
+    prompt_lps: list[TokenLogprob | None] = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:
@@ -168,6 +194,12 @@ class StepSeq:
         if self.ends_prompt is None:
             object.__setattr__(self, "ends_prompt", self.start + self.n_new == self.seq.num_tokens)
 
+    @property
+    def n_prompt_scored(self) -> int:
+        """Rows of this step whose next token is a prompt token (the rows prompt log-probabilities
+        score: positions ``start .. start + n_prompt_scored - 1``)."""
+        return max(min(self.start + self.n_new, len(self.seq.prompt) - 1) - self.start, 0)
+
 
 @dataclass(frozen=True)
 class Batch:
@@ -199,3 +231,5 @@ class RequestOutput:
     ttft_s: float | None = None
     e2e_s: float | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, with params.logprobs set
+    #: one per prompt token (the first None), with params.prompt_logprobs set
+    prompt_logprobs: list[TokenLogprob | None] | None = None

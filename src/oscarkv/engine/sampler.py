@@ -1,5 +1,5 @@
-"""Next-token sampling for one engine step (§5.8): logit bias, greedy, temperature, top-k, top-p,
-per-request seed.
+"""Next-token sampling for one engine step (§5.8): logit bias, penalties (repetition, frequency,
+presence), greedy, temperature, top-k, top-p, per-request seed.
 
 Rows are filtered independently and then drawn with the exponential-race trick: ``argmax(p / E)``
 with ``E ~ Exp(1)`` draws from ``p``. Unseeded rows share one batched draw from the device's default
@@ -10,12 +10,14 @@ depend on which other requests share the batch (given equal logits).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .request import SamplingParams
 
-__all__ = ["make_generator", "sample", "to_device", "token_logprobs"]
+__all__ = ["Seen", "make_generator", "sample", "to_device", "token_logprobs"]
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -89,19 +91,92 @@ def _biased(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Ten
     return out
 
 
+@dataclass(frozen=True)
+class Seen:
+    """The tokens each row's penalties count (``sample(..., seen)``): ``prompt[i]`` and
+    ``output[i]``, row ``i``'s prompt and output token ids as the host knows them, and ``pending``
+    (long ``[B]`` on the logits' device, or None): row ``i``'s one output token sampled on the
+    device and not read by the host yet (overlapped scheduling), ``-1`` where there is none. Only
+    rows whose params use a penalty are read (give the others empty lists)."""
+
+    prompt: Sequence[Sequence[int]]
+    output: Sequence[Sequence[int]]
+    pending: torch.Tensor | None = None
+
+
+def _flat(
+    rows: list[int], lists: Sequence[Sequence[int]], v: int, what: str, dev: torch.device
+) -> torch.Tensor:
+    """``j * v + t`` for every token ``t`` of ``lists[rows[j]]`` (an index into a ``[R, V]`` view),
+    on ``dev`` (through numpy: a 32K-token list takes about 0.6 ms on the host)."""
+    parts = [np.zeros(0, dtype=np.int64)]
+    for j, i in enumerate(rows):
+        ids = np.fromiter(lists[i], np.int64, len(lists[i]))
+        if ids.size and (ids.min() < 0 or ids.max() >= v):
+            raise ValueError(f"sample: row {i}'s {what} token ids must lie in [0, {v})")
+        parts.append(ids + j * v)
+    flat = torch.from_numpy(np.concatenate(parts))
+    if dev.type == "cuda":
+        return flat.pin_memory().to(dev, non_blocking=True)
+    return flat.to(dev)
+
+
+def _penalized(logits: torch.Tensor, params: Sequence[SamplingParams], seen: Seen | None,
+               copied: bool) -> torch.Tensor:  # fmt: skip
+    """fp32 ``logits`` (a copy unless ``copied``) with each penalized row's penalties applied,
+    vLLM's ``apply_penalties``: the repetition penalty over the tokens of the prompt and the
+    output (a logit > 0 divided by it, else multiplied), then the frequency penalty times each
+    token's count in the output, then the presence penalty on every token the output holds.
+    The other rows are left as they are. The host work is one list of every counted token id
+    (prompt and output) per penalized row, copied to the device: linear in their lengths."""
+    b, v = logits.shape
+    rows = [i for i, p in enumerate(params) if p.penalized]
+    if seen is None or len(seen.prompt) != b or len(seen.output) != b:
+        raise ValueError(f"sample: penalties need the tokens seen for each of the {b} rows (seen=Seen(...))")
+    dev, r = logits.device, len(rows)
+    idx = to_device(rows, torch.long, dev)
+    counts = torch.zeros(r * v, dtype=torch.float32, device=dev)
+    out = _flat(rows, seen.output, v, "output", dev)
+    counts.index_add_(0, out, torch.ones(out.shape, dtype=torch.float32, device=dev))
+    counts = counts.view(r, v)
+    if seen.pending is not None:  # the token still on the device counts as output too
+        if seen.pending.shape != (b,):
+            raise ValueError(f"sample: seen.pending must be [{b}]; got {tuple(seen.pending.shape)}")
+        pend = seen.pending.to(dev).index_select(0, idx)[:, None]
+        counts.scatter_add_(1, pend.clamp(min=0), (pend >= 0).float())
+    in_prompt = torch.zeros(r * v, dtype=torch.bool, device=dev)
+    in_prompt.index_fill_(0, _flat(rows, seen.prompt, v, "prompt", dev), True)
+    in_output = counts > 0
+    sel = [params[i] for i in rows]
+    rep = _column([p.repetition_penalty for p in sel], torch.float32, dev)
+    x = logits.index_select(0, idx).float()
+    x = torch.where(in_prompt.view(r, v) | in_output, torch.where(x > 0, x / rep, x * rep), x)
+    x -= _column([p.frequency_penalty for p in sel], torch.float32, dev) * counts
+    x -= _column([p.presence_penalty for p in sel], torch.float32, dev) * in_output
+    full = logits.float() if copied or logits.dtype != torch.float32 else logits.clone()
+    return full.index_copy_(0, idx, x)
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    seen: Seen | None = None,
 ) -> torch.Tensor:
     """One token per row of ``logits`` ``[B, V]`` as a ``LongTensor [B]`` on the logits' device.
 
     ``generators[i]`` (from :func:`make_generator`, on the logits' device) drives row ``i``'s
     noise when given; rows with ``None`` use the default generator. Greedy rows ignore both.
+    ``seen`` holds the tokens the penalties count; it is needed when a row's params use one
+    (``SamplingParams.penalized``) and is not read otherwise. Order: logit bias, penalties, then
+    greedy choice or temperature, top-k, top-p and the draw (vLLM's).
     """
     _check(logits, params, generators)
-    if any(p.logit_bias for p in params):
+    biased = any(p.logit_bias for p in params)
+    if biased:
         logits = _biased(logits, params)
+    if any(p.penalized for p in params):
+        logits = _penalized(logits, params, seen, copied=biased)
     greedy = [p.greedy for p in params]
     if all(greedy):
         return logits.argmax(-1)

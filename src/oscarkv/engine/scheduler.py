@@ -248,7 +248,7 @@ class Scheduler:
         if seq.sink_len is None:
             seq.sink_len = min(len(seq.prompt), self.spec.sink_tokens)
         n = seq.num_tokens
-        if self.prefix is not None:
+        if self.prefix is not None and seq.params.prompt_logprobs is None:  # scoring computes every row
             seq.hp_pages, seq.q_pages = self.prefix.match(seq)
             seq.published = len(seq.hp_pages) + len(seq.q_pages)
             seq.n_computed = seq.published * self.ps

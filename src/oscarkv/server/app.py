@@ -22,11 +22,11 @@ from starlette.requests import ClientDisconnect
 
 from ..config.base import SpecError
 from ..config.server import ServerConfig, is_loopback
-from ..engine.request import RequestOutput, SamplingParams
+from ..engine.request import RequestOutput
 from ..errors import InputError, OscarkvError
 from ..utils.files import read_text
 from .async_engine import AsyncEngine, EngineDeadError, QueueFullError
-from .choices import DISCONNECT_POLL_S, Choice, add_choices, answer, event_stream
+from .choices import DISCONNECT_POLL_S, Choice, ChoiceItem, add_choices, answer, event_stream
 from .guard import GuardMiddleware
 from .protocol import (
     ApiError,
@@ -195,8 +195,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Any | None = Non
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
                            "model", "model_not_found")  # fmt: skip
 
-    async def run(request: Request, req: Any, items: list[tuple[list[int], SamplingParams, bool]],
-                  chat: bool) -> Response:  # fmt: skip
+    async def run(request: Request, req: Any, items: list[ChoiceItem], chat: bool) -> Response:
         base = new_id("chatcmpl" if chat else "cmpl")
         choices = await add_choices(engine, items, base)
         if req.stream:
@@ -228,7 +227,8 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Any | None = Non
             if isinstance(p, str):
                 check_size(p, "prompt")
             ids = await engine.encode(p)
-            items += [(ids, sampling_params(req, len(ids), req.max_tokens, "completion", max_len, j), j == 0)
+            echo = (p if isinstance(p, str) else decode(ids)) if req.echo else None
+            items += [(ids, sampling_params(req, len(ids), req.max_tokens, "completion", max_len, j), j == 0, echo)
                       for j in range(req.n or 1)]  # fmt: skip
         return await run(request, req, items, chat=False)
 
@@ -246,7 +246,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Any | None = Non
         check_size("".join(m["content"] for m in messages), "messages")
         ids = await engine.encode_chat(messages, template)
         max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
-        items = [(ids, sampling_params(req, len(ids), max_tokens, "chat", max_len, j), j == 0)
+        items = [(ids, sampling_params(req, len(ids), max_tokens, "chat", max_len, j), j == 0, None)
                  for j in range(req.n or 1)]  # fmt: skip
         return await run(request, req, items, chat=True)
 

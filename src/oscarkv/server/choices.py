@@ -20,6 +20,7 @@ from ..engine.request import RequestOutput, SamplingParams
 from ..errors import OscarkvError
 from .async_engine import AsyncEngine
 from .protocol import (
+    ChoiceBody,
     Usage,
     chat_chunk,
     chat_response,
@@ -30,7 +31,15 @@ from .protocol import (
     logprobs_object,
 )
 
-__all__ = ["DISCONNECT_POLL_S", "Choice", "add_choices", "answer", "event_stream", "until_disconnected"]
+__all__ = [
+    "DISCONNECT_POLL_S",
+    "Choice",
+    "ChoiceItem",
+    "add_choices",
+    "answer",
+    "event_stream",
+    "until_disconnected",
+]
 
 #: how often a waiting handler checks whether its client has gone
 DISCONNECT_POLL_S = 0.25
@@ -39,25 +48,29 @@ DISCONNECT_POLL_S = 0.25
 @dataclass
 class Choice:
     """A choice's engine request: its index in the response, id and outputs; ``first`` marks the
-    first choice of its prompt (the one whose prompt tokens ``usage`` counts)."""
+    first choice of its prompt (the one whose prompt tokens ``usage`` counts); ``echo`` is the
+    prompt text the choice's text starts with (completions' ``echo``), else None."""
 
     index: int
     rid: str
     outs: AsyncIterator[RequestOutput]
     first: bool
+    echo: str | None = None
 
 
-async def add_choices(
-    engine: AsyncEngine, items: Sequence[tuple[list[int], SamplingParams, bool]], base: str
-) -> list[Choice]:
-    """Add ``items`` (prompt ids, params, first of its prompt) in index order: ids ``base`` for
-    one choice, else ``base-INDEX``. If one is refused, the ones added before are aborted."""
+#: one choice to add: prompt ids, params, whether it is its prompt's first, the text to echo
+ChoiceItem = tuple[list[int], SamplingParams, bool, "str | None"]
+
+
+async def add_choices(engine: AsyncEngine, items: Sequence[ChoiceItem], base: str) -> list[Choice]:
+    """Add ``items`` in index order: ids ``base`` for one choice, else ``base-INDEX``. If one is
+    refused, the ones added before are aborted."""
     choices: list[Choice] = []
     try:
-        for k, (ids, params, first) in enumerate(items):
+        for k, (ids, params, first, echo) in enumerate(items):
             rid = base if len(items) == 1 else f"{base}-{k}"
             q = await engine.add(ids, params, rid)
-            choices.append(Choice(k, rid, engine.stream(rid, q), first))
+            choices.append(Choice(k, rid, engine.stream(rid, q), first, echo))
     except BaseException:
         for c in choices:
             engine.abort(c.rid)
@@ -78,6 +91,24 @@ def _logprobs(
     if out.logprobs is None:
         return None
     return logprobs_object(decode, out.token_ids[start:], out.logprobs[start:], chat, offset)
+
+
+def _echoed(decode: Callable[[list[int]], str], out: RequestOutput) -> dict | None:
+    """The logprobs object of ``out``'s prompt tokens (the first unscored), if any were asked."""
+    if out.prompt_logprobs is None:
+        return None
+    return logprobs_object(decode, out.prompt_token_ids, out.prompt_logprobs, False)
+
+
+def _body(decode: Callable[[list[int]], str], c: Choice, out: RequestOutput, chat: bool) -> ChoiceBody:
+    """A finished choice's text, finish reason and logprobs, the prompt first where it echoes."""
+    if c.echo is None:
+        return out.text, out.finish_reason, _logprobs(decode, out, chat)
+    lp = _logprobs(decode, out, chat, offset=len(c.echo))
+    head = _echoed(decode, out)
+    if lp is not None and head is not None:
+        lp = {k: head[k] + lp[k] for k in lp}
+    return c.echo + out.text, out.finish_reason, lp
 
 
 async def until_disconnected(request: Request) -> None:
@@ -129,7 +160,7 @@ async def answer(
     outs = task.result()
     make = chat_response if chat else completion_response
     usage = _usage(list(zip(choices, outs, strict=True)))
-    body = make(base, model, [(o.text, o.finish_reason, _logprobs(decode, o, chat)) for o in outs], usage)
+    body = make(base, model, [_body(decode, c, o, chat) for c, o in zip(choices, outs, strict=True)], usage)
     return JSONResponse(body)
 
 
@@ -169,6 +200,7 @@ async def event_stream(
         return _sse(completion_chunk(base, model, created, text, finish, usage, with_usage, index, lp))
 
     n_lp = {c.index: 0 for c in choices}  # tokens whose log-probabilities were sent
+    echoed: set[int] = set()  # choices whose prompt text was sent
 
     pumps = [asyncio.ensure_future(pump(c)) for c in choices]
     finals: dict[int, tuple[Choice, RequestOutput]] = {}
@@ -188,10 +220,14 @@ async def event_stream(
                 continue
             if isinstance(out, BaseException):
                 raise out
+            if c.echo is not None and c.index not in echoed:  # the prompt first, with its scores
+                echoed.add(c.index)
+                yield chunk(c.index, c.echo, None, lp=_echoed(decode, out))
             delta, sent[c.index] = out.text[sent[c.index] :], len(out.text)
             finish = out.finish_reason if out.finished else None
             if delta or finish:
-                lp = _logprobs(decode, out, chat, n_lp[c.index], sent[c.index] - len(delta))
+                at = sent[c.index] - len(delta) + len(c.echo or "")
+                lp = _logprobs(decode, out, chat, n_lp[c.index], at)
                 n_lp[c.index] = len(out.token_ids)
                 yield chunk(c.index, delta, finish, lp=lp)
             if out.finished:

@@ -38,7 +38,7 @@ MAX_STOPS = 4
 MAX_N = 16
 #: fields other servers take that would change the output, with the values that change nothing
 OUTPUT_FIELDS: dict[str, tuple[Any, ...]] = {
-    "repetition_penalty": (None, 1, 1.0), "response_format": (None, {"type": "text"}), "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "min_p": (None, 0, 0.0), "min_tokens": (None, 0),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "prompt_logprobs": (None,), "length_penalty": (None, 1, 1.0), "use_beam_search": (None, False),
@@ -107,6 +107,7 @@ class _Sampling(BaseModel):
     logit_bias: dict[StrictStr, Number] | None = None
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = None  # vLLM's extension
     user: StrictStr | None = None
 
     def stops(self) -> tuple[str, ...]:
@@ -124,9 +125,6 @@ class _Sampling(BaseModel):
             return ApiError(400, f"n must be between 1 and {MAX_N}; got {self.n}", "n")
         if len(self.stops()) > MAX_STOPS:
             return ApiError(400, f"stop takes at most {MAX_STOPS} strings; got {len(self.stops())}", "stop")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                return ApiError(400, f"{name} is not supported; leave it unset or 0", name)
         if self.stream_options is not None and not self.stream:
             return ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
         return None
@@ -152,8 +150,6 @@ class CompletionRequest(_Sampling):
     def unsupported(self) -> ApiError | None:
         if isinstance(self.prompt, list) and not self.prompt:
             return ApiError(400, "prompt must not be an empty list", "prompt")
-        if self.echo:
-            return ApiError(400, "echo is not supported", "echo")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             return ApiError(
                 400, f"logprobs must be between 0 and {MAX_LOGPROBS}; got {self.logprobs}", "logprobs"
@@ -295,13 +291,14 @@ def chat_chunk(
 
 
 def logprobs_object(
-    decode: Any, token_ids: list[int], lps: list[TokenLogprob], chat: bool, offset: int = 0
+    decode: Any, token_ids: list[int], lps: list[TokenLogprob | None], chat: bool, offset: int = 0
 ) -> dict:
     """OpenAI's logprobs of ``token_ids`` (``decode([id])`` gives a token's text): completions'
-    ``{tokens, token_logprobs, top_logprobs, text_offset}`` (offsets from ``offset``), or chat's
+    ``{tokens, token_logprobs, top_logprobs, text_offset}`` (offsets from ``offset``; a ``None``
+    entry, an echoed prompt's first token, gives ``null`` scores), or chat's
     ``{content: [{token, logprob, bytes, top_logprobs}]}``."""
     texts = [decode([t]) for t in token_ids]
-    tops = [[(decode([i]), v) for i, v in top] for _, top in lps]
+    tops = [None if lp is None else [(decode([i]), v) for i, v in lp[1]] for lp in lps]
     if chat:
 
         def entry(t: str, v: float) -> dict:
@@ -313,8 +310,8 @@ def logprobs_object(
     for t in texts:
         offsets.append(at)
         at += len(t)
-    return {"tokens": texts, "token_logprobs": [c for c, _ in lps], "top_logprobs": [dict(top) for top in tops],
-            "text_offset": offsets}  # fmt: skip
+    return {"tokens": texts, "token_logprobs": [None if lp is None else lp[0] for lp in lps],
+            "top_logprobs": [None if top is None else dict(top) for top in tops], "text_offset": offsets}  # fmt: skip
 
 
 def spec_param(msg: str) -> str | None:
@@ -331,7 +328,8 @@ def sampling_params(
     if max_tokens is None:
         max_tokens = max(1, min(DEFAULT_MAX_TOKENS[kind], max_len - n_prompt))
     kw: dict[str, Any] = {"max_tokens": max_tokens, "stop": req.stops(), "ignore_eos": req.ignore_eos}
-    for name in ("temperature", "top_p", "top_k", "seed"):
+    for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):  # fmt: skip
         if getattr(req, name) is not None:
             kw[name] = getattr(req, name)
     if "seed" in kw:
@@ -339,6 +337,8 @@ def sampling_params(
     if req.stop_token_ids:
         kw["stop_token_ids"] = tuple(req.stop_token_ids)
     kw["logprobs"] = req.logprob_count()
+    if getattr(req, "echo", False):  # the prompt comes back with its tokens' log-probabilities
+        kw["prompt_logprobs"] = kw["logprobs"]
     if req.logit_bias:
         if not all(k.isdigit() for k in req.logit_bias):
             raise ApiError(400, "logit_bias keys must be token ids (decimal strings)", "logit_bias")

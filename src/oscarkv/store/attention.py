@@ -22,6 +22,7 @@ from ..quant import RowFormat
 from ..rotation import LayerShift, rotate_heads
 from .layout import LayerViews
 from .steps import DecodeTensors, PrefillTensors
+from .windows import invariant_prefill
 
 __all__ = ["TierAttention"]
 
@@ -94,7 +95,12 @@ class TierAttention:
         # sequences without new tokens have no query rows: the others' rows are all of q, in order
         run = [i for i in range(len(p.cu_host) - 1) if p.cu_host[i + 1] > p.cu_host[i]]
         out = torch.zeros_like(q_rot)
-        if run:
+        if run and p.win_idx is not None:  # prefill_attention="invariant" (windows.py)
+            out = invariant_prefill(
+                q_rot, k_rot, v_rot, pools, p.pre_hp.indices, p.pre_q.indices, p.win_idx, p.win_cu,
+                p.win_max, ops, self.sm_scale,
+            )  # fmt: skip
+        elif run:
             k_all, v_all, cu_k, max_k = self._keys(k_rot, v_rot, pools, p, run)
             lens_q = [p.cu_host[i + 1] - p.cu_host[i] for i in run]
             cu_q = torch.tensor([0, *itertools.accumulate(lens_q)], dtype=torch.int32)

@@ -34,6 +34,8 @@ class PoolPlan:
     q_page_bytes: int
     hp_page_bytes: int
     total_bytes: int
+    #: ``prefill_attention="invariant"``: the window block ``G`` (:mod:`.windows`); 0: fresh
+    window_block: int = 0
 
     @property
     def ring0(self) -> int:

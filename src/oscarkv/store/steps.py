@@ -38,6 +38,17 @@ class PrefillTensors:
     hp_dst: torch.Tensor
     demote_src: torch.Tensor
     demote_dst: torch.Tensor
+    #: rows whose logits score the next prompt token (prompt log-probabilities), that token
+    #: (long ``[n_lp]`` each), and how many top log-probabilities to keep; None: no such rows
+    lp_idx: torch.Tensor | None = None
+    lp_target: torch.Tensor | None = None
+    lp_k: int = 0
+    #: ``prefill_attention="invariant"`` (:mod:`.windows`): each (sequence, window block)'s key
+    #: rows in the layer's key bank (long), int32 ``[2, pieces+1]`` query/key offsets, host
+    #: ``(longest query run, longest key list)``; None: the fresh rule (new rows in 16 bits)
+    win_idx: torch.Tensor | None = None
+    win_cu: torch.Tensor | None = None
+    win_max: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True)

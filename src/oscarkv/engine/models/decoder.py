@@ -291,7 +291,17 @@ class Decoder(nn.Module):
         last_idx: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """fp32 logits ``[n, vocab]`` for the rows ``last_idx`` (int64 ``[n]``) of the flat batch, or all ``T`` rows."""
+        return self.logits(self.final_hidden(input_ids, positions, attn, last_idx))
+
+    def final_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionFn,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final (normed) hidden states ``[n, hidden]`` of the rows ``rows`` (int64 ``[n]``), or all ``T``."""
         x, residual = self._stream(input_ids, positions, attn)
-        if last_idx is not None:
-            x, residual = x[last_idx], None if residual is None else residual[last_idx]
-        return self.logits(self._final_norm(x, residual))
+        if rows is not None:
+            x, residual = x[rows], None if residual is None else residual[rows]
+        return self._final_norm(x, residual)

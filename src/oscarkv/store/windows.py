@@ -1,0 +1,173 @@
+"""Prefill attention that does not depend on cache state: ``EngineConfig.prefill_attention="invariant"``.
+
+A fresh prefill lets the step's tokens attend each other in 16 bits, while a prefix hit or a later
+chunk attends to earlier tokens as stored (INT2 beyond the sink and the recent window), so the
+same prompt gives different hidden states, and different stored K/V, depending on what was cached
+and how the prompt was chunked or batched. Under the invariant rule a query at position ``t``
+sees a key ``s <= t`` in 16 bits iff ``s`` is in its sequence's sink (``s < sink_len``) or in
+``t``'s own **window block** (``s >= align_down(t, G)``, ``G`` = :func:`window_block`: the recent
+window rounded down to whole pages); every other key is its INT2 value, exactly what the store
+holds or will hold for it (the stored rows dequantized; 16-bit rows quantized and dequantized by
+the store's own write op, :func:`quantize_dequantize`).
+
+Why blocks and not the last ``R`` positions: a prefix hit of ``m`` tokens serves positions
+``< m`` in INT2 only (rings are never shared), so no query ``t >= m`` may want one of them in 16
+bits; with windows that start at a multiple of ``G`` and hits that end at one (the prefix cache's
+``hit_block``), none does. A chunk boundary ``c`` keeps the last ``R >= G`` positions in the ring,
+so every 16-bit key a later query wants is still held. Hence a token's hidden states and stored
+K/V are a function of the request's tokens alone, whatever the chunking, prefix hits or batch.
+
+The keys of each (sequence, window block) are gathered into one varlen list: the sink in 16 bits,
+INT2 values up to the block, then 16-bit rows from the block start; ``ops.prefill_attention_varlen``
+(any backend) attends each block's queries to its list. The gather costs ``O(blocks x prefix)``
+memory traffic per layer (the price of the option).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from ..kernels import KernelOps
+from ..quant import RowFormat
+from ..quant.quantizer import META_TORCH_DTYPES
+
+__all__ = ["SeqWindow", "invariant_prefill", "quantize_dequantize", "window_block", "window_tensors"]
+
+
+def window_block(recent_tokens: int, page_tokens: int) -> int:
+    """``G``: the recent window rounded down to whole pages (0 when it holds no whole page)."""
+    return recent_tokens // page_tokens * page_tokens
+
+
+def quantize_dequantize(rows: torch.Tensor, fmt: RowFormat, ops: KernelOps) -> torch.Tensor:
+    """``rows [N, H, d]`` (16-bit) as the INT2 tier will give them back: quantized by the store's
+    write op (``quantize_pack_into``, what a demotion and an INT2 write run), then dequantized as
+    a prefill reads stored rows; in ``rows.dtype``."""
+    n, h = rows.shape[0], rows.shape[1]
+    if n == 0:
+        return rows.clone()
+    dev = rows.device
+    codes = torch.empty((n, h, fmt.packed_dim), dtype=torch.uint8, device=dev)
+    meta = torch.empty((n, h, fmt.groups, 2), dtype=META_TORCH_DTYPES[fmt.meta_dtype], device=dev)
+    ops.quantize_pack_into(rows, fmt, codes, meta, torch.arange(n, device=dev))
+    return ops.dequantize(codes, meta, fmt, rows.dtype)
+
+
+class SeqWindow(NamedTuple):
+    """One sequence of a prefill step: its tier counts before the step, its first position, its
+    new tokens and its pinned sink length."""
+
+    n_sink: int
+    n_q: int
+    n_recent: int
+    start: int
+    n_new: int
+    sink_len: int
+
+
+def window_tensors(seqs: Sequence[SeqWindow], block: int, device: torch.device | str) -> dict:
+    """The ``PrefillTensors`` fields of the invariant rule for one step: ``win_idx`` (long, the
+    rows of each (sequence, window block)'s key list in the layer's key bank, see
+    :func:`invariant_prefill`), ``win_cu`` (int32 ``[2, pieces+1]``: query and key offsets) and
+    ``win_max`` (host ``(longest query run, longest key list)``).
+
+    Raises ``AssertionError`` when a stored INT2 row falls inside a query's window block (a prefix
+    hit not on a block boundary: the prefix cache's ``hit_block`` was not set)."""
+    if block <= 0:
+        raise ValueError(f"prefill_attention=invariant needs a window block of >= 1 page; got {block}")
+    n_hp = sum(s[0] + s[2] for s in seqs)
+    n_q = sum(s[1] for s in seqs)
+    n_t = sum(s[4] for s in seqs)
+    # bank rows: [hp rows | INT2 rows (dequantized) | new rows | hp rows qdq | new rows qdq]
+    q0, t0 = n_hp, n_hp + n_q
+    h2, t2 = n_hp + n_q + n_t, 2 * n_hp + n_q + n_t
+    idx: list[torch.Tensor] = []
+    cu_q, cu_k = [0], [0]
+    h, q, a = 0, 0, 0
+    for ns, nq, nr, start, n_new, sink in seqs:
+        if ns + nq + nr != start:
+            raise AssertionError(f"tier counts {ns}+{nq}+{nr} != the step's start {start}")
+        end = start + n_new
+        ar = torch.arange
+        # 16-bit and INT2 version of positions 0 .. end-1, in position order
+        pos16 = torch.cat(
+            [ar(h, h + ns), ar(q0 + q, q0 + q + nq), ar(h + ns, h + ns + nr), ar(t0 + a, t0 + a + n_new)]
+        )
+        pos2 = torch.cat(
+            [
+                ar(h2 + h, h2 + h + ns),
+                ar(q0 + q, q0 + q + nq),
+                ar(h2 + h + ns, h2 + h + nr + ns),
+                ar(t2 + a, t2 + a + n_new),
+            ]
+        )
+        t = start
+        while t < end:
+            lo = t // block * block
+            e = min(lo + block, end)
+            if nq and ns + nq > lo:
+                raise AssertionError(
+                    f"stored INT2 rows up to position {ns + nq} fall in the window block from {lo} "
+                    "(a prefix hit must end on a window block: PrefixCache(hit_block=...))"
+                )
+            if lo > sink:
+                idx += [pos16[:sink], pos2[sink:lo], pos16[lo:e]]
+            else:
+                idx.append(pos16[:e])
+            cu_q.append(cu_q[-1] + e - t)
+            cu_k.append(cu_k[-1] + e)
+            t = e
+        h, q, a = h + ns + nr, q + nq, a + n_new
+    lens_q = [y - x for x, y in itertools.pairwise(cu_q)]
+    lens_k = [y - x for x, y in itertools.pairwise(cu_k)]
+    cu = torch.tensor([cu_q, cu_k], dtype=torch.int32)
+    flat = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long)
+    return {
+        "win_idx": flat.to(device, non_blocking=True),
+        "win_cu": cu.to(device, non_blocking=True),
+        "win_max": (max(lens_q, default=0), max(lens_k, default=0)),
+    }
+
+
+def invariant_prefill(
+    q_rot: torch.Tensor,
+    k_rot: torch.Tensor,
+    v_rot: torch.Tensor,
+    pools,
+    pre_hp: torch.Tensor,
+    pre_q: torch.Tensor,
+    win_idx: torch.Tensor,
+    win_cu: torch.Tensor,
+    win_max: tuple[int, int],
+    ops: KernelOps,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Attention of a prefill step's queries ``q_rot [T, Hq, d]`` (rotated) under the invariant
+    rule; ``k_rot, v_rot [T, Hkv, d]`` the step's new rows, ``pre_hp``/``pre_q`` the stored rows'
+    ids (the step's pre-step lists, flat), ``win_*`` from :func:`window_tensors`."""
+    dt = pools.hp_k.dtype
+    hi, qi = pre_hp.long(), pre_q.long()
+    kn, vn = k_rot.to(dt), v_rot.to(dt)
+    hk, hv = pools.hp_k[hi], pools.hp_v[hi]
+    bank_k = torch.cat([
+        hk,
+        ops.dequantize(pools.k_codes[qi], pools.k_meta[qi], pools.k_fmt, dt),
+        kn,
+        quantize_dequantize(hk, pools.k_fmt, ops),
+        quantize_dequantize(kn, pools.k_fmt, ops),
+    ])  # fmt: skip
+    bank_v = torch.cat([
+        hv,
+        ops.dequantize(pools.v_codes[qi], pools.v_meta[qi], pools.v_fmt, dt),
+        vn,
+        quantize_dequantize(hv, pools.v_fmt, ops),
+        quantize_dequantize(vn, pools.v_fmt, ops),
+    ])  # fmt: skip
+    k_all, v_all = bank_k[win_idx], bank_v[win_idx]
+    return ops.prefill_attention_varlen(
+        q_rot, k_all, v_all, win_cu[0], win_cu[1], win_max[0], win_max[1], sm_scale
+    )
