@@ -226,3 +226,35 @@ def test_varlen_flash_prefill_matches_ref(d: int, hq: int, hkv: int) -> None:
     one = prefill_attention(q[a : a + n], k[c : c + p], v[c : c + p], k[c + p : c + p + n], v[c + p : c + p + n],
                             d**-0.5).float()  # fmt: skip
     torch.testing.assert_close(one, want[a : a + n], atol=2e-2, rtol=2e-2)
+
+
+def test_prompt_logprobs_on_cuda_equal_the_eager_cpu_engines(rot: Path) -> None:
+    """Prompt and sampled-token log-probabilities on CUDA (graphs and overlap on: pinned copies
+    read after their event), in one prefill and in 64-token chunks, against the CPU engine."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    prompts = _prompts((300, 700))
+    cuda = {c: _llm("bf16", rot, dtype="fp32", cuda_graphs="on", max_batched_tokens=c) for c in (8192, 64)}
+    cpu = LLM(str(demo_model_path()), kv_dtype="bf16", device="cpu", max_running=4)
+    want = cpu.generate(prompts, params)
+    for llm in cuda.values():
+        assert llm.engine.overlap
+        for o, w in zip(llm.generate(prompts, params), want, strict=True):
+            assert o.prompt_logprobs[0] is None and len(o.prompt_logprobs) == len(w.prompt_token_ids)
+            got = [x[0] for x in o.prompt_logprobs[1:]]
+            assert got == pytest.approx([x[0] for x in w.prompt_logprobs[1:]], abs=2e-3)
+            assert o.token_ids == w.token_ids
+            assert [x[0] for x in o.logprobs] == pytest.approx([x[0] for x in w.logprobs], abs=2e-3)
+
+
+def test_invariant_prefill_on_triton_ignores_chunking_and_prefix_hits(rot: Path) -> None:
+    """prefill_attention=invariant on the Triton backend: a repeat (prefix hit), 64-token chunks
+    and one chunk give the same tokens."""
+    prompts = _prompts((300, 700, 1500))
+    one = _llm("int2", rot, prefill_attention="invariant")
+    chunked = _llm("int2", rot, prefill_attention="invariant", max_batched_tokens=64)
+    assert one.engine.runner.ops.backend.value == "triton"
+    first = [o.token_ids for o in one.generate(prompts, GREEDY)]
+    again = one.generate(prompts, GREEDY)
+    assert all(o.num_cached_tokens > 0 for o in again[1:])
+    assert [o.token_ids for o in again] == first
+    assert [o.token_ids for o in chunked.generate(prompts, GREEDY)] == first
