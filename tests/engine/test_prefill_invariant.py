@@ -210,3 +210,30 @@ def test_invariant_needs_a_page_of_window():
         )
     with pytest.raises(ValueError, match="prefill_attention"):
         EngineConfig(prefill_attention="as-stored")
+
+
+def test_a_hit_that_misses_mid_block_is_cut_to_the_block(rotations):
+    """A shared stem of 80 tokens (not a multiple of the 32-token block): the second prompt's
+    match stops at the first page that differs, mid-block, and is cut back to the block (64);
+    its tokens equal a run with no cache."""
+    a, b = _prompts((120, 120), seed=4, stem=80)
+    llm = _llm(rotations, "invariant")
+    llm.generate([a], GREEDY)
+    o = llm.generate([b], GREEDY)[0]
+    assert o.num_cached_tokens == 64
+    assert o.token_ids == _llm(rotations, "invariant", prefix_cache=False).generate([b], GREEDY)[0].token_ids
+
+
+def test_preempted_requests_resume_under_the_invariant_rule(rotations):
+    """Four requests in a budget that holds three: preemption releases pages tail first, so a
+    resumed request's match ends wherever eviction cut it; it resumes and every page comes back."""
+    ps = _prompts((150, 140, 160, 130), seed=14)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    plan = _llm(rotations, "invariant", max_running=4).engine.runner.plan
+    fixed = plan.total_bytes - plan.q_pages * plan.q_page_bytes
+    budget = (fixed + 40 * plan.q_page_bytes) / 2**30
+    llm = _llm(rotations, "invariant", max_running=4, kv_budget_gb=budget, decode_reserve_pages=0)
+    outs = llm.generate(ps, params)
+    assert all(len(o.token_ids) == 40 for o in outs) and llm.engine.stats["preemptions"] > 0
+    eng = llm.engine
+    assert eng.scheduler.idle and eng.q.n_free == eng.q.capacity

@@ -125,6 +125,9 @@ class PrefixCache:
             if p is None:
                 break
             dst.append(p)
+        if self.hit_block and q:  # a hit past the sink ends on a window block, whatever page missed
+            keep = max(align_down((len(hp) + len(q)) * self.ps, self.hit_block), len(hp) * self.ps)
+            q = q[: keep // self.ps - len(hp)]
         for p in hp:
             self.hp.incref(p)
         for p in q:
