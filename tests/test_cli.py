@@ -99,7 +99,8 @@ def test_parsing_flags_does_not_import_transformers() -> None:
 
 
 def test_demo(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    """README command 1's job on the bundled demo model, at smoke-test budgets (1K context)."""
+    """README command 1's job on the bundled demo model, at smoke-test budgets (fewer calibration
+    tokens, sequences and prompts; the same 1K context, windows and 3.0-bit budget)."""
     import json
 
     assert main(["demo", "--quick", "--out", str(tmp_path)]) == 0
@@ -108,8 +109,8 @@ def test_demo(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     data = json.loads((tmp_path / "results.json").read_text())
     summ = {s["method"]: s for s in data["summary"]}
     assert set(summ) == {"bf16", "oscar", "hadamard-int2", "naive-int2"}
-    # measured on x86 with the CPU torch 2.13 wheel: OSCAR ppl 1.014x BF16, Hadamard INT2 1.003x,
-    # naive INT2 3.44x; attention-output error 0.149 (Hadamard 0.174, naive 1.15)
+    # measured on x86 with the CPU torch 2.13 wheel: OSCAR ppl 1.034x BF16, Hadamard INT2 1.166x,
+    # naive INT2 3.44x; attention-output error 0.184 (Hadamard 0.210, naive 1.15)
     oscar = summ["oscar"]
     assert oscar["ppl_ratio"] <= 1.05, oscar
     assert summ["naive-int2"]["oscar_ppl_dlog_vs_this"] <= -0.5, summ[
@@ -118,8 +119,8 @@ def test_demo(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert oscar["attn_out_err"] <= summ["hadamard-int2"]["attn_out_err"], summ
     serving = json.loads((tmp_path / "serving.json").read_text())
     held, mib = serving["held"], serving["request_mib"]
-    assert held["bf16"] == 2 and held["int2"] >= 3 * held["bf16"], held  # measured 7 at 1K
-    assert mib["int2"] < 0.3 * mib["bf16"] and serving["bits_per_element"]["int2"] < 4, serving
+    assert held["bf16"] == 2 and held["int2"] >= 4 * held["bf16"], held  # measured 9 at 1K
+    assert mib["int2"] < 0.25 * mib["bf16"] and serving["bits_per_element"]["int2"] <= 3.0, serving
     assert 0 <= serving["greedy_equal_prefix"] <= serving["generated"]
     for f in ("layer_errors.png", "memory.png", "quality.png", "rotations/rotations.safetensors"):
         assert (tmp_path / f).exists(), f

@@ -37,7 +37,7 @@ def compare_serving(
     same = [a == b for a, b in zip(bf16.tokens, int2.tokens, strict=True)]
     first = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
              for a, b in zip(bf16.tokens, int2.tokens, strict=True)]  # fmt: skip
-    lengths = [256 << i for i in range(8)]  # 256 .. 32K: the storage format, past the demo's 2K
+    lengths = [256 << i for i in range(8)]  # 256 .. 32K: the storage format, past the demo's 1K
     return {
         "context": context, "budget_mib": budget / MIB, "prompts": len(prompts), "generated": gen,
         "held": {"bf16": bf16.held, "int2": int2.held},
