@@ -149,10 +149,10 @@ def _teacher_forced(rot: Path, backend: str, forced: list[torch.Tensor] | None, 
     picks: list[torch.Tensor] = []
     real_sample, real_resolve = model_runner.sample, model_runner.resolve
 
-    def sample(logits, params, gens):
+    def sample(logits, params, gens, seen=None):
         logs.append(logits.float().cpu())
         if forced is None:
-            picks.append(real_sample(logits, params, gens).cpu())
+            picks.append(real_sample(logits, params, gens, seen).cpu())
             return picks[-1].to(logits.device)
         return forced[len(logs) - 1].to(logits.device)
 
@@ -233,7 +233,8 @@ def test_prompt_logprobs_on_cuda_equal_the_eager_cpu_engines(rot: Path) -> None:
     read after their event), in one prefill and in 64-token chunks, against the CPU engine."""
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
     prompts = _prompts((300, 700))
-    cuda = {c: _llm("bf16", rot, dtype="fp32", cuda_graphs="on", max_batched_tokens=c) for c in (8192, 64)}
+    cuda = {c: LLM(str(demo_model_path()), kv_dtype="bf16", device="cuda", dtype="fp32", kv_budget_gb=1,
+                   max_running=16, cuda_graphs="on", max_batched_tokens=c) for c in (8192, 64)}  # fmt: skip
     cpu = LLM(str(demo_model_path()), kv_dtype="bf16", device="cpu", max_running=4)
     want = cpu.generate(prompts, params)
     for llm in cuda.values():

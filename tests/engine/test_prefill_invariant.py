@@ -25,7 +25,7 @@ from oscarkv.kernels import pool_ops, resolve
 from oscarkv.quant import RowFormat
 from oscarkv.quant.tiers import apply_moves, plan_moves
 from oscarkv.rotation import save_rotations
-from oscarkv.store import TierAttention
+from oscarkv.store import TierAttention, windows
 from oscarkv.store.windows import quantize_dequantize
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -87,9 +87,16 @@ def _reference(q, k, v, sink: int, scale: float) -> torch.Tensor:
     return out
 
 
-def test_invariant_attention_equals_explicit_masks():
+@pytest.mark.parametrize("rows_per_token", [2, 0])
+def test_invariant_attention_equals_explicit_masks(rows_per_token: int, monkeypatch: pytest.MonkeyPatch):
     """Three prompts prefilled together in ragged chunks (sink-only starts, chunk ends inside and
-    on window blocks, INT2 demotions): every query row equals the per-query mask reference."""
+    on window blocks, INT2 demotions): every query row equals the per-query mask reference, with
+    the key lists gathered in one call or one piece per call (``GATHER_ROWS_PER_TOKEN = 0``)."""
+    monkeypatch.setattr(windows, "GATHER_ROWS_PER_TOKEN", rows_per_token)
+    calls = []
+    real = windows.invariant_prefill
+    monkeypatch.setattr("oscarkv.store.attention.invariant_prefill",
+                        lambda *a, **k: calls.append(len(a[-1])) or real(*a, **k))  # fmt: skip
     plan, pool, kf, vf = _setup()
     views = pool.layer(0)
     gen = torch.Generator().manual_seed(3)
@@ -133,6 +140,7 @@ def test_invariant_attention_equals_explicit_masks():
         for it, a, b in zip(items, p.cu_host, p.cu_host[1:], strict=False):
             outs[it.seq.rid].append(out[a:b])
     assert demoted > 0
+    assert max(calls) > 1 if rows_per_token == 0 else max(calls) == 1, calls  # groups per call
     for rid, (q, k, v) in data.items():
         rot = lambda x, r: attn._rotate(x, r)  # noqa: E731
         want = _reference(rot(q, attn.r_k), rot(k, attn.r_k), rot(v, attn.r_v), seqs[rid].sink_len, scale)

@@ -29,6 +29,7 @@ from ..kernels.devices import resolve_device
 from ..quant import RowFormat
 from ..rotation import LayerShift, RotationSet, load_rotations
 from ..store import DecodeTensors, PageTables, PrefillTensors, TierAttention
+from ..store.windows import GATHER_ROWS_PER_TOKEN
 from .decode_buffers import DecodeStaging, HostDecode
 from .graphs import DecodeGraphs, batch_bucket, len_bucket
 from .kv_pool import KVPool, budget_bytes, plan_pools
@@ -44,8 +45,8 @@ from .tp_step import StepMsg, prefill_to, rank_rotation
 __all__ = ["Launched", "ModelRunner"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-#: prompt rows whose logits exist at once when scoring a prompt (bounds the [rows, vocab] buffer)
-SCORE_ROWS = 512
+#: bytes of fp32 logits that exist at once when scoring a prompt (``score_rows`` rows of the vocab)
+SCORE_BYTES = 64 << 20
 #: log-probabilities of ``R`` rows: the scored token's ``[R]``, the top values and ids ``[R, K]``
 Scored = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -111,6 +112,7 @@ class ModelRunner:
         )
         self.tokenizer = load_tokenizer(cfg.model)
         s = self.shape
+        self.score_rows = max(1, SCORE_BYTES // (4 * s.vocab))  # prompt rows scored per LM-head call
         self.max_model_len = min(cfg.max_model_len or s.max_positions, s.max_positions)
         fmts = self._formats() if self.rotations is not None else None
         self.activation_peak = (
@@ -164,8 +166,11 @@ class ModelRunner:
     def _profile_prefill(self) -> int:
         """Bytes the largest prefill step allocates beyond what is resident: ``max_batched_tokens``
         new tokens of one sequence whose prefix fills ``max_model_len``, with that prefix gathered
-        and dequantized (in fp32, then the model dtype) as the varlen prefill gathers it."""
+        and dequantized (in fp32, then the model dtype) as the varlen prefill gathers it (under
+        ``prefill_attention="invariant"`` also its key bank and one call's gather), then the LM
+        head over ``score_rows`` rows (prompt scoring)."""
         dev, s = self.device, self.shape
+        inv = self.cfg.prefill_attention == "invariant" and self.cfg.kv_dtype == "int2"
         t = min(self.cfg.max_batched_tokens, self.max_model_len)
         p = self.max_model_len - t
         torch.cuda.synchronize(dev)
@@ -178,12 +183,18 @@ class ModelRunner:
             pk, pv = deq.to(self.dtype), deq.to(self.dtype)
             k_all, v_all = torch.cat([pk, k]), torch.cat([pv, v])
             q_rot = q.float().to(q.dtype)  # the rotation's fp32 round trip
-            return self.ops.prefill_attention_varlen(
+            rows = (2 + GATHER_ROWS_PER_TOKEN) * (p + t) if inv else 0  # bank + gather, K and V
+            held = torch.empty(2 * rows, s.num_kv_heads, s.head_dim, dtype=self.dtype, device=dev)
+            out = self.ops.prefill_attention_varlen(
                 q_rot, k_all, v_all, cu[0], cu[1], t, p + t, s.head_dim**-0.5
             )
+            del held
+            return out
 
         ids = torch.zeros(t, dtype=torch.long, device=dev)
         self.model(ids, torch.arange(t, device=dev), attn, torch.tensor([t - 1], device=dev))
+        h = torch.zeros(self.score_rows, s.hidden, dtype=self.dtype, device=dev)
+        token_logprobs(self.model.logits(h), torch.zeros(self.score_rows, dtype=torch.long, device=dev), 20)
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - base
         torch.cuda.empty_cache()
@@ -397,8 +408,9 @@ class ModelRunner:
         n = p.last_idx.shape[0]
         h = self.model.final_hidden(input_ids, p.positions, attn, torch.cat([p.last_idx, p.lp_idx]))
         assert p.lp_target is not None
-        parts = [token_logprobs(self.model.logits(h[n + a : n + a + SCORE_ROWS]), p.lp_target[a : a + SCORE_ROWS],
-                                p.lp_k) for a in range(0, p.lp_idx.shape[0], SCORE_ROWS)]  # fmt: skip
+        r = self.score_rows
+        parts = [token_logprobs(self.model.logits(h[n + a : n + a + r]), p.lp_target[a : a + r], p.lp_k)
+                 for a in range(0, p.lp_idx.shape[0], r)]  # fmt: skip
         scored = tuple(torch.cat(t) for t in zip(*parts, strict=True))
         return self.model.logits(h[:n]), scored  # type: ignore[return-value]
 

@@ -49,6 +49,8 @@ class PrefillTensors:
     win_idx: torch.Tensor | None = None
     win_cu: torch.Tensor | None = None
     win_max: tuple[int, int] = (0, 0)
+    #: host runs of pieces attended by one call each (bounding the gathered key rows)
+    win_groups: tuple[tuple[int, int, int, int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,27 @@ def window_tensors(seqs: Sequence[SeqWindow], block: int, device: torch.device |
         "win_idx": flat.to(device, non_blocking=True),
         "win_cu": cu.to(device, non_blocking=True),
         "win_max": (max(lens_q, default=0), max(lens_k, default=0)),
+        "win_groups": _groups(cu_q, cu_k, GATHER_ROWS_PER_TOKEN * (n_hp + n_q + n_t)),
     }
+
+
+#: the key rows one attention call of the invariant rule gathers, per stored or new token of the
+#: step (further pieces go to the next call): bounds the gather to ~2x the fresh rule's
+GATHER_ROWS_PER_TOKEN = 2
+#: a group of pieces: ``(first piece, end piece, query rows [q0, q1), key rows [k0, k1))``
+Group = tuple[int, int, int, int, int, int]
+
+
+def _groups(cu_q: list[int], cu_k: list[int], cap: int) -> tuple[Group, ...]:
+    """Runs of consecutive pieces whose key lists hold at most ``cap`` rows together (or one
+    piece), each attended by one call."""
+    out: list[Group] = []
+    a, n = 0, len(cu_k) - 1
+    for b in range(1, n + 1):
+        if b == n or cu_k[b + 1] - cu_k[a] > cap:
+            out.append((a, b, cu_q[a], cu_q[b], cu_k[a], cu_k[b]))
+            a = b
+    return tuple(out)
 
 
 def invariant_prefill(
@@ -145,10 +165,12 @@ def invariant_prefill(
     win_max: tuple[int, int],
     ops: KernelOps,
     sm_scale: float,
+    win_groups: tuple[Group, ...] = (),
 ) -> torch.Tensor:
     """Attention of a prefill step's queries ``q_rot [T, Hq, d]`` (rotated) under the invariant
     rule; ``k_rot, v_rot [T, Hkv, d]`` the step's new rows, ``pre_hp``/``pre_q`` the stored rows'
-    ids (the step's pre-step lists, flat), ``win_*`` from :func:`window_tensors`."""
+    ids (the step's pre-step lists, flat), ``win_*`` from :func:`window_tensors`: each group of
+    pieces gathers its key lists and attends in one call (all pieces in one call without groups)."""
     dt = pools.hp_k.dtype
     hi, qi = pre_hp.long(), pre_q.long()
     kn, vn = k_rot.to(dt), v_rot.to(dt)
@@ -167,7 +189,16 @@ def invariant_prefill(
         quantize_dequantize(hv, pools.v_fmt, ops),
         quantize_dequantize(vn, pools.v_fmt, ops),
     ])  # fmt: skip
-    k_all, v_all = bank_k[win_idx], bank_v[win_idx]
-    return ops.prefill_attention_varlen(
-        q_rot, k_all, v_all, win_cu[0], win_cu[1], win_max[0], win_max[1], sm_scale
-    )
+    if len(win_groups) <= 1:
+        k_all, v_all = bank_k[win_idx], bank_v[win_idx]
+        return ops.prefill_attention_varlen(
+            q_rot, k_all, v_all, win_cu[0], win_cu[1], win_max[0], win_max[1], sm_scale
+        )
+    out = torch.empty_like(q_rot)
+    for a, b, q0, q1, k0, k1 in win_groups:
+        rows = win_idx[k0:k1]
+        cu = win_cu[:, a : b + 1] - torch.tensor([[q0], [k0]], dtype=win_cu.dtype, device=win_cu.device)
+        out[q0:q1] = ops.prefill_attention_varlen(
+            q_rot[q0:q1], bank_k[rows], bank_v[rows], cu[0], cu[1], win_max[0], win_max[1], sm_scale
+        )
+    return out
