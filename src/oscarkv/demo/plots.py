@@ -41,12 +41,16 @@ def plot_memory(lengths: list[int], mib: dict[str, list[float]], budget_mib: flo
 def plot_quality(points: dict[str, tuple[float, float]], context: int, path: Path) -> Path:
     """Each method's perplexity ratio to BF16 (y) at its bits per element (x)."""
     plt = _pyplot()
+    from matplotlib.ticker import ScalarFormatter
+
     fig, ax = plt.subplots(figsize=(6.4, 4))
     for name, (bits, ratio) in points.items():
         ax.scatter([bits], [ratio], s=36)
         ax.annotate(name, (bits, ratio), textcoords="offset points", xytext=(6, 4), fontsize=8)
     ax.axhline(1.0, color="grey", ls="--", lw=1)
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(ScalarFormatter())
     ax.set_xlabel(f"bits per K/V element at {context} tokens (16-bit windows counted)")
     ax.set_ylabel("perplexity / BF16 perplexity (lower is better)")
     ax.set_title("Quality against storage, bundled demo model")

@@ -274,10 +274,10 @@ def _plot_layers(rows: list[dict[str, Any]], path: Path) -> bool:
     data = [r for r in rows if r["task"] == "attn-error" and r["method"] != "bf16"]
     if not data:
         return False
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import LogFormatter, MaxNLocator
 
     bits = {r["method"]: r["bits_per_element"] for r in data if r.get("bits_per_element") is not None}
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6), layout="constrained")
     for ax, (metric, title) in zip(axes, metrics, strict=True):
         for m in dict.fromkeys(r["method"] for r in data):
             pts = sorted((r["layer"], r["value"]) for r in data if r["method"] == m and r["metric"] == metric)
@@ -285,6 +285,7 @@ def _plot_layers(rows: list[dict[str, Any]], path: Path) -> bool:
             if pts:
                 ax.plot([p[0] for p in pts], [max(p[1], 1e-12) for p in pts], marker="o", ms=3, label=label)
         ax.set_yscale("log")
+        ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=True))  # decades labelled, no 6x10^-1
         ax.set_xlabel("layer")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("KL (nats)" if metric == "attn_kl" else "relative error")
