@@ -290,3 +290,51 @@ def test_overlapped_penalties_equal_step_by_step(device: str, kv: str, one_threa
             runs[mode] = [o.token_ids for o in llm.generate(prompts, params)]
     assert runs["on"] == runs["off"]
     assert all(len(t) == 30 for t in runs["on"])
+
+
+def test_slot_counts_follow_the_sampled_tokens_and_reset_on_admission() -> None:
+    """``PenaltyCounts``: a slot's rows are built from the host's lists at admission and then
+    grow on the device by each sampled token (never from the host again); a new admission of the
+    slot (another epoch) starts over. The sampler gives the lists form's result from them."""
+    from oscarkv.engine.penalties import PenaltyCounts
+    from oscarkv.engine.request import Sequence, StepSeq
+    from oscarkv.quant.tiers import Moves, TierState
+
+    v = 50
+    pc = PenaltyCounts(2, v, torch.device("cpu"))
+    p = SamplingParams(temperature=0, frequency_penalty=0.5, repetition_penalty=1.3)
+    seq = Sequence("a", [1, 2, 3], p, out=[4, 4], slot=1, epoch=7)
+
+    def item(s: Sequence) -> StepSeq:
+        n = len(s.prompt) + len(s.out)
+        return StepSeq(s, n - 1, 1, TierState(), Moves(to_ring=1), ends_prompt=True)
+
+    logits = torch.randn(1, v)
+    for tok in (9, 4, 9):
+        seen, slots = pc.seen([item(seq)])
+        want = sampler_mod._penalized(logits, [p], Seen([seq.prompt], [seq.out]), copied=False)
+        assert torch.equal(sampler_mod._penalized(logits, [p], seen, copied=False), want)
+        pc.add(slots, torch.tensor([tok]))
+        seq.out.append(tok)  # the host reads it later; the device counted it already
+    assert pc.out[1, 9] == 2 and pc.out[1, 4] == 3 and bool(pc.in_prompt[1, 2])
+    other = Sequence("b", [5], p, slot=1, epoch=8)
+    seen, _ = pc.seen([item(other)])
+    assert seen.counts.sum() == 0 and seen.in_prompt[0].nonzero().flatten().tolist() == [5]
+    with pytest.raises(ValueError, match="prompt token ids"):
+        pc.seen([item(Sequence("c", [v], p, slot=0, epoch=9))])
+
+
+def test_penalized_requests_survive_preemption(one_thread) -> None:
+    """BF16 (a recompute reproduces the K/V exactly): penalized requests preempted for lack of
+    pages resume with their counts rebuilt from the host and give the tokens of a roomy run."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, frequency_penalty=1.0,
+                            repetition_penalty=1.2)  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 2048, (n,), generator=g).tolist() for n in (150, 140, 160, 130)]
+    with LLM(DEMO, kv_dtype="bf16", device="cpu", page_tokens=8, max_running=4) as roomy:
+        want = [o.token_ids for o in roomy.generate(prompts, params)]
+    with LLM(DEMO, kv_dtype="bf16", device="cpu", page_tokens=8, max_running=4, decode_reserve_pages=0,
+             kv_budget_gb=60 * 8 * 4096 / 2**30, check_invariants=True) as tight:  # fmt: skip
+        got = [o.token_ids for o in tight.generate(prompts, params)]
+        assert tight.engine.stats["preemptions"] > 0
+    assert got == want

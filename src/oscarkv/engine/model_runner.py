@@ -35,10 +35,11 @@ from .graphs import DecodeGraphs, batch_bucket, len_bucket
 from .kv_pool import KVPool, budget_bytes, plan_pools
 from .models import load_decoder
 from .models.parallel import Comm
+from .penalties import PenaltyCounts
 from .planner import fill_lists, plan_decode_host, plan_prefill
 from .prefix_cache import tokens_between
 from .request import Batch, SamplingParams, StepSeq, TokenLogprob
-from .sampler import Seen, make_generator, sample, to_device, token_logprobs
+from .sampler import make_generator, sample, to_device, token_logprobs
 from .tokenizer import load_tokenizer
 from .tp_step import StepMsg, prefill_to, rank_rotation
 
@@ -151,6 +152,7 @@ class ModelRunner:
             self.attn.append(TierAttention(i, r_k, r_vv, kf, vf, self.ops, scale, values_prerotated=absorb,
                                            shift=shift, outputs_rotated=absorb))  # fmt: skip
         self.generators: dict[str, torch.Generator] = {}
+        self.penalties: PenaltyCounts | None = None  # per-slot counts, made for the first penalized request
         # each request slot's page ids (host and device) and the last token sampled for it
         self.tables = PageTables.for_plan(self.plan, self.max_model_len, self.device)
         self.last_tok = torch.zeros(self.plan.max_running, dtype=torch.long, device=self.device)
@@ -315,32 +317,6 @@ class ModelRunner:
     def release(self, rid: str) -> None:
         self.generators.pop(rid, None)
 
-    def _seen(self, rows: list[StepSeq]) -> Seen | None:
-        """The tokens the penalized rows of a step have seen (None when no row uses a penalty,
-        so such steps cost nothing): the host's prompt and output lists, and the one token the
-        previous, overlapped step sampled for the row's slot and the host has not read yet,
-        taken from ``last_tok`` on the device (no sync). A row's penalties cost host work and a
-        copy linear in its prompt plus output, every step."""
-        if not any(it.seq.params.penalized for it in rows):
-            return None
-        prompt: list[list[int]] = []
-        output: list[list[int]] = []
-        slots: list[int] = []
-        for it in rows:
-            seq = it.seq
-            use = seq.params.penalized
-            prompt.append(seq.prompt if use else [])
-            output.append(seq.out if use else [])
-            # the step samples position start + n_new; every position before it is counted
-            unread = it.start + it.n_new - len(seq.prompt) - len(seq.out)
-            assert 0 <= unread <= 1, f"{seq.rid}: {unread} tokens not read before a step"
-            slots.append(seq.slot if use and unread and seq.slot is not None else -1)
-        pending = None
-        if any(s >= 0 for s in slots):
-            at = to_device(slots, torch.long, self.device)
-            pending = torch.where(at >= 0, self.last_tok[at.clamp(min=0)], -1)
-        return Seen(prompt, output, pending)
-
     def _decode_hidden(self, p: DecodeTensors) -> torch.Tensor:
         """The decode forward over tensors ``p`` up to the final hidden states (eager, or under a
         graph capture; the LM head runs outside graphs, so no graph holds a logits buffer): the
@@ -443,7 +419,16 @@ class ModelRunner:
             return Launched(batch, None, event=ev, prompt_logprobs=prompt_lps)
         params = [it.seq.params for it in rows]
         gens = [self.generator(it.seq.rid, it.seq.params) for it in rows]
-        toks = sample(logits, params, gens, self._seen(rows))
+        pen = [it for it in rows if it.seq.params.penalized]
+        if pen and self.penalties is None:
+            self.penalties = PenaltyCounts(self.plan.max_running, logits.shape[1], self.device)
+        seen, pen_slots = self.penalties.seen(rows) if pen and self.penalties is not None else (None, None)
+        toks = sample(logits, params, gens, seen)
+        if pen_slots is not None and self.penalties is not None:  # counted before the next step samples
+            keep = to_device(
+                [i for i, it in enumerate(rows) if it.seq.params.penalized], torch.long, self.device
+            )
+            self.penalties.add(pen_slots, toks.index_select(0, keep))
         slots = [it.seq.slot or 0 for it in rows]
         self.last_tok.index_copy_(0, to_device(slots, torch.long, self.device), toks)
         ks = [p.logprobs for p in params if p.logprobs is not None]

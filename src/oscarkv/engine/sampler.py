@@ -93,15 +93,21 @@ def _biased(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Ten
 
 @dataclass(frozen=True)
 class Seen:
-    """The tokens each row's penalties count (``sample(..., seen)``): ``prompt[i]`` and
-    ``output[i]``, row ``i``'s prompt and output token ids as the host knows them, and ``pending``
-    (long ``[B]`` on the logits' device, or None): row ``i``'s one output token sampled on the
-    device and not read by the host yet (overlapped scheduling), ``-1`` where there is none. Only
-    rows whose params use a penalty are read (give the others empty lists)."""
+    """The tokens each row's penalties count (``sample(..., seen)``), in one of two forms.
 
-    prompt: Sequence[Sequence[int]]
-    output: Sequence[Sequence[int]]
+    Lists: ``prompt[i]`` and ``output[i]``, row ``i``'s prompt and output token ids as the host
+    knows them, and ``pending`` (long ``[B]`` on the logits' device, or None): row ``i``'s one
+    output token sampled on the device and not read by the host yet (overlapped scheduling),
+    ``-1`` where there is none. Only rows whose params use a penalty are read (give the others
+    empty lists). Counts: ``counts`` (fp32 ``[R, V]``, each output token's count) and
+    ``in_prompt`` (bool ``[R, V]``) of the ``R`` penalized rows in row order, on the logits'
+    device (what ``engine/penalties.py`` keeps per request slot); the lists are then unused."""
+
+    prompt: Sequence[Sequence[int]] = ()
+    output: Sequence[Sequence[int]] = ()
     pending: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+    in_prompt: torch.Tensor | None = None
 
 
 def _flat(
@@ -131,9 +137,15 @@ def _penalized(logits: torch.Tensor, params: Sequence[SamplingParams], seen: See
     (prompt and output) per penalized row, copied to the device: linear in their lengths."""
     b, v = logits.shape
     rows = [i for i, p in enumerate(params) if p.penalized]
+    dev, r = logits.device, len(rows)
+    if seen is not None and seen.counts is not None and seen.in_prompt is not None:
+        if seen.counts.shape != (r, v) or seen.in_prompt.shape != (r, v):
+            raise ValueError(
+                f"sample: seen.counts and seen.in_prompt must be [{r}, {v}] (the penalized rows)"
+            )
+        return _apply(logits, params, rows, seen.counts, seen.in_prompt, copied)
     if seen is None or len(seen.prompt) != b or len(seen.output) != b:
         raise ValueError(f"sample: penalties need the tokens seen for each of the {b} rows (seen=Seen(...))")
-    dev, r = logits.device, len(rows)
     idx = to_device(rows, torch.long, dev)
     counts = torch.zeros(r * v, dtype=torch.float32, device=dev)
     out = _flat(rows, seen.output, v, "output", dev)
@@ -146,11 +158,19 @@ def _penalized(logits: torch.Tensor, params: Sequence[SamplingParams], seen: See
         counts.scatter_add_(1, pend.clamp(min=0), (pend >= 0).float())
     in_prompt = torch.zeros(r * v, dtype=torch.bool, device=dev)
     in_prompt.index_fill_(0, _flat(rows, seen.prompt, v, "prompt", dev), True)
+    return _apply(logits, params, rows, counts, in_prompt.view(r, v), copied)
+
+
+def _apply(logits: torch.Tensor, params: Sequence[SamplingParams], rows: list[int], counts: torch.Tensor,
+           in_prompt: torch.Tensor, copied: bool) -> torch.Tensor:  # fmt: skip
+    """The penalties of ``rows`` from their output ``counts`` and ``in_prompt`` masks ``[R, V]``."""
+    dev = logits.device
+    idx = to_device(rows, torch.long, dev)
     in_output = counts > 0
     sel = [params[i] for i in rows]
     rep = _column([p.repetition_penalty for p in sel], torch.float32, dev)
     x = logits.index_select(0, idx).float()
-    x = torch.where(in_prompt.view(r, v) | in_output, torch.where(x > 0, x / rep, x * rep), x)
+    x = torch.where(in_prompt | in_output, torch.where(x > 0, x / rep, x * rep), x)
     x -= _column([p.frequency_penalty for p in sel], torch.float32, dev) * counts
     x -= _column([p.presence_penalty for p in sel], torch.float32, dev) * in_output
     full = logits.float() if copied or logits.dtype != torch.float32 else logits.clone()
