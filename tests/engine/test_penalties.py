@@ -269,11 +269,11 @@ def test_overlapped_penalties_equal_step_by_step(device: str, kv: str, one_threa
     """With overlap on, a step is sampled before the previous step's token is read; the penalties
     count that token from the device, so greedy and seeded penalized requests (beside unpenalized
     ones, through chunked prefill) give exactly the tokens of step-by-step scheduling."""
-    kw: dict = {"kv_dtype": "bf16"}
+    kw: dict = {"kv_dtype": "bf16", "kv_budget_gb": 0.25}  # on CUDA, not 90% of the card for later tests
     if kv == "int2":
         spec = QuantSpec(sink_tokens=16, recent_tokens=32, demote_block=8)
         save_rotations(random_rotation_set(4, 128, spec), tmp_path / "rot")
-        kw = {"rotations": str(tmp_path / "rot"), "spec": spec, "page_tokens": 8}
+        kw = {"rotations": str(tmp_path / "rot"), "spec": spec, "page_tokens": 8, "kv_budget_gb": 0.25}
     params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, frequency_penalty=2.0),
               SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, presence_penalty=2.0,
                              repetition_penalty=1.5),
