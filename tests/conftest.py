@@ -1,4 +1,5 @@
-"""Shared fixtures: the ``../shared`` directory, seeding, and a test-built OSCAR rotation pair."""
+"""Shared fixtures: the ``../shared`` directory, seeding, a test-built OSCAR rotation pair, and the
+server tests' live server."""
 
 from __future__ import annotations
 
@@ -53,6 +54,18 @@ def shared_dir() -> Path:
 @pytest.fixture(autouse=True)
 def _seed_torch() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory):
+    """The server tests' live server, one per module: the demo model, bf16 KV on the CPU, the
+    default chat template (``tests/server/serve_demo.py``; a module that needs another server
+    defines its own ``srv``)."""
+    from serve_demo import serve_with_template
+
+    s = serve_with_template(tmp_path_factory.mktemp("tpl"))
+    yield s
+    s.stop()
 
 
 def random_orthogonal(d: int, gen: torch.Generator | None = None) -> torch.Tensor:

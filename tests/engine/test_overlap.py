@@ -22,12 +22,7 @@ SPEC = QuantSpec(sink_tokens=16, recent_tokens=32, demote_block=8)
 VOCAB = 2048
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _prompts(lens: tuple[int, ...], seed: int) -> list[list[int]]:

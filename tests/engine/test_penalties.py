@@ -219,14 +219,6 @@ def test_penalties_do_not_sync_the_host_on_cuda() -> None:
 
 
 # ---- the engine ------------------------------------------------------------------------------
-@pytest.fixture(autouse=False)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _repeats(ids: list[int]) -> int:
     return len(ids) - len(set(ids))
 
@@ -311,14 +303,14 @@ def test_slot_counts_follow_the_sampled_tokens_and_reset_on_admission() -> None:
 
     logits = torch.randn(1, v)
     for tok in (9, 4, 9):
-        seen, slots = pc.seen([item(seq)])
+        seen = pc.seen([item(seq)])
         want = sampler_mod._penalized(logits, [p], Seen([seq.prompt], [seq.out]), copied=False)
         assert torch.equal(sampler_mod._penalized(logits, [p], seen, copied=False), want)
-        pc.add(slots, torch.tensor([tok]))
+        pc.count(torch.tensor([tok]))
         seq.out.append(tok)  # the host reads it later; the device counted it already
     assert pc.out[1, 9] == 2 and pc.out[1, 4] == 3 and bool(pc.in_prompt[1, 2])
     other = Sequence("b", [5], p, slot=1, epoch=8)
-    seen, _ = pc.seen([item(other)])
+    seen = pc.seen([item(other)])
     assert seen.counts.sum() == 0 and seen.in_prompt[0].nonzero().flatten().tolist() == [5]
     with pytest.raises(ValueError, match="prompt token ids"):
         pc.seen([item(Sequence("c", [v], p, slot=0, epoch=9))])

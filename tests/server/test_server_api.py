@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from serve_demo import DEMO, MODEL, TEMPLATE, engine_config, serve_with_template
+from serve_demo import DEMO, MODEL, TEMPLATE, engine_config
 
 import oscarkv
 from oscarkv.config import ServerConfig
@@ -35,13 +35,6 @@ def _wait_idle(srv: RunningServer, timeout: float = 20.0) -> None:
     while not (eng.scheduler.idle and eng.hp.n_free == eng.hp.capacity and srv.async_engine.num_live == 0):
         assert time.monotonic() - t0 < timeout, "the engine did not return to idle"
         time.sleep(0.05)
-
-
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    s = serve_with_template(tmp_path_factory.mktemp("tpl"))
-    yield s
-    s.stop()
 
 
 @pytest.fixture(scope="module")

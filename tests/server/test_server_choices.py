@@ -5,12 +5,11 @@ lm-eval's ``local-completions`` sends them, and ``n`` choices per prompt; stream
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-from serve_demo import DEMO, MODEL, engine_config, serve_with_template
+from serve_demo import DEMO, MODEL, engine_config
 
 from oscarkv.config import ServerConfig
 from oscarkv.engine import SamplingParams
@@ -21,13 +20,6 @@ PROMPTS = ["Once upon a time", "The cat sat", "In the beginning"]
 
 
 _cfg = engine_config
-
-
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    s = serve_with_template(tmp_path_factory.mktemp("tpl"))
-    yield s
-    s.stop()
 
 
 @pytest.fixture(scope="module")

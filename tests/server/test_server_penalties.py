@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from serve_demo import DEMO, MODEL, TEMPLATE, serve_with_template
+from serve_demo import DEMO, MODEL, TEMPLATE
 
 from oscarkv.engine import SamplingParams
 from oscarkv.engine.llm import LLM
@@ -19,13 +19,6 @@ from oscarkv.server.launch import RunningServer
 
 PROMPT = "def add(a, b):"
 PENALTIES = {"presence_penalty": 0.8, "frequency_penalty": 1.5, "repetition_penalty": 1.6}
-
-
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    s = serve_with_template(tmp_path_factory.mktemp("tpl"))
-    yield s
-    s.stop()
 
 
 @pytest.fixture(scope="module")

@@ -419,16 +419,12 @@ class ModelRunner:
             return Launched(batch, None, event=ev, prompt_logprobs=prompt_lps)
         params = [it.seq.params for it in rows]
         gens = [self.generator(it.seq.rid, it.seq.params) for it in rows]
-        pen = [it for it in rows if it.seq.params.penalized]
-        if pen and self.penalties is None:
+        if self.penalties is None and any(p.penalized for p in params):
             self.penalties = PenaltyCounts(self.plan.max_running, logits.shape[1], self.device)
-        seen, pen_slots = self.penalties.seen(rows) if pen and self.penalties is not None else (None, None)
+        seen = self.penalties.seen(rows) if self.penalties is not None else None
         toks = sample(logits, params, gens, seen)
-        if pen_slots is not None and self.penalties is not None:  # counted before the next step samples
-            keep = to_device(
-                [i for i, it in enumerate(rows) if it.seq.params.penalized], torch.long, self.device
-            )
-            self.penalties.add(pen_slots, toks.index_select(0, keep))
+        if seen is not None and self.penalties is not None:  # counted before the next step samples
+            self.penalties.count(toks)
         slots = [it.seq.slot or 0 for it in rows]
         self.last_tok.index_copy_(0, to_device(slots, torch.long, self.device), toks)
         ks = [p.logprobs for p in params if p.logprobs is not None]

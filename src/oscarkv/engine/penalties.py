@@ -29,6 +29,7 @@ class PenaltyCounts:
         self.out = torch.zeros(slots, vocab, dtype=torch.int32, device=device)
         self.in_prompt = torch.zeros(slots, vocab, dtype=torch.bool, device=device)
         self.epoch = [-1] * slots  # the admission each slot's rows were built for
+        self._step: tuple[torch.Tensor, torch.Tensor] | None = None  # the last seen(): slots, rows
 
     def _reset(self, slot: int, prompt: Sequence[int], out: Sequence[int]) -> None:
         for name, ids in (("prompt", prompt), ("output", out)):
@@ -41,11 +42,11 @@ class PenaltyCounts:
         self.in_prompt[slot].zero_()
         self.in_prompt[slot].index_fill_(0, to_device(list(prompt), torch.long, self.device), True)
 
-    def seen(self, rows: Sequence[StepSeq]) -> tuple[Seen, torch.Tensor]:
-        """The counts of the penalized ``rows`` (in row order) and their slots (long, device),
-        rebuilding a slot whose admission changed."""
-        slots = []
-        for it in rows:
+    def seen(self, rows: Sequence[StepSeq]) -> Seen | None:
+        """The counts of the penalized ``rows`` (in row order; None when there are none),
+        rebuilding a slot whose admission changed; :meth:`count` then adds their sampled tokens."""
+        slots, picked = [], []
+        for i, it in enumerate(rows):
             seq = it.seq
             if not seq.params.penalized:
                 continue
@@ -55,11 +56,19 @@ class PenaltyCounts:
                 self._reset(seq.slot, seq.prompt, seq.out)
                 self.epoch[seq.slot] = seq.epoch
             slots.append(seq.slot)
+            picked.append(i)
+        if not slots:
+            self._step = None
+            return None
         at = to_device(slots, torch.long, self.device)
-        return Seen(
-            counts=self.out.index_select(0, at).float(), in_prompt=self.in_prompt.index_select(0, at)
-        ), at
+        self._step = (at, to_device(picked, torch.long, self.device))
+        return Seen(counts=self.out.index_select(0, at).float(), in_prompt=self.in_prompt.index_select(0, at))
 
-    def add(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Count ``tokens [R]`` (long, device) as output of ``slots [R]``."""
-        self.out.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+    def count(self, tokens: torch.Tensor) -> None:
+        """Add the tokens sampled for the rows of the last :meth:`seen` (``tokens [B]``, long, one
+        per row of that step) to their slots' counts, on the device."""
+        assert self._step is not None, "count() without a seen() of penalized rows"
+        slots, picked = self._step
+        self.out.index_put_((slots, tokens.index_select(0, picked)), torch.ones_like(slots, dtype=torch.int32),
+                            accumulate=True)  # fmt: skip
+        self._step = None

@@ -173,22 +173,18 @@ def invariant_prefill(
     pieces gathers its key lists and attends in one call (all pieces in one call without groups)."""
     dt = pools.hp_k.dtype
     hi, qi = pre_hp.long(), pre_q.long()
-    kn, vn = k_rot.to(dt), v_rot.to(dt)
-    hk, hv = pools.hp_k[hi], pools.hp_v[hi]
-    bank_k = torch.cat([
-        hk,
-        ops.dequantize(pools.k_codes[qi], pools.k_meta[qi], pools.k_fmt, dt),
-        kn,
-        quantize_dequantize(hk, pools.k_fmt, ops),
-        quantize_dequantize(kn, pools.k_fmt, ops),
-    ])  # fmt: skip
-    bank_v = torch.cat([
-        hv,
-        ops.dequantize(pools.v_codes[qi], pools.v_meta[qi], pools.v_fmt, dt),
-        vn,
-        quantize_dequantize(hv, pools.v_fmt, ops),
-        quantize_dequantize(vn, pools.v_fmt, ops),
-    ])  # fmt: skip
+
+    def bank(hp: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, fmt: RowFormat, new: torch.Tensor):
+        """One side's key bank: 16-bit rows, stored INT2 rows, new rows, then the INT2 values of
+        the 16-bit and new rows (the row order :func:`window_tensors` indexes)."""
+        hp, new = hp[hi], new.to(dt)
+        deq = ops.dequantize(codes[qi], meta[qi], fmt, dt)
+        return torch.cat(
+            [hp, deq, new, quantize_dequantize(hp, fmt, ops), quantize_dequantize(new, fmt, ops)]
+        )
+
+    bank_k = bank(pools.hp_k, pools.k_codes, pools.k_meta, pools.k_fmt, k_rot)
+    bank_v = bank(pools.hp_v, pools.v_codes, pools.v_meta, pools.v_fmt, v_rot)
     if len(win_groups) <= 1:
         k_all, v_all = bank_k[win_idx], bank_v[win_idx]
         return ops.prefill_attention_varlen(
