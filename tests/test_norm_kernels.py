@@ -257,27 +257,29 @@ def test_triton_vs_twin_silu_and_mul(inter: int, rows: int, dtype: torch.dtype) 
     assert_steps(norm.silu_and_mul(wide), ref.silu_and_mul(wide))
 
 
-def qk_inputs(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, device: str = "cpu"):
+def qk_inputs(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, device: str = "cpu", r: int = 0):
     """``(q, k, cos, sin, w_q, w_k)``: ``q``/``k`` strided views of a fused ``qkv`` projection,
-    ``cos``/``sin`` halves of one fp32 cache row as ``RotaryEmbedding`` gives them."""
+    ``cos``/``sin`` ``[t, r/2]`` halves of one fp32 cache row as ``RotaryEmbedding`` gives them
+    (rotary width ``r``, the whole head ``d`` when 0)."""
+    r = r or d
     g = torch.Generator().manual_seed(t * 7 + d)
     qkv = (torch.randn(t, (hq + 2 * hkv) * d, generator=g) * 2).to(dtype).to(device)
     q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-    ang = torch.rand(t, d // 2, generator=g) * 100
+    ang = torch.rand(t, r // 2, generator=g) * 100
     cos, sin = torch.cat([ang.cos(), ang.sin()], -1).to(device).chunk(2, dim=-1)
     w = (torch.rand(2, d, generator=g) + 0.5).to(dtype).to(device)
     return q.view(t, hq, d), k.view(t, hkv, d), cos, sin, w[0], w[1]
 
 
 def check_qk_norm_rope(
-    t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, norm: bool, device: str
+    t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, norm: bool, device: str, r: int = 0
 ) -> None:
     from oscarkv.kernels.triton import rope
 
-    q, k, cos, sin, wq, wk = qk_inputs(t, hq, hkv, d, dtype, device)
+    q, k, cos, sin, wq, wk = qk_inputs(t, hq, hkv, d, dtype, device, r)
     args = (q, k, cos, sin, *((wq, wk) if norm else (None, None)), EPS)
     got, want = rope.qk_norm_rope(*args), ref.qk_norm_rope(*args)
-    for g, w in zip(got, want, strict=True):
+    for g, w, x in zip(got, want, (q, k), strict=True):
         assert g.is_contiguous() and g.shape == w.shape
         if device != "cpu":  # a difference of products rounded once: a step at the inputs' scale
             torch.testing.assert_close(g, w, rtol=RTOL[dtype], atol=ROPE_ATOL[dtype])
@@ -285,30 +287,104 @@ def check_qk_norm_rope(
             assert_steps(g, w)
         else:
             assert torch.equal(g, w)
+        if r and not norm:  # the dims past the rotary width come out as they went in
+            assert torch.equal(g[..., r:], x[..., r:])
+
+
+#: ``(t, hq, hkv, d, r)``: full rotary (``r == d``) and partial, GLM's half (128/64), a quarter
+#: (128/32, 64/16), ``r/2`` and ``d - r`` both off a power of two (80/40), and an odd head (65/32)
+QK_SHAPES = [
+    (1, 4, 2, 64, 64),
+    (5, 6, 3, 128, 128),
+    (3, 8, 8, 80, 80),
+    (2, 32, 8, 128, 128),
+    (5, 6, 3, 128, 64),
+    (2, 12, 2, 128, 64),
+    (3, 8, 8, 128, 32),
+    (1, 4, 2, 64, 32),
+    (4, 6, 1, 64, 16),
+    (3, 4, 4, 80, 40),
+    (2, 4, 2, 65, 32),
+]
 
 
 @interpreted
 @pytest.mark.usefixtures("rounding_cast")
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    ("t", "hq", "hkv", "d"), [(1, 4, 2, 64), (5, 6, 3, 128), (3, 8, 8, 80), (2, 32, 8, 128)]
-)
+@pytest.mark.parametrize(("t", "hq", "hkv", "d", "r"), QK_SHAPES)
 @pytest.mark.parametrize("norm", [False, True])
 def test_triton_vs_twin_qk_norm_rope(
-    t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, norm: bool
+    t: int, hq: int, hkv: int, d: int, r: int, dtype: torch.dtype, norm: bool
 ) -> None:
-    check_qk_norm_rope(t, hq, hkv, d, dtype, norm, "cpu")
+    check_qk_norm_rope(t, hq, hkv, d, dtype, norm, "cpu", r)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("d", "r"), [(128, 128), (64, 64), (128, 64), (128, 32), (64, 32)])
+@pytest.mark.parametrize("norm", [False, True])
+def test_twin_is_glm4_moe_rotary_bit_for_bit(d: int, r: int, dtype: torch.dtype, norm: bool) -> None:
+    """The twin against GLM-4.x MoE's attention in transformers: q/k norms over the whole head
+    (``use_qk_norm``), then ``apply_rotary_pos_emb`` with the cos/sin of ``Glm4MoeRotaryEmbedding``
+    for ``partial_rotary_factor = r/d``, on ``[B, H, T, d]``."""
+    from transformers import Glm4MoeConfig
+    from transformers.models.glm4_moe import modeling_glm4_moe as glm
+
+    t, hq, hkv = 9, 6, 2
+    cfg = Glm4MoeConfig(
+        hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": r / d},
+    )  # fmt: skip
+    rotary = glm.Glm4MoeRotaryEmbedding(cfg)
+    pos = torch.arange(100, 100 + t)
+    hf_cos, hf_sin = rotary(torch.zeros(1, t, 1, dtype=dtype), pos[None])  # [1, T, r] in dtype
+    assert hf_cos.shape == (1, t, r)
+    freqs = pos[:, None].float() * rotary.inv_freq[None, :]  # the engine's fp32 [T, r/2] halves
+    cos, sin = freqs.cos(), freqs.sin()
+    half = r // 2
+    assert torch.equal(cos.to(dtype), hf_cos[0, :, :half]) and torch.equal(sin.to(dtype), hf_sin[0, :, half:])
+
+    q, k, _, _, wq, wk = qk_inputs(t, hq, hkv, d, dtype)
+    weights = (wq, wk) if norm else (None, None)
+    got_q, got_k = ref.qk_norm_rope(q, k, cos, sin, *weights, EPS)
+    hq_, hk_ = q[None], k[None]  # [B, T, H, d], as Glm4MoeAttention holds them before the norms
+    if norm:
+        q_norm, k_norm = glm.Glm4MoeRMSNorm(d, eps=EPS).to(dtype), glm.Glm4MoeRMSNorm(d, eps=EPS).to(dtype)
+        q_norm.weight.data.copy_(wq)
+        k_norm.weight.data.copy_(wk)
+        with torch.no_grad():
+            hq_, hk_ = q_norm(hq_), k_norm(hk_)
+    want_q, want_k = glm.apply_rotary_pos_emb(hq_.transpose(1, 2), hk_.transpose(1, 2), hf_cos, hf_sin)
+    assert torch.equal(got_q, want_q[0].transpose(0, 1)) and torch.equal(got_k, want_k[0].transpose(0, 1))
+    if not norm:
+        assert torch.equal(ref.apply_rotary(q, cos, sin), want_q[0].transpose(0, 1))
 
 
 def test_qk_norm_rope_refuses_half_a_norm_and_odd_shapes() -> None:
+    from oscarkv.kernels.triton import rope  # the shape checks run before any launch: no GPU needed
+
     q, k, cos, sin, wq, _ = qk_inputs(2, 4, 2, 64, torch.float32)
     with pytest.raises(ValueError, match="both given"):
         ref.qk_norm_rope(q, k, cos, sin, wq, None, EPS)
-    if torch.cuda.is_available():
-        from oscarkv.kernels.triton import rope
-
-        with pytest.raises(ValueError, match="cos/sin"):
-            rope.qk_norm_rope(q.cuda(), k.cuda(), cos[:1].cuda(), sin[:1].cuda(), None, None, EPS)
+    with pytest.raises(ValueError, match="both given"):
+        rope.qk_norm_rope(q, k, cos, sin, wq, None, EPS)
+    _, _, wide_cos, wide_sin, _, _ = qk_inputs(2, 4, 2, 66, torch.float32)  # r = 66 > d = 64
+    q65, k65, cos33, sin33, _, _ = qk_inputs(2, 4, 2, 65, torch.float32, r=66)  # odd d fully rotated
+    bad = {
+        "r > d": (q, k, wide_cos, wide_sin),
+        "r = 0": (q, k, cos[:, :0], sin[:, :0]),
+        "odd d, r = d + 1": (q65, k65, cos33, sin33),
+        "sin unlike cos": (q, k, cos, sin[:, :16]),
+        "HF's full-width rows": (q, k, torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)),
+    }
+    for what, (q_, k_, c, s) in bad.items():
+        for op in (ref.qk_norm_rope, rope.qk_norm_rope):
+            with pytest.raises(ValueError, match=r"cos/sin \[T, r/2\]"):
+                op(q_, k_, c, s, None, None, EPS)
+                pytest.fail(f"{op.__module__}.qk_norm_rope took {what}")
+        with pytest.raises(ValueError, match="2 <= r <= d"):
+            ref.apply_rotary(q_, c, s)
+    with pytest.raises(ValueError, match=r"cos/sin \[T, r/2\]"):  # a cos row per token
+        rope.qk_norm_rope(q, k, cos[:1], sin[:1], None, None, EPS)
 
 
 @interpreted
@@ -369,9 +445,12 @@ def test_gpu_silu_and_mul(inter: int, rows: int, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t", [1, 24, 4096])
-@pytest.mark.parametrize(("hq", "hkv", "d"), [(32, 8, 128), (9, 3, 64), (16, 8, 256)])
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d", "r"),
+    [(32, 8, 128, 128), (9, 3, 64, 64), (16, 8, 256, 256), (96, 8, 128, 64), (32, 8, 128, 32), (9, 3, 64, 32)],
+)  # fmt: skip
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_gpu_qk_norm_rope(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, norm: bool) -> None:
-    check_qk_norm_rope(t, hq, hkv, d, dtype, norm, "cuda")
+def test_gpu_qk_norm_rope(t: int, hq: int, hkv: int, d: int, r: int, dtype: torch.dtype, norm: bool) -> None:
+    check_qk_norm_rope(t, hq, hkv, d, dtype, norm, "cuda", r)
