@@ -177,7 +177,7 @@ def test_demo_model_matches_hf(dtype: torch.dtype) -> None:
     # eager, as the test attention: HF's own sdpa and eager paths differ by 3e-5 on these logits (|x| ~ 20)
     hf = AutoModelForCausalLM.from_pretrained(DEMO, dtype=dtype, attn_implementation="eager").eval()
     dec, shape = load_decoder(str(DEMO), dtype, "cpu")
-    assert shape == ModelShape("qwen3", 4, 2, 1, 128, 256, 2048, 2048, 1e-6, True, (0,))
+    assert shape == ModelShape("qwen3", 4, 2, 1, 128, 256, 2048, 2048, 1e-6, True, (0,), rotary_dim=128)
     assert dec.embed_tokens.weight.dtype == dtype and dec.rotary.cos_sin.dtype == dtype
     seqs, ids, pos = flat_batch(shape.vocab, (17, 1, 40))
     with torch.no_grad():
@@ -297,7 +297,7 @@ def one_line_error(path: Path, match: str) -> ModelError:
 def test_unsupported_model_type(tmp_path: Path, cfg) -> None:
     cfg.save_pretrained(tmp_path)
     err = one_line_error(tmp_path, f"model_type '{cfg.model_type}' is not supported")
-    assert "llama, mistral (no sliding window), qwen2, qwen3" in str(err)
+    assert "llama, mistral, qwen2, qwen3, qwen3_moe, glm4_moe, minimax_m2 (full attention only)" in str(err)
 
 
 def test_sliding_window_is_refused(tmp_path: Path) -> None:

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SHARED_DIR, random_orthogonal, tiny_lm_config, write_tiny_lm
+from conftest import SHARED_DIR, random_orthogonal, random_rotation_set, tiny_lm_config, write_tiny_lm
 from oscarkv import LLM, QuantSpec, SamplingParams
 from oscarkv.engine.distributed import TensorParallelError
-from oscarkv.engine.models.parallel import VocabParallelEmbedding, checkpoint_shard, vocab_shard
+from oscarkv.engine.models.parallel import VocabParallelEmbedding, vocab_shard
 from oscarkv.engine.tp_step import StepMsg
 from oscarkv.errors import ModelError
 from oscarkv.rotation import LayerRotation, RotationSet, save_rotations
@@ -106,6 +106,59 @@ def test_tp2_gives_the_tokens_of_tp1(kv: str, model: tuple[Path, int, int], kv_h
     assert all(p.exitcode == 0 for p in procs)  # stopped cleanly by shutdown()
 
 
+@pytest.fixture(scope="module")
+def tiny32k(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Qwen3 with 32,768 positions."""
+    cfg = tiny_lm_config(vocab=2048, layers=2, heads=4, kv_heads=2, head_dim=128, positions=32768)
+    return write_tiny_lm(cfg, tmp_path_factory.mktemp("tp-32k"))
+
+
+@pytest.mark.parametrize("kv", ["int2", "bf16"])
+@pytest.mark.parametrize("which", ["tiny32k", pytest.param("ref", marks=pytest.mark.shared)])
+def test_tp2_on_a_32k_model_starts_and_answers_with_default_flags(
+    kv: str, which: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """No budget, slots or length: the ranks split the CPU default budget and hold the model's
+    32K positions."""
+    from oscarkv.engine.kv_budget import GIB, available_memory
+
+    avail = available_memory()
+    if avail is None or avail < 3 * GIB:
+        pytest.skip("less than 3 GiB of memory available")
+    path, layers = (REF, 8) if which == "ref" else (request.getfixturevalue("tiny32k"), 2)
+    kw = {}
+    if kv == "int2":
+        save_rotations(random_rotation_set(layers, 128, SPEC), tmp_path / "rot")
+        kw["rotations"] = str(tmp_path / "rot")
+    with LLM(str(path), kv_dtype=kv, tensor_parallel=2, **kw) as llm:
+        assert llm.engine.max_model_len == 32768 and llm.engine.cfg.max_running >= 1
+        assert "split over 2 ranks" in llm.engine.startup_report()
+        out = llm.generate(prompts(2048 if which == "tiny32k" else 8192)[:2], GREEDY)
+    assert [o.finish_reason for o in out] == ["length", "length"]
+
+
+def test_tp2_lowers_an_unset_max_model_len_as_tp1_does(tiny32k: Path) -> None:
+    """A per-rank budget without room for 32K tokens: every rank lowers max_model_len alike (to
+    what TP=1 lowers it to with twice the budget: half the KV heads per rank), and a request of
+    that length gives TP=1's tokens."""
+    from oscarkv.errors import OscarkvWarning
+
+    kw = dict(kv_dtype="bf16", device="cpu", max_batched_tokens=1024, check_invariants=True)
+    with pytest.warns(OscarkvWarning, match="max_model_len lowered to"):
+        one = LLM(str(tiny32k), kv_budget_gb=0.04, **kw)
+    with one:
+        n = one.engine.max_model_len
+        assert n < 32768
+        p = torch.randint(3, 2048, (n - 8,), generator=torch.Generator().manual_seed(2)).tolist()
+        sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        want = one.generate([p], sp)[0].token_ids
+    with pytest.warns(OscarkvWarning, match=f"max_model_len lowered to {n} "):
+        two = LLM(str(tiny32k), kv_budget_gb=0.02, tensor_parallel=2, **kw)
+    with two:
+        assert two.engine.max_model_len == n
+        assert two.generate([p], sp)[0].token_ids == want
+
+
 def _generate_bounded(llm: LLM, timeout: float = 60.0) -> BaseException | None:
     """``llm.generate`` in a thread, so that a hang fails the test instead of stalling it."""
     box: list[BaseException | None] = [None]
@@ -184,8 +237,18 @@ def test_vocab_parallel_embedding_pads_the_last_shard_and_sums_to_the_whole() ->
 
 
 def test_checkpoint_shards_cut_heads_columns_and_vocab() -> None:
-    kw = dict(heads=4, kv_heads=2, head_dim=8, inter=12, vocab=10, tp=2, rank=1)
-    shard = lambda key: checkpoint_shard(key, **kw)  # noqa: E731
+    from types import SimpleNamespace
+
+    from transformers import Qwen3Config
+
+    from oscarkv.engine.models import Decoder, model_shape
+
+    cfg = Qwen3Config(hidden_size=16, intermediate_size=12, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, num_hidden_layers=1, vocab_size=10, attention_bias=True)  # fmt: skip
+    comm = SimpleNamespace(rank=1, world=2)
+    dec = Decoder(cfg, model_shape(cfg), dtype=torch.float32, device="cpu", comm=comm)
+    targets = dec.checkpoint_targets()
+    shard = lambda key: targets[key].shard  # noqa: E731
     assert shard("model.layers.0.self_attn.q_proj.weight") == (0, 16, 16, 32)
     assert shard("model.layers.0.self_attn.v_proj.bias") == (0, 8, 8, 16)
     assert shard("model.layers.0.mlp.up_proj.weight") == (0, 6, 6, 12)
@@ -194,3 +257,4 @@ def test_checkpoint_shards_cut_heads_columns_and_vocab() -> None:
     assert shard("model.layers.0.self_attn.o_proj.bias") is None  # added once, after the reduce
     assert shard("model.embed_tokens.weight") == (0, 5, 5, 10)
     assert shard("model.layers.0.input_layernorm.weight") is None
+    assert shard("model.layers.0.self_attn.q_norm.weight") is None  # per-head norms: replicated

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import multiprocessing as mp
 import pickle
 import signal
@@ -25,7 +24,6 @@ import traceback
 import weakref
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,7 +31,7 @@ import torch.distributed as dist
 
 from ..config import EngineConfig
 from ..kernels.devices import resolve_device
-from .models.parallel import check_tensor_parallel
+from .models.loader import check_model_split
 
 if TYPE_CHECKING:
     from .model_runner import ModelRunner
@@ -313,16 +311,8 @@ def start_workers(cfg: EngineConfig) -> tuple[Workers, TPComm]:
 
 
 def _check_split(cfg: EngineConfig) -> None:
-    """Refuse a model whose heads ``cfg.tensor_parallel`` cannot split, before spawning anything
-    (an unreadable config is left to the loader's error)."""
-    try:
-        c = json.loads((Path(cfg.model) / "config.json").read_text(encoding="utf-8"))
-        c = c.get("text_config", c)
-        hq = int(c["num_attention_heads"])
-        sizes = (hq, int(c.get("num_key_value_heads") or hq), int(c["intermediate_size"]))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return
-    check_tensor_parallel(*sizes, cfg.tensor_parallel, f"model {cfg.model}")
+    """Refuse a model whose sizes ``cfg.tensor_parallel`` cannot split, before spawning anything."""
+    check_model_split(cfg.model, cfg.tensor_parallel)
 
 
 def launch(cfg: EngineConfig) -> tuple[ModelRunner, Workers]:

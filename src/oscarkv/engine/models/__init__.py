@@ -1,16 +1,20 @@
-"""The engine's own decoder (Llama/Mistral, Qwen2, Qwen3) and its safetensors loader (engine.md §5.7)."""
+"""The engine's own decoder and its safetensors loader (engine.md, the decoder): one registry entry
+per architecture family (:mod:`.registry`, :mod:`.families`), built from shared parts."""
 
-from .decoder import AttentionFn, Decoder, ModelShape, model_shape
-from .layers import SUPPORTED_MODEL_TYPES, check_config
+from .attention import AttentionFn
+from .decoder import Decoder, ModelShape, model_shape
 from .loader import LOAD_FORMATS, load_decoder
+from .registry import FAMILIES, check_config, check_split, supported_model_types
 
 __all__ = [
+    "FAMILIES",
     "LOAD_FORMATS",
-    "SUPPORTED_MODEL_TYPES",
     "AttentionFn",
     "Decoder",
     "ModelShape",
     "check_config",
+    "check_split",
     "load_decoder",
     "model_shape",
+    "supported_model_types",
 ]

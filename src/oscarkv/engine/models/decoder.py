@@ -1,4 +1,5 @@
-"""One token-flat decoder for Llama/Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm).
+"""One token-flat decoder for every registered family (``registry.FAMILIES``): dense and
+mixture-of-experts layers, each built from the family's attention variant and MLP builder.
 
 A batch is flat: ``input_ids [T]`` with ``positions [T]``, any number of ragged sequences side by
 side. Everything but attention is per token; attention is the caller's :class:`AttentionFn`, which
@@ -10,25 +11,21 @@ the resolved :class:`~oscarkv.kernels.KernelOps`; each residual add rides in the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
 from ...kernels import Backend, KernelOps, resolve
-from .layers import (
-    SUPPORTED_MODEL_TYPES,
-    MergedLinear,
-    RMSNorm,
-    RotaryEmbedding,
-    SiluAndMul,
-    check_config,
-    head_dim_of,
-    text_config,
-)
-from .parallel import Comm, RowParallelLinear, VocabParallelEmbedding
+from .attention import Attention, AttentionFn
+from .family import Build, Family
+from .layers import RMSNorm, RotaryEmbedding, head_dim_of, rotary_dim_of, text_config
+from .linear import Linear, LinearMethod, Target, Unquantized
+from .moe import Experts
+from .parallel import Comm, Shard, VocabParallelEmbedding, vocab_shard
+from .registry import family_of
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "AttentionFn", "Decoder", "ModelShape", "check_config", "model_shape"]
+__all__ = ["AttentionFn", "Decoder", "ModelShape", "model_shape"]
 
 
 @dataclass(frozen=True)
@@ -46,16 +43,9 @@ class ModelShape:
     rms_eps: float
     tie_embeddings: bool
     eos_token_ids: tuple[int, ...]
-
-
-class AttentionFn(Protocol):
-    """``attn(layer, q [T,Hq,d], k [T,Hkv,d], v [T,Hkv,d]) -> [T,Hq,d]``, all in the model dtype.
-
-    ``q``/``k`` are after q/k-norm and RoPE; ``v`` is straight from ``v_proj`` (already ``v·R_V``
-    when the loader absorbed ``R_V``). All three are contiguous. The scale is ``head_dim ** -0.5``.
-    """
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    rotary_dim: int = 0  # the dims RoPE rotates (the first ones of each head)
+    num_experts: int = 0  # routed experts of a sparse layer (0: dense)
+    experts_per_token: int = 0
 
 
 def _eos_ids(config: Any, generation_config: Any) -> tuple[int, ...]:
@@ -70,7 +60,7 @@ def _eos_ids(config: Any, generation_config: Any) -> tuple[int, ...]:
 def model_shape(config: Any, generation_config: Any = None, where: str = "model") -> ModelShape:
     """The checked :class:`ModelShape` of an HF config (its text config for composite models)."""
     c = text_config(config)
-    check_config(c, where)
+    family_of(c, where)
     hq = int(c.num_attention_heads)
     return ModelShape(
         model_type=c.model_type,
@@ -84,111 +74,37 @@ def model_shape(config: Any, generation_config: Any = None, where: str = "model"
         rms_eps=float(c.rms_norm_eps),
         tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
         eos_token_ids=_eos_ids(c, generation_config),
+        rotary_dim=rotary_dim_of(c, head_dim_of(c)),
+        num_experts=int(
+            next(
+                (
+                    getattr(c, k)
+                    for k in ("num_experts", "n_routed_experts", "num_local_experts")
+                    if getattr(c, k, None)
+                ),
+                0,
+            )
+        ),
+        experts_per_token=int(getattr(c, "num_experts_per_tok", 0) or 0),
     )
 
 
-def arch_flags(config: Any, model_type: str) -> dict[str, bool]:
-    """Which optional parts a family has: ``qkv_bias``, ``o_bias``, ``mlp_bias``, ``qk_norm``."""
-    attention_bias = bool(getattr(config, "attention_bias", False))
-    return {
-        "qkv_bias": model_type == "qwen2" or (model_type in ("llama", "qwen3") and attention_bias),
-        "o_bias": model_type in ("llama", "qwen3") and attention_bias,
-        "mlp_bias": model_type == "llama" and bool(getattr(config, "mlp_bias", False)),
-        "qk_norm": model_type == "qwen3",
-    }
-
-
-class Attention(nn.Module):
-    """Fused ``qkv_proj``, optional per-head q/k norms, RoPE, the caller's attention, ``o_proj``."""
-
-    def __init__(
-        self,
-        layer: int,
-        shape: ModelShape,
-        flags: dict[str, bool],
-        ops: KernelOps,
-        *,
-        dtype: torch.dtype,
-        device: Any,
-        comm: Comm | None = None,
-    ):
-        super().__init__()
-        self.layer = layer
-        tp = 1 if comm is None else comm.world  # this rank's heads: Hq/tp and Hkv/tp
-        d, hq, hkv = shape.head_dim, shape.num_heads // tp, shape.num_kv_heads // tp
-        self.hq, self.hkv, self.d = hq, hkv, d
-        kw: dict[str, Any] = {"dtype": dtype, "device": device}
-        self.qkv_proj = MergedLinear(shape.hidden, (hq * d, hkv * d, hkv * d), flags["qkv_bias"], **kw)
-        self.o_proj: nn.Module = (
-            nn.Linear(hq * d, shape.hidden, bias=flags["o_bias"], **kw)
-            if comm is None
-            else RowParallelLinear(hq * d, shape.hidden, flags["o_bias"], comm, **kw)
-        )
-        self.q_norm = RMSNorm(d, shape.rms_eps, op=ops.rms_norm, **kw) if flags["qk_norm"] else None
-        self.k_norm = RMSNorm(d, shape.rms_eps, op=ops.rms_norm, **kw) if flags["qk_norm"] else None
-        self.qk_norm_rope = ops.qk_norm_rope
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn
-    ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
-        qn, kn = self.q_norm, self.k_norm
-        norms = (qn.weight, kn.weight, qn.eps) if qn is not None and kn is not None else (None, None, 0.0)
-        q, k = self.qk_norm_rope(q, k, cos, sin, *norms)  # per-head norms (Qwen3) and RoPE, one op
-        o = attn(self.layer, q, k, v.contiguous())
-        return self.o_proj(o.reshape(t, self.hq * self.d))
-
-
-class MLP(nn.Module):
-    """``down(silu(gate(x)) · up(x))`` with ``gate|up`` fused."""
-
-    def __init__(
-        self,
-        hidden: int,
-        inter: int,
-        bias: bool,
-        ops: KernelOps,
-        *,
-        dtype: torch.dtype,
-        device: Any,
-        comm: Comm | None = None,
-    ):
-        super().__init__()
-        kw: dict[str, Any] = {"dtype": dtype, "device": device}
-        if comm is not None:
-            inter //= comm.world  # this rank's MLP columns
-        self.gate_up_proj = MergedLinear(hidden, (inter, inter), bias, **kw)
-        self.down_proj: nn.Module = (
-            nn.Linear(inter, hidden, bias=bias, **kw)
-            if comm is None
-            else RowParallelLinear(inter, hidden, bias, comm, **kw)
-        )
-        self.act = SiluAndMul(ops.silu_and_mul)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
-
-
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``h += attn(norm(h))``; ``h += mlp(norm(h))``, each add fused into the norm after it."""
+    """Pre-norm block: ``h += attn(norm(h))``; ``h += mlp(norm(h))``, each add fused into the norm after it.
 
-    def __init__(
-        self,
-        layer: int,
-        shape: ModelShape,
-        inter: int,
-        flags: dict[str, bool],
-        ops: KernelOps,
-        comm: Comm | None = None,
-        **kw: Any,
-    ):
+    ``mlp`` is the family's dense MLP or MoE block, stored under its checkpoint name ``mlp_name``.
+    """
+
+    def __init__(self, layer: int, shape: ModelShape, family: Family, build: Build):
         super().__init__()
-        self.input_layernorm = RMSNorm(shape.hidden, shape.rms_eps, op=ops.rms_norm, **kw)
-        self.self_attn = Attention(layer, shape, flags, ops, **kw, comm=comm)
-        self.post_attention_layernorm = RMSNorm(shape.hidden, shape.rms_eps, op=ops.rms_norm, **kw)
-        self.mlp = MLP(shape.hidden, inter, flags["mlp_bias"], ops, **kw, comm=comm)
+        kw: dict[str, Any] = {"dtype": build.dtype, "device": build.device}
+        self.input_layernorm = RMSNorm(shape.hidden, shape.rms_eps, op=build.ops.rms_norm, **kw)
+        self.self_attn = Attention(layer, family.attention(build.config), hidden=shape.hidden,
+                                   heads=shape.num_heads, kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                                   eps=shape.rms_eps, method=build.method, ops=build.ops, comm=build.comm,
+                                   **kw)  # fmt: skip
+        self.post_attention_layernorm = RMSNorm(shape.hidden, shape.rms_eps, op=build.ops.rms_norm, **kw)
+        self.mlp, self.mlp_name = family.mlp(build, layer)
 
     def forward(
         self,
@@ -210,9 +126,10 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    """The causal LM. Parameter names are HF's minus ``model.``, with ``qkv_proj``/``gate_up_proj``.
+    """The causal LM. Module names are HF's minus ``model.``, with ``qkv_proj``/``gate_up_proj``;
+    :meth:`checkpoint_targets` maps the checkpoint's names onto the parameters.
 
-    Built from a checked HF text config (:func:`check_config`) and its :class:`ModelShape`;
+    Built from a checked HF text config (:func:`model_shape`) and its :class:`ModelShape`;
     parameters are created on ``device`` in ``dtype``. With tied embeddings there is no
     ``lm_head`` module and the logits use ``embed_tokens.weight``. ``ops`` supplies the norm and
     activation kernels (default: the torch twins). With ``comm`` (tensor parallelism) the module
@@ -228,15 +145,17 @@ class Decoder(nn.Module):
         device: Any,
         ops: KernelOps | None = None,
         comm: Comm | None = None,
+        method: LinearMethod | None = None,
     ):
         super().__init__()
         self.shape, self.comm = shape, comm
         ops = ops if ops is not None else resolve(Backend.TORCH, "cpu")
-        flags = arch_flags(config, shape.model_type)
+        self.family = family_of(config)
+        self.method = method if method is not None else Unquantized()
+        build = Build(config, self.method, ops, comm, dtype, device)
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
-        inter = int(config.intermediate_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(i, shape, inter, flags, ops, **kw, comm=comm) for i in range(shape.num_layers)
+            DecoderLayer(i, shape, self.family, build) for i in range(shape.num_layers)
         )
         self.norm = RMSNorm(shape.hidden, shape.rms_eps, op=ops.rms_norm, **kw)
         self.embed_tokens: nn.Module
@@ -254,6 +173,38 @@ class Decoder(nn.Module):
                 else VocabParallelEmbedding(shape.vocab, shape.hidden, comm, **kw)
             )
         self.rotary = RotaryEmbedding(config, shape.head_dim, shape.max_positions, **kw)
+
+    def finish(self) -> None:
+        """After loading: each linear's method finishes its tensors; stacked experts take grouped
+        GEMMs on CUDA in bf16 (capturable in CUDA graphs), else the reference loop."""
+        for mod in self.modules():
+            if isinstance(mod, Linear):
+                mod.finish()
+            elif isinstance(mod, Experts):
+                mod.grouped = (
+                    mod.w13.factory["dtype"] == torch.bfloat16
+                    and torch.device(mod.w13.factory["device"]).type == "cuda"
+                )
+
+    def checkpoint_targets(self) -> dict[str, Target]:
+        """Every checkpoint tensor name this decoder reads -> where it goes (this rank's part)."""
+        out: dict[str, Target] = {}
+        vocab = None if self.comm is None else vocab_shard(self.shape.vocab, self.comm.world, self.comm.rank)
+        for name, mod in (("model.embed_tokens", self.embed_tokens), ("lm_head", self.lm_head)):
+            if mod is not None:
+                shard = None if vocab is None else Shard(0, vocab[0], vocab[1], self.shape.vocab)
+                dst = mod.weight.detach()
+                out[f"{name}.weight"] = Target(dst if vocab is None else dst.narrow(0, 0, vocab[1]), shard)
+        out["model.norm.weight"] = Target(self.norm.weight.detach(), None)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}"
+            out[f"{p}.input_layernorm.weight"] = Target(layer.input_layernorm.weight.detach(), None)
+            out[f"{p}.post_attention_layernorm.weight"] = Target(
+                layer.post_attention_layernorm.weight.detach(), None
+            )
+            out.update(layer.self_attn.checkpoint_targets(f"{p}.self_attn"))
+            out.update(layer.mlp.checkpoint_targets(f"{p}.{layer.mlp_name}"))
+        return out
 
     def _stream(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn

@@ -1,4 +1,4 @@
-"""Building blocks of the engine's decoder (RMSNorm, RoPE, SiluAndMul, fused linears), config checks.
+"""Building blocks of the engine's decoder (RMSNorm, RoPE, SiluAndMul) and config helpers.
 
 Every block reproduces the arithmetic of the transformers modules it replaces (same op order and
 dtypes), so fp32 logits agree with HF to float rounding and bf16 ones to a bf16 step or so.
@@ -6,7 +6,7 @@ dtypes), so fp32 logits agree with HF to float rounding and bf16 ones to a bf16 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,23 +17,19 @@ from ...kernels.ref import norm as ref_norm
 from ...kernels.ref.rope import apply_rotary
 
 __all__ = [
-    "SUPPORTED_MODEL_TYPES",
     "UNSUPPORTED_ROPE",
-    "MergedLinear",
     "RMSNorm",
     "RotaryEmbedding",
     "SiluAndMul",
     "apply_rotary",
-    "check_config",
     "head_dim_of",
     "model_error",
     "rope_inv_freq",
     "rope_parameters",
+    "rotary_dim_of",
     "text_config",
 ]
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-_SUPPORTED = "llama, mistral (no sliding window), qwen2, qwen3"
 #: RoPE types whose frequencies depend on the current sequence length (HF ``dynamic_rope_update``);
 #: a token-flat batch of unrelated sequences has no single length, so these are refused
 UNSUPPORTED_ROPE = ("dynamic", "longrope")
@@ -78,27 +74,6 @@ class SiluAndMul(nn.Module):
         return self.op(x)
 
 
-class MergedLinear(nn.Linear):
-    """Several projections of one input side by side (``q|k|v``, ``gate|up``): ``out = sum(sizes)``.
-
-    ``shard(t, i)`` is the row block of projection ``i`` in the weight or bias ``t`` (a view), which
-    is where the loader copies that projection's checkpoint tensor.
-    """
-
-    def __init__(
-        self, in_features: int, sizes: Sequence[int], bias: bool, *, dtype: torch.dtype, device: Any
-    ):
-        super().__init__(in_features, sum(sizes), bias=bias, dtype=dtype, device=device)
-        self.sizes = tuple(int(s) for s in sizes)
-
-    def shard(self, t: torch.Tensor, i: int) -> torch.Tensor:
-        return t.narrow(0, sum(self.sizes[:i]), self.sizes[i])
-
-    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``[T, sum(sizes)]`` -> one ``[T, size]`` view per projection."""
-        return y.split(self.sizes, dim=-1)
-
-
 def rope_parameters(config: Any) -> dict[str, Any]:
     """The HF config's RoPE dict (``rope_parameters``, transformers 5; else ``rope_theta``/``rope_scaling``)."""
     params = getattr(config, "rope_parameters", None)
@@ -110,24 +85,32 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     return params
 
 
+def rotary_dim_of(config: Any, head_dim: int) -> int:
+    """The rotary dims ``r``: ``int(head_dim · partial_rotary_factor)`` (HF), even and ``<= head_dim``."""
+    factor = float(rope_parameters(config).get("partial_rotary_factor", 1.0))
+    dim = int(head_dim * factor)
+    if not 2 <= dim <= head_dim or dim % 2:
+        raise ModelError(f"partial_rotary_factor {factor} gives {dim} rotary dims of head_dim {head_dim}")
+    return dim
+
+
 def rope_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
-    """``(inv_freq fp32 [head_dim/2] on CPU, attention_scaling)`` exactly as HF's rotary module.
+    """``(inv_freq fp32 [r/2] on CPU, attention_scaling)`` exactly as HF's rotary module, for the
+    ``r`` rotary dims (:func:`rotary_dim_of`: all of ``head_dim`` unless the config sets a
+    ``partial_rotary_factor``).
 
     The default type is computed here; other types go through
     ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS``. Raises ``ModelError`` for
-    length-dependent types, partial rotary factors and unknown types.
+    length-dependent and unknown types.
     """
     params = rope_parameters(config)
     kind = params["rope_type"]
     if head_dim % 2:
         raise ModelError(f"head_dim {head_dim} is odd; rotary embeddings need an even head_dim")
-    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ModelError(
-            f"partial rotary embeddings (factor {params['partial_rotary_factor']}) are not supported"
-        )
+    dim = rotary_dim_of(config, head_dim)
     if kind == "default":
         base = float(params["rope_theta"])
-        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim))
+        inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
         return inv, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -138,8 +121,8 @@ def rope_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
             "length-dependent RoPE (dynamic, longrope) has no single sequence length in a token-flat batch",
         )
     inv, scale = ROPE_INIT_FUNCTIONS[kind](config, torch.device("cpu"))
-    if inv.numel() * 2 != head_dim:
-        raise ModelError(f"RoPE type {kind!r} gives {inv.numel()} frequencies for head_dim {head_dim}")
+    if inv.numel() * 2 != dim:
+        raise ModelError(f"RoPE type {kind!r} gives {inv.numel()} frequencies for {dim} rotary dims")
     return inv.float(), float(scale)
 
 
@@ -170,34 +153,10 @@ class RotaryEmbedding(nn.Module):
         return self.cos_sin[positions].chunk(2, dim=-1)
 
 
-# ---- config checks -----------------------------------------------------------------------------
+# ---- config helpers ----------------------------------------------------------------------------
 def model_error(where: str, msg: str, hint: str = "") -> ModelError:
     """``ModelError("{where}: {msg}", hint)``."""
     return ModelError(f"{where}: {msg}", hint)
-
-
-def check_config(config: Any, where: str = "model") -> None:
-    """Raise :class:`ModelError` (one line) unless the text config is a family the decoder covers."""
-    mt = getattr(config, "model_type", None)
-    if mt not in SUPPORTED_MODEL_TYPES:
-        msg = f"model_type {mt!r} is not supported by the engine; supported: {_SUPPORTED}"
-        raise model_error(where, msg, "run other architectures through oscarkv.hf.OscarCache (transformers)")
-    window = getattr(config, "sliding_window", None)
-    sliding_layers = "sliding_attention" in (getattr(config, "layer_types", None) or ())
-    if sliding_layers or (mt == "mistral" and window is not None):
-        msg = f"{mt} with sliding-window attention (sliding_window={window}) is not supported"
-        raise model_error(where, f"{msg}; the engine serves full attention only ({_SUPPORTED})")
-    act = getattr(config, "hidden_act", "silu")
-    if act != "silu":
-        raise model_error(where, f"hidden_act {act!r} is not supported; the engine's MLP is SiLU-gated")
-    hq = int(config.num_attention_heads)
-    hkv = int(getattr(config, "num_key_value_heads", None) or hq)
-    if hq % hkv:
-        raise model_error(where, f"{hq} attention heads are not a multiple of {hkv} KV heads")
-    try:
-        rope_inv_freq(config, head_dim_of(config))
-    except ModelError as e:
-        raise model_error(where, str(e), e.hint) from None
 
 
 def head_dim_of(config: Any) -> int:

@@ -1,14 +1,17 @@
 """Checkpoint directory -> :class:`Decoder`: config checks, streamed safetensors, ``R_V`` absorption.
 
 Checkpoint names are HF's (``model.layers.{i}.self_attn.q_proj.weight``, ``lm_head.weight``, ...);
-q/k/v land in row blocks of ``qkv_proj`` and gate/up in ``gate_up_proj``. Every tensor is rounded
-to the model dtype on copy, as ``from_pretrained(dtype=...)`` does.
+the decoder's modules say where each lands (:meth:`Decoder.checkpoint_targets`: q/k/v in row
+blocks of ``qkv_proj``, gate/up in ``gate_up_proj``, each expert in its slot of the stacked
+experts, this rank's slice under tensor parallelism). Every tensor is rounded to its parameter's
+dtype on copy, as ``from_pretrained(dtype=...)`` does; after loading, each linear's weight method
+finishes its tensors (:meth:`~.linear.LinearMethod.finish`) and ``R_V`` is folded in.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +20,15 @@ import torch
 from ...kernels import KernelOps
 from ...rotation import absorb_output_weight, absorb_value_weight
 from .decoder import Decoder, ModelShape, model_shape
-from .layers import SUPPORTED_MODEL_TYPES, MergedLinear, check_config, model_error, text_config
-from .parallel import Comm, Shard, check_tensor_parallel, checkpoint_shard
+from .layers import model_error, text_config
+from .linear import Target
+from .parallel import Comm
+from .registry import check_split
 
-__all__ = ["LOAD_FORMATS", "SUPPORTED_MODEL_TYPES", "check_config", "load_decoder", "model_shape"]
+__all__ = ["LOAD_FORMATS", "absorb", "check_model_split", "load_decoder"]
 
+log = logging.getLogger("oscarkv.engine")
 LOAD_FORMATS = ("safetensors", "dummy")
-#: our fused projection -> the HF projections in it, in ``MergedLinear.sizes`` order
-PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints carry
 
 
@@ -72,7 +76,7 @@ def load_decoder(
     shape = model_shape(config, gen, where)
     tc = text_config(config)
     tp, rank = (1, 0) if comm is None else (comm.world, comm.rank)
-    check_tensor_parallel(shape.num_heads, shape.num_kv_heads, int(tc.intermediate_size), tp, where)
+    check_split(tc, tp, where)
     rots = {
         i: r if r.dim() == 2 else kv_head_slice(r, tp, rank) for i, r in _check_r_v(r_v, shape, where).items()
     }
@@ -82,10 +86,21 @@ def load_decoder(
         if load_format == "dummy":
             _fill_dummy(model, seed, rots)
         else:
-            sizes = dict(heads=shape.num_heads, kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                         inter=int(tc.intermediate_size), vocab=shape.vocab, tp=tp, rank=rank)  # fmt: skip
-            _load_files(model, files, rots, where, lambda key: checkpoint_shard(key, **sizes))
+            _load_files(model, files, rots, where, tc)
+        model.finish()
     return model.eval().requires_grad_(False), shape
+
+
+def check_model_split(model_dir: str, tp: int) -> None:
+    """Raise :class:`ModelError` if ``tp`` ranks cannot split the model's sizes (an unreadable
+    config is left to :func:`load_decoder`'s error)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError):
+        return
+    check_split(text_config(config), tp, f"model {model_dir}")
 
 
 def kv_head_slice(t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
@@ -130,111 +145,91 @@ def _checkpoint_files(root: Path) -> list[Path]:
     return files
 
 
-def _targets(model: Decoder) -> dict[str, torch.Tensor]:
-    """HF checkpoint name -> the (view of the) parameter it fills."""
-    out = {}
-    for name, p in model.named_parameters():
-        mod_name, _, kind = name.rpartition(".")
-        prefix = "" if name.startswith("lm_head.") else "model."
-        mod = model.get_submodule(mod_name)
-        if isinstance(mod, MergedLinear):
-            parent, _, fused = mod_name.rpartition(".")
-            for i, part in enumerate(PACKED[fused]):
-                out[f"{prefix}{parent}.{part}.{kind}"] = mod.shard(p.detach(), i)
-        else:
-            out[prefix + name] = p.detach()
-    return out
+def absorb(model: Decoder, layer: int, r: torch.Tensor) -> None:
+    """Fold ``R_V`` into layer's ``v_proj`` rows (weight and bias) and ``R_Vᵀ`` into its ``o_proj``
+    input columns (this rank's), in fp32 from the stored weights, stored back as the method stores."""
+    attn = model.layers[layer].self_attn
+    qkv, o = attn.qkv_proj, attn.o_proj
+    d = model.shape.head_dim
+    o.method.set_dense_weight(o, absorb_output_weight(o.method.dense_weight(o), r, d))
+    rows = qkv.part_rows(2)
+    b = None if qkv.bias is None else qkv.shard(qkv.bias.detach(), 2)
+    w, b_new = absorb_value_weight(qkv.method.dense_weight(qkv, rows), b, r, d)
+    qkv.method.set_dense_weight(qkv, w, rows)
+    if b is not None and b_new is not None:
+        b.copy_(b_new)
 
 
-def _absorb(model: Decoder, layer: int, r: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
-    """Write ``w``/``b`` (rounded to the model dtype first) with ``R_V`` folded in into layer's v rows,
-    and fold ``R_Vᵀ`` into its ``o_proj`` (already loaded: this rank's input columns)."""
-    o = model.layers[layer].self_attn.o_proj.weight.detach()
-    o.copy_(absorb_output_weight(o, r, model.shape.head_dim))
-    qkv = model.layers[layer].self_attn.qkv_proj
-    dst_w = qkv.shard(qkv.weight.detach(), 2)
-    dst_b = None if qkv.bias is None else qkv.shard(qkv.bias.detach(), 2)
-    w = w.to(device=dst_w.device, dtype=dst_w.dtype)
-    b = None if b is None or dst_b is None else b.to(device=dst_b.device, dtype=dst_b.dtype)
-    w, b = absorb_value_weight(w, b, r, model.shape.head_dim)
-    dst_w.copy_(w)
-    if dst_b is not None and b is not None:
-        dst_b.copy_(b)
-
-
-def _read(
-    f: Any, key: str, shard: Shard | None, dst: torch.Tensor, where: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tensor, destination)``: the checkpoint tensor ``key`` (only ``shard``'s slice of it) and
-    the part of ``dst`` it fills, with the shapes checked."""
+def _read(f: Any, key: str, target: Target, where: str) -> torch.Tensor:
+    """The checkpoint tensor ``key`` (only ``target.shard``'s slice of it), its shape checked
+    against the destination."""
+    dst, shard = target
     if shard is None:
         t = f.get_tensor(key)
         got, want = list(t.shape), list(dst.shape)
     else:
         sl = f.get_slice(key)
-        dst = dst.narrow(shard.dim, 0, shard.length)  # vocab shards: the padding rows stay zero
         got = list(sl.get_shape())
         want = [shard.full if i == shard.dim else n for i, n in enumerate(dst.shape)]
         if got == want:
             t = sl[(slice(None),) * shard.dim + (slice(shard.start, shard.start + shard.length),)]
     if got != want:
         raise model_error(where, f"{key} has shape {got}; the config gives {want}")
-    return t, dst
+    return t
 
 
 def _load_files(
-    model: Decoder,
-    files: list[Path],
-    rots: dict[int, torch.Tensor],
-    where: str,
-    shard_of: Callable[[str], Shard | None] = lambda key: None,
+    model: Decoder, files: list[Path], rots: dict[int, torch.Tensor], where: str, config: Any
 ) -> None:
     from safetensors import SafetensorError, safe_open
 
-    targets = _targets(model)
+    targets = model.checkpoint_targets()
+    skipped = model.family.skipped(config)
     seen: set[str] = set()
     unexpected: list[str] = []
-    held: dict[str, torch.Tensor] = {}  # v_proj tensors of the rotated layers, absorbed at the end
-    v_keys = {f"model.layers.{i}.self_attn.v_proj.{kind}" for i in rots for kind in ("weight", "bias")}
+    n_skipped = 0
     for path in files:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    dst = targets.get(key)
-                    if dst is None:
+                    target = targets.get(key)
+                    if target is None:
                         tied_head = key == "lm_head.weight" and model.lm_head is None
-                        if not (tied_head or key.endswith(_IGNORED_SUFFIXES)):
+                        if skipped(key):
+                            n_skipped += 1
+                        elif not (tied_head or key.endswith(_IGNORED_SUFFIXES)):
                             unexpected.append(key)
                         continue
-                    t, dst = _read(f, key, shard_of(key), dst, where)
+                    target.dst.copy_(_read(f, key, target, where))
                     seen.add(key)
-                    if key in v_keys:
-                        held[key] = t
-                    else:
-                        dst.copy_(t)
         except (OSError, SafetensorError) as e:
             raise model_error(where, f"cannot read {path.name} ({e})") from None
-    for i, r in rots.items():
-        w = held.get(f"model.layers.{i}.self_attn.v_proj.weight")
-        if w is not None:  # else it is reported missing below
-            _absorb(model, i, r, w, held.get(f"model.layers.{i}.self_attn.v_proj.bias"))
+    if n_skipped:
+        log.info(
+            "%s: skipped %d checkpoint tensors the engine does not use (multi-token prediction)",
+            where,
+            n_skipped,
+        )
     missing = [k for k in targets if k not in seen]
     if missing or unexpected:
         lists = [(f"{label} {len(ks)}: {', '.join(ks[:6])}" + (" ..." if len(ks) > 6 else ""))
                  for label, ks in (("missing", missing), ("unexpected", unexpected)) if ks]  # fmt: skip
         msg = f"checkpoint does not match its {model.shape.model_type} config: {'; '.join(lists)}"
         raise model_error(where, msg, "the weights must be the HF checkpoint of this config.json")
+    for i, r in rots.items():
+        absorb(model, i, r)
 
 
 def _fill_dummy(model: Decoder, seed: int, rots: dict[int, torch.Tensor]) -> None:
-    """Seeded N(0, 0.02) weights and biases, RMSNorm weights 1, then ``R_V`` as for real weights."""
+    """Seeded N(0, 0.02) weights and biases, RMSNorm weights 1, correction biases 0, then ``R_V``
+    as for real weights."""
     gen = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.fill_(1.0)
-        else:
+        elif name.endswith("correction"):
+            p.zero_()
+        elif p.dtype.is_floating_point and p.element_size() >= 2:
             p.normal_(0.0, 0.02, generator=gen)
     for i, r in rots.items():
-        qkv = model.layers[i].self_attn.qkv_proj
-        b = None if qkv.bias is None else qkv.shard(qkv.bias, 2).clone()
-        _absorb(model, i, r, qkv.shard(qkv.weight, 2).clone(), b)
+        absorb(model, i, r)

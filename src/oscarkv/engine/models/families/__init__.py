@@ -1,0 +1,1 @@
+"""One module per architecture family, each a :class:`~..registry.Family` named ``FAMILY``."""
