@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 MOE_KINDS = ("qwen3_moe", "glm4_moe", "glm4_moe_qknorm", "minimax_m2")
-VOCAB = 131
+VOCAB = 2048  # the demo tokenizer's
 COMMON = dict(vocab_size=VOCAB, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
               max_position_embeddings=512, num_hidden_layers=3, tie_word_embeddings=False)  # fmt: skip
 
@@ -53,6 +53,7 @@ def write_moe_model(kind: str, out: Path, seed: int = 1, config=None) -> Path:
     model = AutoModelForCausalLM.from_config(config if config is not None else moe_config(kind))
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(40)
+        model.get_output_embeddings().weight.mul_(20)
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.7, 1.3)
