@@ -5,7 +5,10 @@ A decode step of ``B`` requests reads every weight once (all linear weights and 
 head; of the embedding only the ``B`` rows looked up, unless the LM head is tied to it, when the
 table counts once, as the head) and every stored KV byte of the requests it decodes: INT2 rows at
 ``plan.q_page_bytes / page_tokens`` bytes each and 16-bit rows (sink, ring, or every row in bf16
-mode) at ``plan.hp_page_bytes / page_tokens`` (both cover all layers, K and V). Its roofline
+mode) at ``plan.hp_page_bytes / page_tokens`` (both cover all layers, K and V). Of a
+mixture-of-experts layer's routed experts it reads only the distinct experts its ``B`` tokens
+choose: ``E·(1 − (1 − k/E)^B)`` of ``E`` in expectation when each token picks ``k`` uniformly
+(random-weight routers route close to uniformly). Its roofline
 time is those bytes over the bandwidth of a device-to-device copy (read + write bytes over time,
 ``_harness.copy_bandwidth``) measured in the same run.
 """
@@ -45,6 +48,15 @@ class Roofline:
     hp_tok: float  # bytes of one 16-bit token (all layers, K and V)
     int2: bool  # the pools' mode: int2 (sink + INT2 + ring) or bf16 (every token 16-bit)
     bandwidth: float  # bytes/s, read + write of a device copy
+    expert_bytes: int = 0  # one routed expert's weights, summed over the MoE layers
+    experts: int = 0  # routed experts per MoE layer (0: a dense model)
+    top_k: int = 0
+
+    def experts_touched(self, batch: int) -> float:
+        """Expected distinct experts of one MoE layer that ``batch`` tokens choose."""
+        if not self.experts:
+            return 0.0
+        return self.experts * (1 - (1 - self.top_k / self.experts) ** batch)
 
     @classmethod
     def of(cls, eng: Any, bandwidth: float) -> Roofline:
@@ -56,13 +68,19 @@ class Roofline:
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())  # shared ones once
         row = emb[0].numel() * emb.element_size()
         ps = plan.page_tokens
+        experts = [m for m in model.modules() if type(m).__name__ == "Experts"]
+        routed = sum(p.numel() * p.element_size() for m in experts for p in m.parameters())
+        n_exp = experts[0].w13.lead[0] if experts else 0
         return cls(
-            weights=nbytes if tied else nbytes - emb.numel() * emb.element_size(),
+            weights=(nbytes if tied else nbytes - emb.numel() * emb.element_size()) - routed,
             embed_row=0 if tied else row,
             q_tok=plan.q_page_bytes / ps,
             hp_tok=plan.hp_page_bytes / ps,
             int2=plan.int2,
             bandwidth=bandwidth,
+            expert_bytes=routed // n_exp if n_exp else 0,
+            experts=n_exp,
+            top_k=eng.runner.shape.experts_per_token,
         )
 
     def snapshot(self, running: Sequence[Any]) -> StepBytes:
@@ -82,7 +100,8 @@ class Roofline:
         return StepBytes(b, round(kv))
 
     def step_bytes(self, s: StepBytes) -> int:
-        return self.weights + s.batch * self.embed_row + s.kv
+        moe = round(self.experts_touched(s.batch) * self.expert_bytes)
+        return self.weights + s.batch * self.embed_row + s.kv + moe
 
     def step_s(self, s: StepBytes) -> float:
         """Roofline time of one decode step: its bytes over the copy bandwidth."""
