@@ -45,7 +45,6 @@ def build(shape: str, path: str) -> SparseMoe:
         for p in moe.parameters():
             p.normal_(0.0, 0.02)
     ex.grouped = path == "grouped"
-    ex.path = path
     return moe.eval().requires_grad_(False)
 
 
@@ -75,6 +74,12 @@ def graph_ms(moe: SparseMoe, x: torch.Tensor, reps: int) -> float:
     return timed(g.replay, reps)
 
 
+def mm_rate(n: int = 8192) -> float:
+    """bf16 FLOP/s of an ``n³`` ``torch.mm``."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    return 2 * n**3 / (timed(lambda: torch.mm(a, a), 10) * 1e-3)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -85,14 +90,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--name", default="moe_block")
     args = ap.parse_args(argv)
     bw = copy_bandwidth("cuda")
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    flops = 2 * 8192**3 / (timed(lambda: torch.mm(a, a), 10) * 1e-3)
-    del a
+    flops = mm_rate()
     print(f"copy {bw / 1e9:.0f} GB/s (read+write), bf16 mm {flops / 1e12:.0f} TFLOP/s", flush=True)
     rows, payload = [], {"copy_Bps": bw, "mm_flops": flops, "results": []}
     g = torch.Generator(device="cuda").manual_seed(0)
     for shape in args.shapes.split(","):
-        h, inter, e, k, shared, routing = SHAPES[shape]
+        h, inter, _, k, shared, routing = SHAPES[shape]
         per_expert = 3 * h * inter * 2
         for path in args.paths.split(","):
             moe = build(shape, path)
@@ -103,20 +106,26 @@ def main(argv: list[str] | None = None) -> None:
                 touched = int(ids.unique().numel())
                 ms = graph_ms(moe, x, args.reps)
                 roof = (touched * per_expert + fixed) / bw * 1e3
-                r = dict(shape=shape, path=path, tokens=t, experts=touched, ms=ms, roofline_ms=roof, frac=roof / ms)
+                r = dict(
+                    shape=shape, path=path, tokens=t, experts=touched, ms=ms, roofline_ms=roof, frac=roof / ms
+                )
                 payload["results"].append(r)
-                rows.append(f"| {shape} | {path} | {t} | {touched} | {ms * 1e3:.0f} | {roof * 1e3:.0f} | {roof / ms:.0%} |")
+                rows.append(
+                    f"| {shape} | {path} | {t} | {touched} | {ms * 1e3:.0f} | {roof * 1e3:.0f} | {roof / ms:.0%} |"
+                )
                 print(rows[-1], flush=True)
             for t in [int(v) for v in args.prefill.split(",") if v]:
                 x = torch.randn(t, h, generator=g, device="cuda", dtype=torch.bfloat16)
                 with torch.no_grad():
-                    ms = timed(lambda x=x: moe(x), max(5, args.reps // 5))
+                    ms = timed(lambda x=x, m=moe: m(x), max(5, args.reps // 5))
                 work = 2 * t * (k * 3 * h * inter + 3 * h * shared)
                 bound = work / flops * 1e3
                 r = dict(shape=shape, path=path, tokens=t, ms=ms, flop_bound_ms=bound, frac=bound / ms,
                          tok_s=t / ms * 1e3)  # fmt: skip
                 payload["results"].append(r)
-                rows.append(f"| {shape} | {path} | {t} (prefill) | - | {ms * 1e3:.0f} | {bound * 1e3:.0f} (FLOPs) | {bound / ms:.0%} |")
+                rows.append(
+                    f"| {shape} | {path} | {t} (prefill) | - | {ms * 1e3:.0f} | {bound * 1e3:.0f} (FLOPs) | {bound / ms:.0%} |"
+                )
                 print(rows[-1], flush=True)
             del moe
             torch.cuda.empty_cache()
@@ -124,8 +133,12 @@ def main(argv: list[str] | None = None) -> None:
             f"{flops / 1e12:.0f} TFLOP/s. Decode rows: CUDA-graph replays against the bytes of the distinct "
             f"experts chosen (+ router, shared experts). Prefill rows: eager, against the FLOP bound.")  # fmt: skip
     table = "| shape | path | tokens | experts touched | µs | roofline µs | % of roofline |\n|---|---|---|---|---|---|---|\n"
-    save(args.name, payload, head + "\n\n" + table + "\n".join(rows),
-         [(f"{r['shape']}/{r['path']}/{r['tokens']}", "frac", r["frac"]) for r in payload["results"]])
+    save(
+        args.name,
+        payload,
+        head + "\n\n" + table + "\n".join(rows),
+        [(f"{r['shape']}/{r['path']}/{r['tokens']}", "frac", r["frac"]) for r in payload["results"]],
+    )
 
 
 if __name__ == "__main__":
