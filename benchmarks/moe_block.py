@@ -44,7 +44,11 @@ def build(shape: str, path: str) -> SparseMoe:
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0.0, 0.02)
-    ex.grouped = path == "grouped"
+    ex.grouped = True
+    if path == "fused":  # the fused small-batch kernel at every size
+        from oscarkv.kernels.triton.moe import moe_experts
+
+        ex.small, ex.small_tokens = moe_experts, 1 << 30
     return moe.eval().requires_grad_(False)
 
 
@@ -85,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128")
     ap.add_argument("--prefill", default="512,2048,8192")
-    ap.add_argument("--paths", default="grouped")
+    ap.add_argument("--paths", default="grouped,fused", help="grouped GEMMs, or the fused small-batch kernel")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--name", default="moe_block")
     args = ap.parse_args(argv)

@@ -155,11 +155,17 @@ class Experts(nn.Module):
         kw: dict[str, Any] = {"dtype": dtype, "device": device, "lead": (num_experts,)}
         self.w13 = Linear(hidden, 2 * self.inter, False, method, **kw)
         self.w2 = Linear(self.inter, hidden, False, method, **kw)
-        self.grouped = False  # set by the decoder: grouped GEMMs (CUDA, bf16) or the reference loop
+        # set by the decoder: grouped GEMMs (CUDA, bf16) or the reference loop; and a fused kernel
+        # (``KernelOps.moe_experts``) for steps of at most ``small_tokens`` tokens
+        self.grouped = False
+        self.small: Any = None
+        self.small_tokens = 0
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``x [T, H]``, routing ``weights``/``ids [T, k]`` -> this rank's partial ``[T, H]``."""
         w13, w2 = self.w13.method.stacked(self.w13), self.w2.method.stacked(self.w2)
+        if self.small is not None and x.shape[0] <= self.small_tokens:
+            return self.small(x, w13, w2, weights, ids)
         fn = grouped_experts if self.grouped else looped_experts
         return fn(x, w13, w2, weights, ids)
 
