@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..errors import OscarkvError
+from .ref import moe as _ref_moe
 from .ref import norm as _ref_norm
 from .ref import rope as _ref_rope
 from .ref.quantize_pack import quantize_pack_into as _ref_quantize_into
@@ -53,6 +54,10 @@ class KernelOps:
     check_formats: Callable[[Any, Any], None] = lambda k_fmt, v_fmt: None
     #: quantize pool rows into INT2 pool slots in place (a demotion's gather, quantize and scatter)
     quantize_pack_into: Callable[..., None] = _ref_quantize_into
+    #: a few tokens through their chosen experts (``kernels.ref.moe``), used by MoE layers for
+    #: steps of at most ``moe_small_tokens`` tokens (0: never; the CPU runs the reference loop)
+    moe_experts: Callable[..., torch.Tensor] = _ref_moe.moe_experts
+    moe_small_tokens: int = 0
 
     def require_formats(self, formats: Sequence[tuple[Any, Any]], fix: str) -> None:
         """Fail at start-up, not at the first quantize: raises :class:`BackendError` naming the first

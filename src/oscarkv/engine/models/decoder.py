@@ -150,6 +150,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.shape, self.comm = shape, comm
         ops = ops if ops is not None else resolve(Backend.TORCH, "cpu")
+        self.ops = ops
         self.family = family_of(config)
         self.method = method if method is not None else Unquantized()
         build = Build(config, self.method, ops, comm, dtype, device)
@@ -176,15 +177,16 @@ class Decoder(nn.Module):
 
     def finish(self) -> None:
         """After loading: each linear's method finishes its tensors; stacked experts take grouped
-        GEMMs on CUDA in bf16 (capturable in CUDA graphs), else the reference loop."""
+        GEMMs on CUDA in bf16 (capturable in CUDA graphs), with the backend's fused kernel for
+        steps of a few tokens, else the reference loop."""
         for mod in self.modules():
             if isinstance(mod, Linear):
                 mod.finish()
             elif isinstance(mod, Experts):
-                mod.grouped = (
-                    mod.w13.factory["dtype"] == torch.bfloat16
-                    and torch.device(mod.w13.factory["device"]).type == "cuda"
-                )
+                fac = mod.w13.factory
+                mod.grouped = fac["dtype"] == torch.bfloat16 and torch.device(fac["device"]).type == "cuda"
+                if mod.grouped and self.ops.moe_small_tokens:
+                    mod.small, mod.small_tokens = self.ops.moe_experts, self.ops.moe_small_tokens
 
     def checkpoint_targets(self) -> dict[str, Target]:
         """Every checkpoint tensor name this decoder reads -> where it goes (this rank's part)."""

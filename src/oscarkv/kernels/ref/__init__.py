@@ -1,6 +1,7 @@
 """Readable PyTorch reference kernels (fp32 math): the CPU path and the test oracle."""
 
 from .decode_attention import decode_attention, merge_states, partial_attention
+from .moe import moe_experts
 from .norm import rms_norm, silu_and_mul
 from .prefill_attention import prefill_attention, prefill_attention_varlen
 from .quantize_pack import dequantize, quantize_pack, quantize_pack_into
@@ -12,6 +13,7 @@ __all__ = [
     "decode_attention",
     "dequantize",
     "merge_states",
+    "moe_experts",
     "partial_attention",
     "prefill_attention",
     "prefill_attention_varlen",

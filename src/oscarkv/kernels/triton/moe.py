@@ -28,8 +28,10 @@ __all__ = ["MoeTuning", "moe_experts"]
 
 @dataclass(frozen=True)
 class MoeTuning:
-    """Tiles of the fused experts: ``BN`` output rows per program, ``BK`` reduction columns per step."""
+    """Tiles of the fused experts: ``BN`` output rows per program, ``BK`` reduction columns per step;
+    ``small_tokens``: the largest step the engine sends here rather than to the grouped GEMMs."""
 
+    small_tokens: int = 8
     up_bn: int = 16
     down_bn: int = 16
     bk: int = 128
