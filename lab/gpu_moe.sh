@@ -2,7 +2,7 @@
 # MoE on one GPU: the MoE block against its rooflines, and the engine on a MoE shape (steady decode,
 # one long request), int2 vs bf16 in one process each. Runs from .snap (a `git archive` of the
 # commit under test, carried), so helpers' uncommitted edits do not travel.
-#   bash lab/gpu_moe.sh block|steady|single [extra bench args]
+#   bash lab/gpu_moe.sh block|steady|tests [extra args]
 set -u
 cd .snap || exit 3
 . lab/gpu_lib.sh
@@ -16,6 +16,9 @@ case "$what" in
   steady)
     step "steady decode"
     timeout 560 python benchmarks/bench_engine.py "$@" 2>&1 | grep -v "Warn\|it/s" | tail -40 ;;
+  tests)
+    step "GPU tests"
+    timeout 300 python -m pytest -q -p no:cacheprovider -m gpu "$@" 2>&1 | grep -E "^E  |^FAILED|passed|failed" | head -30 ;;
   *) echo "unknown $what"; exit 2 ;;
 esac
 sync_out
