@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from moe_models import MOE_KINDS, VOCAB, moe_config, write_moe_model
 from safetensors.torch import load_file, save_file
 
-from moe_models import MOE_KINDS, VOCAB, moe_config, write_moe_model
 from oscarkv import LLM, OscarCache, QuantSpec, SamplingParams, calibrate
 from oscarkv.config import CalibrationConfig
 from oscarkv.engine.models import load_decoder
@@ -233,3 +233,44 @@ def test_tp2_gives_the_tokens_of_tp1_on_a_moe_model(moe_dirs, calibrated, kind: 
     for a, b in zip(want, got, strict=True):
         assert a.token_ids == b.token_ids
     assert not mp.active_children()
+
+
+# ---- the front ends take a MoE checkpoint with no new flags ----------------------------------------
+def test_serve_and_generate_take_a_moe_checkpoint(moe_dirs, calibrated, tmp_path: Path) -> None:
+    """`oscarkv serve` (chat template from the checkpoint, the official openai client) and
+    `oscarkv generate --engine` on a GLM-4 MoE checkpoint, INT2 with its calibrated rotations."""
+    import json
+    import shutil
+
+    from openai import OpenAI
+
+    from oscarkv.cli import main
+    from oscarkv.config import EngineConfig, ServerConfig
+    from oscarkv.server.launch import start_server
+
+    model = tmp_path / "glm"
+    shutil.copytree(moe_dirs["glm4_moe"], model)
+    tc = json.loads((model / "tokenizer_config.json").read_text())
+    tc["chat_template"] = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+    (model / "tokenizer_config.json").write_text(json.dumps(tc))
+    rot, _ = calibrated["glm4_moe"]
+    eng = EngineConfig(
+        model=str(model), rotations=str(rot), spec=SPEC, device="cpu", max_running=2, kv_budget_gb=0.05
+    )
+    with start_server(eng, ServerConfig(port=0)) as srv:
+        client = OpenAI(base_url=f"{srv.url}/v1", api_key="unused")
+        chat = client.chat.completions.create(model="glm", messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=5, temperature=0)  # fmt: skip
+        assert chat.usage.completion_tokens == 5 and chat.usage.prompt_tokens > 3
+        comp = client.completions.create(model="glm", prompt=[5, 6, 7, 8], max_tokens=4, temperature=0)
+    want = LLM(str(model), rotations=str(rot), spec=SPEC, device="cpu", max_running=2, kv_budget_gb=0.05)
+    assert (
+        comp.choices[0].text
+        == want.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0))[0].text
+    )
+    reqs, out = tmp_path / "reqs.jsonl", tmp_path / "out.jsonl"
+    reqs.write_text('{"prompt_token_ids": [5, 6, 7, 8]}\n')
+    argv = ["generate", "--engine", "--model", str(model), "--rotations", str(rot), "--device", "cpu",
+            "--prompts", str(reqs), "--out", str(out), "--max-new-tokens", "4", "--kv-budget-gb", "0.05"]  # fmt: skip
+    assert main(argv) == 0
+    assert json.loads(out.read_text())["text"] == comp.choices[0].text
