@@ -187,18 +187,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--tiny", action="store_true", help="a 2-layer model instead of Qwen3-8B's config (smoke run)"
     )
+    ap.add_argument(
+        "--arch", help="a bench_engine.py shape (e.g. qwen3-30b-a3b) instead of Qwen3-8B's config"
+    )
     args = ap.parse_args(argv)
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(**(TINY if args.tiny else QWEN3_8B))
+    if args.arch:
+        from bench_engine import SHAPES
+
+        spec = {k: v for k, v in SHAPES[args.arch].items() if k not in ("architectures", "model_type")}
+        cfg = AutoConfig.for_model(SHAPES[args.arch]["model_type"], **spec)
+    else:
+        cfg = Qwen3Config(**(TINY if args.tiny else QWEN3_8B))
     with torch.device(args.device):
-        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     model.config._attn_implementation = "sdpa"
     # the same RotationSet shape OSCAR uses (per-layer Hadamard here: speed does not depend on U)
     rot = fixed_layer("hadamard", cfg.head_dim, cfg.num_key_value_heads, "layer")
     rots = RotationSet({i: rot for i in range(cfg.num_hidden_layers)})
-    label = "tiny 2-layer model" if args.tiny else "random-weight Qwen3-8B config"
+    label = "tiny 2-layer model" if args.tiny else f"random-weight {args.arch or 'Qwen3-8B'} config"
     results, md = {}, [f"End-to-end decode, {label} (bf16), eager model.generate", ""]
     for shape in args.shapes.split(","):
         batch, context = (int(v) for v in shape.split("x"))
