@@ -341,3 +341,30 @@ def test_eval_sequences_is_quiet(demo_tokenizer, caplog, tmp_path):
     out: list[Any] = []
     assert _length_warnings(caplog, lambda: out.append(eval_sequences(tok, 1, 32, root=root))) == []
     assert tuple(out[0].shape) == (1, 32)
+
+
+# ---- EngineConfig ------------------------------------------------------------------------------
+def test_engine_config_refuses_invariant_prefill_without_int2():
+    """``prefill_attention="invariant"`` changes what INT2 prompts attend to; bf16 stores no INT2,
+    so the flag would do nothing: refused rather than ignored."""
+    from oscarkv.config import EngineConfig
+
+    e = raises_one_line(
+        SpecError, "prefill_attention must be fresh with kv_dtype bf16 .invariant needs int2.; got 'invariant'",
+        EngineConfig, kv_dtype="bf16", prefill_attention="invariant",
+    )  # fmt: skip
+    assert "--kv-dtype int2" in e.hint
+    assert EngineConfig(kv_dtype="int2", prefill_attention="invariant").prefill_attention == "invariant"
+
+
+def test_engine_config_help_names_the_cpu_default_budget_and_the_lowered_length():
+    from dataclasses import fields
+
+    from oscarkv.config import EngineConfig
+    from oscarkv.config.engine import CPU_BUDGET_CAP_GB
+
+    helps = {f.name: f.metadata["help"] for f in fields(EngineConfig)}
+    assert (
+        "available memory" in helps["kv_budget_gb"] and f"{CPU_BUDGET_CAP_GB:g} GiB" in helps["kv_budget_gb"]
+    )
+    assert "lowered" in helps["max_model_len"]

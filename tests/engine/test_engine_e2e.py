@@ -322,3 +322,105 @@ def test_bad_engine_configs(models, demo_rotations, tmp_path: Path) -> None:
 
         transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(llama_dir)
         LLM(str(llama_dir), kv_dtype="bf16", device="cpu")
+
+
+# ---- defaults that fit the machine ------------------------------------------------------------
+DEMO = str(demo_model_path())
+
+
+def _long_model(path: Path, positions: int) -> Path:
+    """A tiny random Qwen3 with ``positions`` positions and wide KV rows (4 layers, 8 KV heads of
+    128: 32 KiB per token in fp32), so that its full length is costly."""
+    from conftest import tiny_lm_config
+
+    return write_tiny_lm(tiny_lm_config(vocab=VOCAB, layers=4, heads=8, kv_heads=8, head_dim=128,
+                                        positions=positions), path)  # fmt: skip
+
+
+def test_default_budget_holds_an_8k_request_the_old_fixed_default_did_not(tmp_path: Path) -> None:
+    """No flags on a CPU: an 8K request of 256 MiB (more than a fixed 0.25 GiB budget held) starts
+    at the model's full length, from a share of the available memory, and answers."""
+    from oscarkv.config.engine import CPU_BUDGET_FRACTION
+    from oscarkv.engine.kv_budget import GIB, available_memory
+
+    avail = available_memory()
+    if avail is None or CPU_BUDGET_FRACTION * avail < 0.5 * GIB:
+        pytest.skip("less than 2 GiB of memory available")
+    llm = LLM(str(_long_model(tmp_path / "m", 8192)), kv_dtype="bf16", device="cpu")
+    assert llm.engine.max_model_len == 8192 and llm.engine.cfg.max_running >= 1
+    assert "available" in llm.engine.startup_report()
+    assert llm.generate([[5, 6, 7]], GREEDY)[0].finish_reason == "length"
+
+
+def test_an_unset_max_model_len_is_lowered_to_the_longest_request_the_budget_holds(tmp_path: Path) -> None:
+    """The default budget (unset) on a model whose full length it does not hold: max_model_len is
+    lowered, with one warning line, and a request of the new length runs whole."""
+    from oscarkv.errors import OscarkvWarning
+
+    model = _long_model(tmp_path / "m", 1 << 17)  # 4 GiB per request: more than the default's cap
+    with pytest.warns(
+        OscarkvWarning, match=r"max_model_len lowered to \d+ from the model's 131072 positions"
+    ):
+        llm = LLM(str(model), kv_dtype="bf16", device="cpu")
+    n = llm.engine.max_model_len
+    assert 256 <= n < 1 << 17 and n % 16 == 0 and llm.engine.cfg.max_running == 1
+    with pytest.raises(OscarkvError, match="max_model_len"):
+        llm.engine.add_request([5] * n, SamplingParams(max_tokens=1))
+    out = llm.generate([[5, 6, 7]], GREEDY)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == GREEDY.max_tokens
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int2"])
+def test_lowered_max_model_len_with_a_set_budget_and_a_set_length_refused(demo_rotations, kv_dtype) -> None:
+    """A budget without room for the demo model's 2048 positions: unset, max_model_len is lowered
+    (a request of exactly that length runs, without preemption); set by the user, the same length
+    is an error naming both numbers and both fixes, never silently changed; a length beyond the
+    model's positions is an error naming them; a budget without a short request is refused."""
+    from oscarkv.errors import OscarkvWarning
+
+    kw = {"rotations": str(demo_rotations[0]), "spec": SPEC, "page_tokens": 8} if kv_dtype == "int2" else {}
+    budget = 4 / 1024 if kv_dtype == "bf16" else 0.0008  # GiB; bf16: 4 MiB at 4 KiB per token
+    with pytest.warns(OscarkvWarning, match="max_model_len lowered to"):
+        llm = LLM(DEMO, kv_dtype=kv_dtype, device="cpu", kv_budget_gb=budget, check_invariants=True, **kw)
+    n = llm.engine.max_model_len
+    assert 256 <= n < 2048 and llm.engine.cfg.max_running == 1
+    if kv_dtype == "bf16":
+        assert n == 1008  # (4 MiB − the dummy page) / 64 KiB pages of 16 tokens
+    ids = prompts((n - 4,), seed=5)[0]
+    out = llm.generate([ids], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and llm.engine.stats["preemptions"] == 0
+    with pytest.raises(OscarkvError, match="too small for one request of max_model_len=2048") as e:
+        LLM(DEMO, kv_dtype=kv_dtype, device="cpu", kv_budget_gb=budget, max_model_len=2048, **kw)
+    assert "--kv-budget-gb" in e.value.hint and "--max-model-len" in e.value.hint
+    with pytest.raises(OscarkvError, match="max_model_len=1000000000 is more than the 2048 positions") as e:
+        LLM(DEMO, kv_dtype=kv_dtype, device="cpu", max_model_len=10**9, **kw)
+    assert "at most 2048" in e.value.hint
+    with pytest.raises(OscarkvError, match="too small for one request of max_model_len=256"):
+        LLM(DEMO, kv_dtype=kv_dtype, device="cpu", kv_budget_gb=budget / 8, **kw)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int2"])
+def test_default_flags_start_and_answer(demo_rotations, kv_dtype) -> None:
+    """The demo model with nothing but its KV dtype (and rotations for int2) on a CPU."""
+    kw = {"rotations": str(demo_rotations[0])} if kv_dtype == "int2" else {}
+    llm = LLM(DEMO, kv_dtype=kv_dtype, device="cpu", **kw)
+    assert llm.engine.max_model_len == 2048
+    assert llm.generate(["def add(a, b):"], GREEDY)[0].finish_reason == "length"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int2"])
+def test_smollm2_starts_and_answers_with_default_flags(smollm2_dir: Path, tmp_path: Path, kv_dtype) -> None:
+    """SmolLM2-135M (8,192 positions, 0.35 GiB per full bf16 request in fp32) with no flags but
+    the KV dtype (random rotations for int2: this checks start-up, not quality)."""
+    kw = {}
+    if kv_dtype == "int2":
+        save_rotations(random_rotation_set(30, 64, QuantSpec()), tmp_path / "rot")
+        kw["rotations"] = str(tmp_path / "rot")
+    llm = LLM(str(smollm2_dir), kv_dtype=kv_dtype, **kw)
+    assert llm.engine.max_model_len == 8192
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(max_tokens=8, temperature=0))[0]  # fmt: skip
+    assert out.token_ids and out.finish_reason in ("length", "stop")
+    if kv_dtype == "bf16":
+        assert "Paris" in out.text

@@ -10,8 +10,9 @@ import torch
 
 from oscarkv import QuantSpec
 from oscarkv.config import EngineConfig, SpecError
-from oscarkv.config.engine import CPU_DEFAULT_BUDGET_GB
-from oscarkv.engine.kv_pool import GIB, KVPool, budget_bytes, plan_pools
+from oscarkv.config.engine import CPU_BUDGET_CAP_GB, CPU_BUDGET_FRACTION, CPU_FALLBACK_BUDGET_GB
+from oscarkv.engine.kv_budget import available_memory, cpu_default_budget, kv_budget
+from oscarkv.engine.kv_pool import GIB, KVPool, longest_request, plan_pools
 from oscarkv.errors import InputError
 from oscarkv.quant import RowFormat
 
@@ -146,9 +147,76 @@ def test_memory_report_counts_the_allocated_tensors():
     assert pool.memory_report()["bits_per_element"] != pool.memory_report()["bits_per_element"]  # nan
 
 
-def test_budget_bytes_from_the_config_or_the_cpu_default():
-    assert budget_bytes(EngineConfig(kv_budget_gb=0.5), "cpu") == GIB // 2
-    assert budget_bytes(EngineConfig(), "cpu") == int(CPU_DEFAULT_BUDGET_GB * GIB)
+def test_kv_budget_from_the_config_or_the_available_memory():
+    assert kv_budget(EngineConfig(kv_budget_gb=0.5), "cpu").bytes == GIB // 2
+    avail = available_memory()
+    assert avail is not None and avail > 0  # Linux: MemAvailable
+    got = kv_budget(EngineConfig(), "cpu")
+    assert 0 < got.bytes <= CPU_BUDGET_CAP_GB * GIB and "available" in got.source
+    assert got.bytes == pytest.approx(min(CPU_BUDGET_FRACTION * avail, CPU_BUDGET_CAP_GB * GIB), rel=0.2)
+
+
+def test_cpu_default_budget_is_a_capped_share_of_the_available_memory(tmp_path):
+    assert cpu_default_budget(GIB).bytes == int(CPU_BUDGET_FRACTION * GIB)
+    assert cpu_default_budget(1000 * GIB).bytes == int(CPU_BUDGET_CAP_GB * GIB)
+    two = cpu_default_budget(1000 * GIB, ranks=2)  # ranks share the host: the cap is split
+    assert two.bytes == int(CPU_BUDGET_CAP_GB * GIB) // 2 and "2 ranks" in two.source
+    unknown = cpu_default_budget(None)
+    assert unknown.bytes == int(CPU_FALLBACK_BUDGET_GB * GIB) and "could not be read" in unknown.source
+    # MemAvailable in kB; a file without it falls back to sysconf (still a number on Linux)
+    (tmp_path / "meminfo").write_text("MemTotal:  2048 kB\nMemAvailable:    1024 kB\n")
+    assert available_memory(str(tmp_path / "meminfo")) == 1024 * 1024
+    (tmp_path / "other").write_text("MemTotal: 2048 kB\n")
+    assert available_memory(str(tmp_path / "other")) == available_memory(str(tmp_path / "missing"))
+
+
+def test_an_explicit_budget_over_the_available_memory_is_refused():
+    avail = available_memory()
+    assert avail is not None
+    huge = EngineConfig(kv_budget_gb=1e6)
+    with pytest.raises(
+        InputError, match=r"kv_budget_gb=1e\+06 is more than the .* GiB of memory available"
+    ) as e:
+        kv_budget(huge, "cpu")
+    assert "--kv-budget-gb" in e.value.hint
+    half = EngineConfig(kv_budget_gb=0.6 * avail / GIB)  # fits one rank, not two on one host
+    assert kv_budget(half, "cpu").bytes == int(half.kv_budget_gb * GIB)
+    with pytest.raises(InputError, match="on each of 2 ranks"):
+        kv_budget(half, "cpu", ranks=2)
+
+
+def test_a_pool_the_allocator_refuses_is_an_input_error():
+    """The allocation itself failing (the check above passed, or a CUDA device is full) is one
+    line naming the pools' size and the flag, not the allocator's RuntimeError."""
+    cfg = EngineConfig(kv_dtype="bf16", page_tokens=16, max_running=1)
+    plan = plan_pools(cfg, None, L, HKV, D, torch.bfloat16, 1 << 52)  # 4 PiB: no machine allocates it
+    with pytest.raises(InputError, match="could not be allocated on cpu: out of memory") as e:
+        KVPool(plan, L, HKV, D, torch.bfloat16, None, "cpu")
+    assert "--kv-budget-gb" in e.value.hint
+
+
+@pytest.mark.parametrize("kv_dtype", ["int2", "bf16"])
+def test_longest_request_is_the_longest_one_slot_holds(kv_dtype):
+    """The length an unset max_model_len is lowered to: the plan of that length fits the budget
+    with one slot; one page more does not; a budget without a 256-token request is refused."""
+    cfg = EngineConfig(kv_dtype=kv_dtype, page_tokens=16)
+    spec = QuantSpec() if kv_dtype == "int2" else None
+    args = (cfg, spec, L, HKV, D, torch.bfloat16)
+    assert longest_request(*args, 40 * GIB, None, 32768) == 32768  # fits: unchanged
+    n = longest_request(*args, GIB // 4, None, 32768)
+    assert 256 <= n < 32768 and n % 16 == 0
+    plan = plan_pools(*args, GIB // 4, None, n)
+    assert plan.max_running >= 1 and plan.total_bytes <= GIB // 4
+    with pytest.raises(InputError, match=f"max_model_len={n + 16} tokens"):
+        plan_pools(*args, GIB // 4, None, n + 16)
+    if plan.int2:
+        assert (plan.q_pages - 1) * 16 >= n - 64
+    else:
+        assert (plan.hp_pages - 1) * 16 >= n
+    tiny = plan_pools(*args, GIB // 4, None, 256).request_bytes(256)
+    with pytest.raises(InputError, match="too small for one request of max_model_len=256") as e:
+        longest_request(*args, tiny, None, 32768)
+    assert "--kv-budget-gb" in e.value.hint and "--max-model-len" in e.value.hint
 
 
 def test_kv_pool_refuses_mismatched_formats():

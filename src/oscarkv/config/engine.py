@@ -13,8 +13,16 @@ __all__ = ["KV_DTYPES", "LOAD_FORMATS", "PREFILL_ATTENTION", "EngineConfig"]
 KV_DTYPES = ("int2", "bf16")
 LOAD_FORMATS = ("safetensors", "dummy")
 PREFILL_ATTENTION = ("fresh", "invariant")
-#: the KV budget on CPU when ``kv_budget_gb`` is unset (on CUDA: a fraction of free memory)
-CPU_DEFAULT_BUDGET_GB = 0.25
+#: the KV budget on CPU when ``kv_budget_gb`` is unset: this share of the host's available memory
+#: (on CUDA: ``memory_fraction`` of the device's free memory) ...
+CPU_BUDGET_FRACTION = 0.25
+#: ... at most this many GiB (split over the ranks of a tensor-parallel engine, which share the host)
+CPU_BUDGET_CAP_GB = 2.0
+#: the CPU default where the available memory cannot be read
+CPU_FALLBACK_BUDGET_GB = 0.25
+#: the shortest max_model_len the engine lowers an unset one to; a budget that holds no request
+#: this long is refused
+MIN_AUTO_MODEL_LEN = 256
 #: the most request slots the engine takes when ``max_running`` is unset
 AUTO_MAX_RUNNING = 64
 
@@ -32,8 +40,8 @@ class EngineConfig:
     device: str = help_field("cpu, cuda, cuda:N or auto", default="auto")
     backend: str = help_field("kernel backend: auto | torch | triton", default="auto")
     kv_budget_gb: float | None = help_field(
-        f"bytes for all KV pools, in GiB (unset: {CPU_DEFAULT_BUDGET_GB} on CPU, "
-        "--memory-fraction of free memory on CUDA)",
+        f"bytes for all KV pools, in GiB (unset: on CPU {CPU_BUDGET_FRACTION:.0%} of the available "
+        f"memory, at most {CPU_BUDGET_CAP_GB:g} GiB; on CUDA --memory-fraction of free memory)",
         default=None,
     )
     memory_fraction: float = help_field(
@@ -49,7 +57,9 @@ class EngineConfig:
         "most prompt tokens computed in one step (chunked prefill)", default=8192
     )
     max_model_len: int | None = help_field(
-        "longest prompt + output (unset: the model's positions)", default=None
+        "longest prompt + output (unset: the model's positions, lowered with a warning to the longest "
+        "request the KV budget holds)",
+        default=None,
     )
     prefix_cache: bool = help_field("reuse full KV pages of identical prompt prefixes", default=True)
     prefill_attention: str = help_field(
@@ -109,6 +119,11 @@ class EngineConfig:
             raise field_error(
                 n, "prefill_attention", " | ".join(PREFILL_ATTENTION), self.prefill_attention, True
             )
+        if self.prefill_attention == "invariant" and self.kv_dtype != "int2":  # bf16 stores no INT2
+            raise field_error(
+                n, "prefill_attention", "fresh with kv_dtype bf16 (invariant needs int2)",
+                self.prefill_attention, "drop --prefill-attention invariant, or use --kv-dtype int2",
+            )  # fmt: skip
         if self.backend not in ("auto", "torch", "triton"):
             raise field_error(n, "backend", "auto | torch | triton", self.backend, True)
         b = self.kv_budget_gb

@@ -15,22 +15,23 @@ contiguous ``[l]`` views the kernels read (``kernels.pool_ops.FlatPools``). Row 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ..config import META_DTYPE_BYTES, EngineConfig, QuantSpec
-from ..config.engine import AUTO_MAX_RUNNING, CPU_DEFAULT_BUDGET_GB
+from ..config.engine import AUTO_MAX_RUNNING, MIN_AUTO_MODEL_LEN
 from ..errors import InputError
 from ..quant import RowFormat
 from ..quant.tiers import window_limit
 from ..store import LayerViews, PoolPlan
 from ..store.windows import window_block
+from .kv_budget import GIB
 
-__all__ = ["DUMMY_PAGE", "KVPool", "budget_bytes", "plan_pools"]
+__all__ = ["DUMMY_PAGE", "GIB", "KVPool", "longest_request", "plan_pools"]
 
 DUMMY_PAGE = 0  # page 0 of both pools: never handed out; the target of no-op writes
-GIB = 1 << 30
 _META = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -38,6 +39,38 @@ def _int2_row_bytes(fk: RowFormat, fv: RowFormat, heads: int) -> int:
     """Bytes of one token of one layer in the INT2 tier (codes + (scale, zero), K and V)."""
     meta = META_DTYPE_BYTES[fk.meta_dtype]
     return heads * (fk.packed_dim + fv.packed_dim + 2 * meta * (fk.groups + fv.groups))
+
+
+def _shape(
+    cfg: EngineConfig,
+    spec: QuantSpec | None,
+    layers: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    layer_fmts: Sequence[tuple[RowFormat, RowFormat]] | None,
+) -> tuple[PoolPlan, int]:
+    """The page and slot sizes of a plan (no pages yet), and the bytes outside the request
+    slots: the dummy page of each pool."""
+    ps = cfg.page_tokens
+    hp_tok = 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    hp_page = ps * hp_tok
+    if cfg.kv_dtype == "bf16":
+        return PoolPlan(False, ps, 0, 0, 0, 0, 0, 0, 0, hp_page, 0), hp_page
+    if spec is None:
+        raise InputError("int2 KV pools need a QuantSpec (from the rotations or EngineConfig.spec)")
+    cfg.check_spec(spec)
+    if layer_fmts is None:
+        uniform = (RowFormat.from_spec(spec, head_dim, "k"), RowFormat.from_spec(spec, head_dim, "v"))
+        layer_fmts = [uniform] * layers
+    if len(layer_fmts) != layers:
+        raise ValueError(f"plan_pools: {len(layer_fmts)} layer formats for {layers} layers")
+    q_page = ps * sum(_int2_row_bytes(fk, fv, kv_heads) for fk, fv in layer_fmts)
+    ring = window_limit(spec)
+    cap = -(-ring // ps) * ps
+    block = window_block(spec.recent_tokens, ps) if cfg.prefill_attention == "invariant" else 0
+    shape = PoolPlan(True, ps, 0, spec.sink_tokens // ps, 0, 0, ring, cap, q_page, hp_page, 0, block)
+    return shape, hp_page + q_page
 
 
 def plan_pools(
@@ -62,35 +95,17 @@ def plan_pools(
     Raises :class:`~oscarkv.errors.InputError` when the budget cannot hold one usable page per
     tier, or (slots unset) one request of ``max_model_len`` tokens.
     """
-    ps, mr = cfg.page_tokens, cfg.max_running
-    hp_tok = 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-    hp_page = ps * hp_tok
-    if cfg.kv_dtype == "bf16":
-        if mr is None:
-            per = PoolPlan(False, ps, 0, 0, 0, 0, 0, 0, 0, hp_page, 0).request_bytes(_length(max_model_len))
-            mr = _slots(budget_bytes - hp_page, per, max_model_len)
+    shape, overhead = _shape(cfg, spec, layers, kv_heads, head_dim, dtype, layer_fmts)
+    ps, mr, hp_page = cfg.page_tokens, cfg.max_running, shape.hp_page_bytes
+    if mr is None:
+        mr = _slots(budget_bytes - overhead, shape.request_bytes(_length(max_model_len)), max_model_len)
+    if not shape.int2:
         hp_pages = budget_bytes // hp_page
         _need(budget_bytes, 2 * hp_page, "two 16-bit pages (the dummy page and one usable page)")
-        return PoolPlan(False, ps, mr, 0, 0, hp_pages, 0, 0, 0, hp_page, hp_pages * hp_page)
-    if spec is None:
-        raise InputError("int2 KV pools need a QuantSpec (from the rotations or EngineConfig.spec)")
-    cfg.check_spec(spec)
-    if layer_fmts is None:
-        uniform = (RowFormat.from_spec(spec, head_dim, "k"), RowFormat.from_spec(spec, head_dim, "v"))
-        layer_fmts = [uniform] * layers
-    if len(layer_fmts) != layers:
-        raise ValueError(f"plan_pools: {len(layer_fmts)} layer formats for {layers} layers")
-    q_page = ps * sum(_int2_row_bytes(fk, fv, kv_heads) for fk, fv in layer_fmts)
-    sink_pages = spec.sink_tokens // ps
-    ring = window_limit(spec)
-    cap = -(-ring // ps) * ps
-    if mr is None:
-        shape = PoolPlan(True, ps, 0, sink_pages, 0, 0, ring, cap, q_page, hp_page, 0)
-        mr = _slots(
-            budget_bytes - hp_page - q_page, shape.request_bytes(_length(max_model_len)), max_model_len
-        )
+        return replace(shape, max_running=mr, hp_pages=hp_pages, total_bytes=hp_pages * hp_page)
+    q_page, sink_pages = shape.q_page_bytes, shape.sink_pages
     hp_pages = 1 + mr * sink_pages * 2
-    fixed = hp_pages * hp_page + mr * cap * hp_tok
+    fixed = hp_pages * hp_page + mr * shape.ring_cap * (hp_page // ps)
     _need(
         budget_bytes,
         fixed + 2 * q_page,
@@ -98,8 +113,35 @@ def plan_pools(
     )
     q_pages = (budget_bytes - fixed) // q_page
     total = fixed + q_pages * q_page
-    block = window_block(spec.recent_tokens, ps) if cfg.prefill_attention == "invariant" else 0
-    return PoolPlan(True, ps, mr, sink_pages, q_pages, hp_pages, ring, cap, q_page, hp_page, total, block)
+    return replace(shape, max_running=mr, q_pages=q_pages, hp_pages=hp_pages, total_bytes=total)
+
+
+def longest_request(
+    cfg: EngineConfig,
+    spec: QuantSpec | None,
+    layers: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    budget_bytes: int,
+    layer_fmts: Sequence[tuple[RowFormat, RowFormat]] | None,
+    max_model_len: int,
+) -> int:
+    """The longest request, at most ``max_model_len`` tokens, that a budget of ``budget_bytes``
+    holds whole as one slot of :func:`plan_pools` (a multiple of ``page_tokens`` when shorter).
+    Raises the plan's :class:`~oscarkv.errors.InputError` when it holds no request of
+    ``min(max_model_len, MIN_AUTO_MODEL_LEN)`` tokens."""
+    shape, overhead = _shape(cfg, spec, layers, kv_heads, head_dim, dtype, layer_fmts)
+    room = budget_bytes - overhead
+    if shape.request_bytes(max_model_len) <= room:
+        return max_model_len
+    short = min(max_model_len, MIN_AUTO_MODEL_LEN)
+    _slots(room, shape.request_bytes(short), short)
+    lo, hi = short, max_model_len  # request_bytes grows with the length: lo fits, hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if shape.request_bytes(mid) <= room else (lo, mid)
+    return lo
 
 
 def _length(max_model_len: int | None) -> int:
@@ -108,7 +150,7 @@ def _length(max_model_len: int | None) -> int:
     return max_model_len
 
 
-def _slots(room: int, per_request: int, max_model_len: int) -> int:
+def _slots(room: int, per_request: int, max_model_len: int | None) -> int:
     """Requests of ``per_request`` bytes that ``room`` holds, at most ``AUTO_MAX_RUNNING``."""
     n = min(AUTO_MAX_RUNNING, max(room, 0) // per_request)
     if n < 1:
@@ -128,19 +170,6 @@ def _need(budget: int, need: int, what: str) -> None:
             f"{need} bytes ({need / GIB:.3g} GiB) for {what}",
             "raise kv_budget_gb (--kv-budget-gb), or lower max_running or page_tokens",
         )
-
-
-def budget_bytes(cfg: EngineConfig, device: torch.device | str, reserve: int = 0) -> int:
-    """The KV budget in bytes: ``kv_budget_gb`` GiB if set; else ``CPU_DEFAULT_BUDGET_GB`` on a
-    non-CUDA device, or ``memory_fraction`` × (the free memory of a CUDA device − ``reserve``, the
-    peak a step allocates; call it after the weights are loaded)."""
-    device = torch.device(device)
-    if cfg.kv_budget_gb is not None:
-        return int(cfg.kv_budget_gb * GIB)
-    if device.type != "cuda":
-        return int(CPU_DEFAULT_BUDGET_GB * GIB)
-    free, _ = torch.cuda.mem_get_info(device)
-    return int(cfg.memory_fraction * max(free - reserve, 0))
 
 
 class KVPool:
@@ -176,14 +205,23 @@ class KVPool:
         def zeros(*shape: int, dt: torch.dtype) -> torch.Tensor:
             return torch.zeros(layers, *shape, dtype=dt, device=self.device)
 
-        self.k_codes = [
-            torch.zeros(nq, h, f.packed_dim, dtype=torch.uint8, device=self.device) for f, _ in self.fmts
-        ]
-        self.v_codes = zeros(nq, h, fv.packed_dim, dt=torch.uint8)
-        self.k_meta = zeros(nq, h, fk.groups, 2, dt=_META[fk.meta_dtype])
-        self.v_meta = zeros(nq, h, fv.groups, 2, dt=_META[fv.meta_dtype])
-        self.hp_k = zeros(nh, h, d, dt=dtype)
-        self.hp_v = zeros(nh, h, d, dt=dtype)
+        try:
+            self.k_codes = [
+                torch.zeros(nq, h, f.packed_dim, dtype=torch.uint8, device=self.device) for f, _ in self.fmts
+            ]
+            self.v_codes = zeros(nq, h, fv.packed_dim, dt=torch.uint8)
+            self.k_meta = zeros(nq, h, fk.groups, 2, dt=_META[fk.meta_dtype])
+            self.v_meta = zeros(nq, h, fv.groups, 2, dt=_META[fv.meta_dtype])
+            self.hp_k = zeros(nh, h, d, dt=dtype)
+            self.hp_v = zeros(nh, h, d, dt=dtype)
+        except RuntimeError as e:  # torch.OutOfMemoryError, or the CPU allocator's RuntimeError
+            if not isinstance(e, torch.OutOfMemoryError) and "alloc" not in str(e):
+                raise
+            raise InputError(
+                f"the KV pools ({plan.total_bytes / GIB:.3g} GiB) could not be allocated on {self.device}: "
+                "out of memory",
+                "lower kv_budget_gb (--kv-budget-gb), or leave it unset to size the pools from free memory",
+            ) from None
 
     def layer(self, l: int) -> LayerViews:
         """Layer ``l``'s contiguous views and formats."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from ..config import EngineConfig, QuantSpec
-from ..errors import InputError
+from ..errors import InputError, OscarkvWarning
 from ..kernels import resolve
 from ..kernels.devices import resolve_device
 from ..quant import RowFormat
@@ -32,7 +33,8 @@ from ..store import DecodeTensors, PageTables, PrefillTensors, TierAttention
 from ..store.windows import GATHER_ROWS_PER_TOKEN
 from .decode_buffers import DecodeStaging, HostDecode
 from .graphs import DecodeGraphs, batch_bucket, len_bucket
-from .kv_pool import KVPool, budget_bytes, plan_pools
+from .kv_budget import kv_budget
+from .kv_pool import KVPool, longest_request, plan_pools
 from .models import load_decoder
 from .models.parallel import Comm
 from .penalties import PenaltyCounts
@@ -114,16 +116,23 @@ class ModelRunner:
         self.tokenizer = load_tokenizer(cfg.model)
         s = self.shape
         self.score_rows = max(1, SCORE_BYTES // (4 * s.vocab))  # prompt rows scored per LM-head call
-        self.max_model_len = min(cfg.max_model_len or s.max_positions, s.max_positions)
+        if cfg.max_model_len is not None and cfg.max_model_len > s.max_positions:
+            raise InputError(
+                f"max_model_len={cfg.max_model_len} is more than the {s.max_positions} positions of model "
+                f"{cfg.model} (max_position_embeddings)",
+                f"lower --max-model-len to at most {s.max_positions}, or leave it unset",
+            )
+        self.max_model_len = cfg.max_model_len or s.max_positions
         fmts = self._formats() if self.rotations is not None else None
         self.activation_peak = (
             self._profile_prefill() if cfg.kv_budget_gb is None and self.device.type == "cuda" else 0
         )
-        budget = budget_bytes(cfg, self.device, reserve=self.activation_peak)
+        self.budget = kv_budget(cfg, self.device, reserve=self.activation_peak, ranks=tp)
+        budget = self.budget.bytes
         if comm is not None:  # the budget is per rank; every rank must plan the same page counts
             budget = comm.min_int(budget, self.device)
         kv_heads = s.num_kv_heads // tp
-        self.plan = plan_pools(
+        pools = (
             cfg,
             self.spec if fmts else None,
             s.num_layers,
@@ -132,8 +141,20 @@ class ModelRunner:
             self.dtype,
             budget,
             fmts,
-            self.max_model_len,
         )
+        if cfg.max_model_len is None and cfg.max_running is None:  # every rank lowers it alike
+            fit = longest_request(*pools, self.max_model_len)
+            if fit < self.max_model_len and rank == 0:
+                warnings.warn(
+                    OscarkvWarning(
+                        f"max_model_len lowered to {fit} from the model's {self.max_model_len} positions: "
+                        f"the longest request a KV budget of {budget / (1 << 30):.2f} GiB holds (--kv-budget-gb "
+                        "raises it, --max-model-len sets it)"
+                    ),
+                    stacklevel=2,
+                )
+            self.max_model_len = fit
+        self.plan = plan_pools(*pools, self.max_model_len)
         self.slots_chosen = cfg.max_running is None
         if self.slots_chosen:  # every later reader (scheduler, buckets) sees the slots chosen
             self.cfg = cfg = dataclasses.replace(cfg, max_running=self.plan.max_running)
@@ -239,7 +260,8 @@ class ModelRunner:
                 "blocks, INT2 before; key lists gathered per block; prefix hits end on a block)"
             )
         return (
-            f"KV pools {plan.total_bytes / gib:.2f} GiB ({self.cfg.kv_dtype}): {tiers}; max_running "
+            f"KV pools {plan.total_bytes / gib:.2f} GiB ({self.cfg.kv_dtype}; budget: {self.budget.source}): "
+            f"{tiers}; max_running "
             f"{plan.max_running}{chosen}{peak}; CUDA graphs {graphs}; kernels {self.ops.backend.value}{tp}"
         )
 
