@@ -80,13 +80,59 @@ def _draining_server(config: Any) -> Any:
     return Draining(config)
 
 
+def _check_start(cfg: ServerConfig) -> socket.socket:
+    """What can fail before the model loads: the key and template files, the template's Jinja
+    syntax, and the address. Returns a socket bound to ``cfg.host:cfg.port``."""
+    from .app import check_server_files
+
+    check_server_files(cfg)
+    if cfg.chat_template:
+        _check_chat_template(cfg.chat_template)
+    fam = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+    sock = socket.socket(fam, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((cfg.host, cfg.port))
+    except OSError as e:
+        sock.close()
+        raise InputError(
+            f"cannot listen on {cfg.host}:{cfg.port}: {e.strerror or e}",
+            "stop what uses that port, or pass another --port (0 picks a free one)",
+        ) from None
+    return sock
+
+
+def _check_chat_template(path: str) -> None:
+    """Compile the chat template as transformers will (a syntax error fails now, not per chat)."""
+    from jinja2 import TemplateError
+
+    from ..utils.files import read_text
+
+    try:  # transformers' own environment (its extensions and filters)
+        from transformers.utils.chat_template_utils import _compile_jinja_template as compile_
+    except ImportError:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        compile_ = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).from_string
+    try:
+        compile_(read_text(path, "--chat-template"))
+    except TemplateError as e:
+        where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+        why = " ".join(str(e.message or e).split())
+        raise InputError(
+            f"--chat-template {path}: not a valid Jinja template{where}: {why}",
+            "fix the template's syntax, or drop --chat-template to use the tokenizer's",
+        ) from None
+
+
 def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> None:
     """Load the model and serve until interrupted (uvicorn in this thread)."""
 
-    from .app import check_server_files
-
-    check_server_files(server_cfg)  # before the model loads
-    eng = Engine(engine_cfg)
+    sock = _check_start(server_cfg)  # before the model loads; the port is held while it loads
+    try:
+        eng = Engine(engine_cfg)
+    finally:
+        sock.close()  # uvicorn binds the address again (and logs it)
     print(f"oscarkv serve: {eng.startup_report()}", file=sys.stderr, flush=True)
     try:
         app = build_app(engine_cfg, server_cfg, eng)
@@ -131,15 +177,14 @@ def start_server(
 ) -> RunningServer:
     """Serve on ``server_cfg.host`` in a background thread (port 0 picks a free port)."""
 
-    from .app import check_server_files
-
-    check_server_files(server_cfg)  # before the model loads
-    eng = engine if engine is not None else Engine(engine_cfg)
-    app = build_app(engine_cfg, server_cfg, eng, metrics)
-    fam = socket.AF_INET6 if ":" in server_cfg.host else socket.AF_INET
-    sock = socket.socket(fam, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((server_cfg.host, server_cfg.port))
+    sock = _check_start(server_cfg)  # before the model loads
+    try:
+        eng = engine if engine is not None else Engine(engine_cfg)
+        app = build_app(engine_cfg, server_cfg, eng, metrics)
+    except BaseException:
+        sock.close()
+        raise
+    fam = sock.family
     host, port = sock.getsockname()[:2]
     config = _uvicorn_config(app, server_cfg, log_level="warning", lifespan="on")
     server = _draining_server(config)
