@@ -68,6 +68,11 @@ class LinearMethod:
         """Store fp32 ``w`` as output rows ``[start, stop)`` (rounded or quantized as stored)."""
         raise NotImplementedError
 
+    def fill_dummy(self, layer: Linear, generator: torch.Generator) -> None:
+        """Random N(0, 0.02) weights drawn from ``generator``, stored as the method stores them
+        (``load_format="dummy"``; the bias is the loader's)."""
+        raise NotImplementedError
+
 
 @dataclass(frozen=True)
 class Unquantized(LinearMethod):
@@ -92,6 +97,9 @@ class Unquantized(LinearMethod):
 
     def set_dense_weight(self, layer: Linear, w: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
         _rows(layer.weight.detach(), rows).copy_(w)
+
+    def fill_dummy(self, layer: Linear, generator: torch.Generator) -> None:
+        layer.weight.detach().normal_(0.0, 0.02, generator=generator)
 
 
 def _rows(t: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
@@ -136,7 +144,7 @@ class Linear(nn.Module):
 
 def _per(n: int, unit: int, what: str) -> int:
     if n % unit:
-        raise ValueError(f"{what}: {n} is not a multiple of the weight block {unit}")
+        raise ValueError(f"{what}: {n} (this rank's part) is not a multiple of the weight block {unit}")
     return n // unit
 
 
@@ -168,8 +176,8 @@ class ColumnLinear(Linear):
 
     def shard(self, t: torch.Tensor, i: int, unit: int = 1) -> torch.Tensor:
         """Part ``i``'s rows of ``t`` (a weight, bias or scale with ``unit`` output rows per row)."""
-        start = _per(sum(self.sizes[:i]), unit, self.names[i])
-        return t.narrow(0, start, _per(self.sizes[i], unit, self.names[i]))
+        what = f"{self.names[i]} rows"
+        return t.narrow(0, _per(sum(self.sizes[:i]), unit, what), _per(self.sizes[i], unit, what))
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``[T, sum(sizes)]`` -> one ``[T, size]`` view per projection."""
@@ -183,7 +191,7 @@ class ColumnLinear(Linear):
         out = {}
         for i, name in enumerate(self.names):
             for kind, (t, unit, _) in tensors.items():
-                n = _per(self.sizes[i], unit, name)
+                n = _per(self.sizes[i], unit, f"{name} rows")
                 shard = None if self.world == 1 else Shard(0, self.rank * n, n, n * self.world)
                 out[f"{parent}.{name}.{kind}"] = Target(self.shard(t.detach(), i, unit), shard)
         return out
@@ -222,7 +230,7 @@ class RowLinear(Linear):
         for kind, (t, _, unit) in self.method.tensors(self).items():
             shard = None
             if self.comm is not None:
-                n = _per(self.in_features, unit, prefix)
+                n = _per(self.in_features, unit, f"{prefix} input columns")
                 shard = Shard(1, self.comm.rank * n, n, n * self.comm.world)
             out[f"{prefix}.{kind}"] = Target(t.detach(), shard)
         if self.bias is not None:

@@ -13,16 +13,18 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from ...errors import ModelError
 from ...kernels import KernelOps
 from ...rotation import absorb_output_weight, absorb_value_weight
 from .decoder import Decoder, ModelShape, model_shape
 from .layers import model_error, text_config
-from .linear import Target
+from .linear import Linear, Target, Unquantized
 from .parallel import Comm
+from .quant import weight_method
 from .registry import check_split
 
 __all__ = ["LOAD_FORMATS", "absorb", "check_model_split", "load_decoder"]
@@ -80,15 +82,34 @@ def load_decoder(
     rots = {
         i: r if r.dim() == 2 else kv_head_slice(r, tp, rank) for i, r in _check_r_v(r_v, shape, where).items()
     }
+    method = weight_method(config, where)
     files = _checkpoint_files(Path(model_dir)) if load_format == "safetensors" else []
-    model = Decoder(tc, shape, dtype=dtype, device=device, ops=ops, comm=comm)
+    model, targets = _build(tc, shape, where, dtype=dtype, device=device, ops=ops, comm=comm, method=method)
     with torch.no_grad():
         if load_format == "dummy":
-            _fill_dummy(model, seed, rots)
+            _fill_dummy(model, seed)
         else:
-            _load_files(model, files, rots, where, tc)
+            _load_files(model, targets, files, where, tc)
         model.finish()
+        for i, r in rots.items():
+            absorb(model, i, r)
     return model.eval().requires_grad_(False), shape
+
+
+def _build(config: Any, shape: ModelShape, where: str, **kw: Any) -> tuple[Decoder, dict[str, Target]]:
+    """The decoder and its checkpoint targets; a size the weight method cannot split (an FP8
+    part that is not whole 128-row blocks) is a :class:`ModelError`."""
+    try:
+        model = Decoder(config, shape, **kw)
+        return model, model.checkpoint_targets()
+    except ModelError:
+        raise
+    except ValueError as e:
+        hint = (
+            "FP8 block-scaled projections are fused and split on whole 128x128 blocks: use a "
+            "tensor_parallel that keeps every part whole, or the bf16 checkpoint"
+        )
+        raise model_error(where, str(e), hint) from None
 
 
 def check_model_split(model_dir: str, tp: int) -> None:
@@ -100,7 +121,20 @@ def check_model_split(model_dir: str, tp: int) -> None:
         config = AutoConfig.from_pretrained(model_dir)
     except (OSError, ValueError, KeyError):
         return
-    check_split(text_config(config), tp, f"model {model_dir}")
+    where = f"model {model_dir}"
+    tc = text_config(config)
+    check_split(tc, tp, where)
+    method = weight_method(config, where)
+    if tp > 1 and not isinstance(method, Unquantized):  # the rank's parts, built on the meta device
+        _build(tc, model_shape(config, None, where), where, dtype=torch.bfloat16, device="meta",
+               comm=_MetaComm(0, tp), method=method)  # fmt: skip
+
+
+class _MetaComm(NamedTuple):
+    """A rank's place in the group, enough to size its parts (nothing is communicated)."""
+
+    rank: int
+    world: int
 
 
 def kv_head_slice(t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
@@ -147,7 +181,9 @@ def _checkpoint_files(root: Path) -> list[Path]:
 
 def absorb(model: Decoder, layer: int, r: torch.Tensor) -> None:
     """Fold ``R_V`` into layer's ``v_proj`` rows (weight and bias) and ``R_Vᵀ`` into its ``o_proj``
-    input columns (this rank's), in fp32 from the stored weights, stored back as the method stores."""
+    input columns (this rank's), in fp32 from the stored weights, stored back as the method stores
+    (after :meth:`Decoder.finish`: FP8 weights kept for FP8 GEMMs are requantized per block,
+    dequantized ones rounded to the model dtype as unquantized weights are)."""
     attn = model.layers[layer].self_attn
     qkv, o = attn.qkv_proj, attn.o_proj
     d = model.shape.head_dim
@@ -179,11 +215,10 @@ def _read(f: Any, key: str, target: Target, where: str) -> torch.Tensor:
 
 
 def _load_files(
-    model: Decoder, files: list[Path], rots: dict[int, torch.Tensor], where: str, config: Any
+    model: Decoder, targets: dict[str, Target], files: list[Path], where: str, config: Any
 ) -> None:
     from safetensors import SafetensorError, safe_open
 
-    targets = model.checkpoint_targets()
     skipped = model.family.skipped(config)
     seen: set[str] = set()
     unexpected: list[str] = []
@@ -216,20 +251,22 @@ def _load_files(
                  for label, ks in (("missing", missing), ("unexpected", unexpected)) if ks]  # fmt: skip
         msg = f"checkpoint does not match its {model.shape.model_type} config: {'; '.join(lists)}"
         raise model_error(where, msg, "the weights must be the HF checkpoint of this config.json")
-    for i, r in rots.items():
-        absorb(model, i, r)
 
 
-def _fill_dummy(model: Decoder, seed: int, rots: dict[int, torch.Tensor]) -> None:
-    """Seeded N(0, 0.02) weights and biases, RMSNorm weights 1, correction biases 0, then ``R_V``
-    as for real weights."""
+def _fill_dummy(model: Decoder, seed: int) -> None:
+    """Seeded N(0, 0.02) weights and biases (each linear's weights as its method stores them),
+    RMSNorm weights 1, correction biases 0."""
     gen = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed)
+    filled: set[int] = set()
     for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
+        mod = model.get_submodule(name.rpartition(".")[0])
+        if isinstance(mod, Linear) and p is not mod.bias:
+            if id(mod) not in filled:  # at its first tensor, so unquantized draws stay in order
+                mod.method.fill_dummy(mod, gen)
+                filled.add(id(mod))
+        elif name.endswith("norm.weight"):
             p.fill_(1.0)
         elif name.endswith("correction"):
             p.zero_()
         elif p.dtype.is_floating_point and p.element_size() >= 2:
             p.normal_(0.0, 0.02, generator=gen)
-    for i, r in rots.items():
-        absorb(model, i, r)
