@@ -148,7 +148,7 @@ class ModelRunner:
                 warnings.warn(
                     OscarkvWarning(
                         f"max_model_len lowered to {fit} from the model's {self.max_model_len} positions: "
-                        f"the longest request a KV budget of {budget / (1 << 30):.2f} GiB holds (--kv-budget-gb "
+                        f"the longest request a KV budget of {budget / (1 << 30):.3g} GiB holds (--kv-budget-gb "
                         "raises it, --max-model-len sets it)"
                     ),
                     stacklevel=2,
