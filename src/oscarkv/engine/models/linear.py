@@ -22,7 +22,7 @@ from torch import nn
 
 from .parallel import Comm, Shard
 
-__all__ = ["ColumnLinear", "Linear", "LinearMethod", "RowLinear", "Target", "Unquantized"]
+__all__ = ["ColumnLinear", "Linear", "LinearMethod", "RowLinear", "Target", "Unquantized", "blocks_of"]
 
 
 class Target(NamedTuple):
@@ -142,7 +142,8 @@ class Linear(nn.Module):
         return out
 
 
-def _per(n: int, unit: int, what: str) -> int:
+def blocks_of(n: int, unit: int, what: str) -> int:
+    """``n // unit``; raises ``ValueError`` naming ``what`` unless ``unit`` divides ``n``."""
     if n % unit:
         raise ValueError(f"{what}: {n} (this rank's part) is not a multiple of the weight block {unit}")
     return n // unit
@@ -177,7 +178,7 @@ class ColumnLinear(Linear):
     def shard(self, t: torch.Tensor, i: int, unit: int = 1) -> torch.Tensor:
         """Part ``i``'s rows of ``t`` (a weight, bias or scale with ``unit`` output rows per row)."""
         what = f"{self.names[i]} rows"
-        return t.narrow(0, _per(sum(self.sizes[:i]), unit, what), _per(self.sizes[i], unit, what))
+        return t.narrow(0, blocks_of(sum(self.sizes[:i]), unit, what), blocks_of(self.sizes[i], unit, what))
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``[T, sum(sizes)]`` -> one ``[T, size]`` view per projection."""
@@ -191,7 +192,7 @@ class ColumnLinear(Linear):
         out = {}
         for i, name in enumerate(self.names):
             for kind, (t, unit, _) in tensors.items():
-                n = _per(self.sizes[i], unit, f"{name} rows")
+                n = blocks_of(self.sizes[i], unit, f"{name} rows")
                 shard = None if self.world == 1 else Shard(0, self.rank * n, n, n * self.world)
                 out[f"{parent}.{name}.{kind}"] = Target(self.shard(t.detach(), i, unit), shard)
         return out
@@ -230,7 +231,7 @@ class RowLinear(Linear):
         for kind, (t, _, unit) in self.method.tensors(self).items():
             shard = None
             if self.comm is not None:
-                n = _per(self.in_features, unit, f"{prefix} input columns")
+                n = blocks_of(self.in_features, unit, f"{prefix} input columns")
                 shard = Shard(1, self.comm.rank * n, n, n * self.comm.world)
             out[f"{prefix}.{kind}"] = Target(t.detach(), shard)
         if self.bias is not None:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .linear import ColumnLinear, Linear, LinearMethod, RowLinear, Target
+from .linear import ColumnLinear, Linear, LinearMethod, RowLinear, Target, blocks_of
 from .parallel import Comm, Shard
 
 __all__ = ["Experts", "Routing", "SparseMoe", "grouped_experts", "looped_experts", "route"]
@@ -175,13 +175,13 @@ class Experts(nn.Module):
         gate, up, down = self.names
         out = {}
         for kind, (t, unit, _) in self.w13.method.tensors(self.w13).items():
-            n = self.inter // unit
+            n = blocks_of(self.inter, unit, f"{prefix} gate/up rows")
             shard = None if self.world == 1 else Shard(0, self.rank * n, n, n * self.world)
             for e in range(t.shape[0]):
                 out[f"{prefix}.{e}.{gate}.{kind}"] = Target(t.detach()[e, :n], shard)
                 out[f"{prefix}.{e}.{up}.{kind}"] = Target(t.detach()[e, n:], shard)
         for kind, (t, _, unit) in self.w2.method.tensors(self.w2).items():
-            n = self.inter // unit
+            n = blocks_of(self.inter, unit, f"{prefix} down columns")
             shard = None if self.world == 1 else Shard(1, self.rank * n, n, n * self.world)
             for e in range(t.shape[0]):
                 out[f"{prefix}.{e}.{down}.{kind}"] = Target(t.detach()[e], shard)
