@@ -57,10 +57,12 @@ def prompts(lens=LENS, seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lens]
 
 
-def hf_greedy(path: Path, ids: list[int], n: int, rotations=None, spec=None) -> list[int]:
+def hf_greedy(path: Path, ids: list[int], n: int, rotations=None, spec=None, **load) -> list[int]:
+    """transformers' greedy tokens (fp32; ``load``: more ``from_pretrained`` arguments), through
+    ``OscarCache`` when ``rotations`` are given."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load).eval()
     kw = {}
     if rotations is not None:
         kw["past_key_values"] = OscarCache.from_rotations(model, rotations, spec=spec, backend="torch")

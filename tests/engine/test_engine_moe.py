@@ -11,11 +11,12 @@ import multiprocessing as mp
 from pathlib import Path
 
 import pytest
+import test_engine_e2e as e2e
 import torch
 from moe_models import MOE_KINDS, VOCAB, moe_config, write_moe_model
 from safetensors.torch import load_file, save_file
 
-from oscarkv import LLM, OscarCache, QuantSpec, SamplingParams, calibrate
+from oscarkv import LLM, QuantSpec, SamplingParams, calibrate
 from oscarkv.config import CalibrationConfig
 from oscarkv.engine.models import load_decoder
 from oscarkv.engine.models.moe import Routing, grouped_experts, looped_experts, route
@@ -55,15 +56,9 @@ def hf_model(path: Path):
 
 
 def hf_greedy(path: Path, ids: list[int], n: int, rotations=None) -> list[int]:
-    model = hf_model(path)
-    kw = {}
-    if rotations is not None:
-        kw["past_key_values"] = OscarCache.from_rotations(model, rotations, spec=SPEC, backend="torch")
-    x = torch.tensor([ids])
-    with torch.no_grad():
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, pad_token_id=0, **kw)  # fmt: skip
-    return out[0, len(ids) :].tolist()
+    return e2e.hf_greedy(
+        path, ids, n, rotations, SPEC, attn_implementation="eager", experts_implementation="eager"
+    )
 
 
 # ---- the decoder ----------------------------------------------------------------------------------
