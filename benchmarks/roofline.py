@@ -80,7 +80,7 @@ class Roofline:
             bandwidth=bandwidth,
             expert_bytes=routed // n_exp if n_exp else 0,
             experts=n_exp,
-            top_k=eng.runner.shape.experts_per_token,
+            top_k=eng.runner.shape.experts_per_token if experts else 0,
         )
 
     def snapshot(self, running: Sequence[Any]) -> StepBytes:

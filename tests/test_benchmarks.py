@@ -251,3 +251,17 @@ def test_roofline_counts_each_weight_once_and_the_kv_bytes_per_tier(bench):
     fig = roofline.step_figures(rf, [snap], 2 * 1e3 * rf.step_s(snap), [])
     assert fig["roofline_frac"] == pytest.approx(0.5) and math.isnan(fig["host_ms"])
     assert roofline.cell(float("nan"), "{:.1f}") == roofline.cell(None, "{}") == "-"
+    # a MoE layer: only the experts the batch's tokens choose count, E(1 - (1 - k/E)^B) in expectation
+    from oscarkv.engine.models.linear import Unquantized
+    from oscarkv.engine.models.moe import Experts
+
+    moe = Model(tied=False)
+    moe.experts = Experts(4, 8, 2, Unquantized(), names=("g", "u", "d"), dtype=torch.float32, device="cpu")
+    eng = engine(moe, True)
+    eng.runner.shape = SimpleNamespace(experts_per_token=2)
+    mrf = roofline.Roofline.of(eng, bandwidth=1e9)
+    assert (mrf.weights, mrf.expert_bytes, mrf.experts, mrf.top_k) == (3456, 3 * 8 * 2 * 4, 4, 2)
+    assert mrf.experts_touched(1) == pytest.approx(2) and mrf.experts_touched(3) == pytest.approx(
+        4 * (1 - 0.5**3)
+    )
+    assert mrf.step_bytes(snap) == rf.step_bytes(snap) + round(4 * (1 - 0.5**2) * 192)
