@@ -197,3 +197,22 @@ def _close_rotations(got: torch.Tensor, want: torch.Tensor) -> None:
 def close_rotations() -> Callable[[torch.Tensor, torch.Tensor], None]:
     """The tolerance of a Triton rotation against its torch twin (``kernels/ref/rotate.py``)."""
     return _close_rotations
+
+
+def run_under_the_interpreter(test_file: str, *args: str, timeout: float = 1200) -> None:
+    """Run ``test_file`` (with pytest ``args``) in a fresh process with ``TRITON_INTERPRET=1`` (the
+    switch must be set before any kernel is defined) and fail unless it passed and skipped nothing."""
+    import os
+    import subprocess
+    import sys
+
+    import triton  # noqa: F401  (a dev install has triton: its absence is a failure here, not a skip)
+
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, test_file]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run(
+        cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=Path(__file__).parent.parent
+    )
+    out = res.stdout + res.stderr
+    last = out.strip().splitlines()[-1] if out.strip() else ""
+    assert res.returncode == 0 and " passed" in last and "skipped" not in last, out[-4000:]

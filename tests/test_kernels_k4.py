@@ -14,15 +14,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import triton
 import triton.language as tl
 
+from conftest import run_under_the_interpreter
 from oscarkv.kernels import ref
 from oscarkv.kernels.triton.decode import planes
 from oscarkv.quant import RowFormat
@@ -51,15 +49,7 @@ def kernel_test(f):
 
 @pytest.mark.skipif(INTERPRET or torch.cuda.is_available(), reason="the kernel tests run directly here")
 def test_4bit_kernels_under_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", "-k",
-           "not under_the_interpreter", str(Path(__file__))]  # fmt: skip
-    out = subprocess.run(
-        cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).parents[1], timeout=1800
-    )
-    text = out.stdout + out.stderr
-    last = text.strip().splitlines()[-1] if text.strip() else ""
-    assert out.returncode == 0 and " passed" in last and "skipped" not in last, text[-4000:]
+    run_under_the_interpreter(__file__, "-m", "not gpu", "-k", "not under_the_interpreter", timeout=1800)
 
 
 # -- quantize_pack and dequantize ---------------------------------------------------------------

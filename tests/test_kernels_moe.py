@@ -12,13 +12,11 @@ of a tie), measured against the largest output.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import run_under_the_interpreter
 from oscarkv.engine.models.moe import grouped_experts, looped_experts
 from oscarkv.kernels import ref
 
@@ -66,16 +64,7 @@ def test_triton_vs_twin_moe_experts(shape, dtype: torch.dtype) -> None:
 
 
 def test_moe_kernel_under_the_interpreter() -> None:
-    import triton  # noqa: F401  (a dev install has triton: its absence is a failure here, not a skip)
-
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "triton_vs_twin"]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run(
-        cmd, capture_output=True, text=True, env=env, timeout=600, cwd=Path(__file__).parents[1]
-    )
-    out = res.stdout + res.stderr
-    last = out.strip().splitlines()[-1] if out.strip() else ""
-    assert res.returncode == 0 and " passed" in last and "skipped" not in last, out[-4000:]
+    run_under_the_interpreter(__file__, "-k", "triton_vs_twin", timeout=600)
 
 
 def test_bad_shapes_are_refused() -> None:

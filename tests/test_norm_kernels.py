@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import tiny_lm_config
+from conftest import run_under_the_interpreter, tiny_lm_config
 from oscarkv.engine.models.decoder import Decoder, model_shape
 from oscarkv.kernels import Backend, KernelOps, ref, resolve
 
@@ -161,16 +158,7 @@ def test_fused_decoder_equals_the_unfused_one_bit_for_bit(kind: str, dtype: torc
 # ---- Triton against the twins, under the interpreter ---------------------------------------------
 @pytest.mark.skipif(INTERPRET, reason="this is the interpreter lane itself")
 def test_triton_kernels_under_the_interpreter() -> None:
-    import triton  # noqa: F401  (a dev install has triton: its absence is a failure here, not a skip)
-
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "triton_vs_twin"]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run(
-        cmd, capture_output=True, text=True, env=env, timeout=1200, cwd=Path(__file__).parents[1]
-    )
-    out = res.stdout + res.stderr
-    last = out.strip().splitlines()[-1] if out.strip() else ""
-    assert res.returncode == 0 and " passed" in last and "skipped" not in last, out[-4000:]
+    run_under_the_interpreter(__file__, "-k", "triton_vs_twin")
 
 
 @pytest.fixture
