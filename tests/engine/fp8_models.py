@@ -45,9 +45,14 @@ def is_fp8_weight(key: str) -> bool:
 
 
 def dequantize_hf(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """transformers' FP8 dequantization (``scale_inv`` broadcast over its 128×128 block), fp32."""
-    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
-
+    """transformers' FP8 dequantization (``scale_inv`` broadcast over its 128×128 block), fp32;
+    transformers before 5.23 has no such function: the same broadcast written out."""
+    try:
+        from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+    except ImportError:
+        r, c = q.shape[-2:]
+        full = s.repeat_interleave(128, -2).repeat_interleave(128, -1)[..., :r, :c]
+        return q.float() * full
     return _dequantize_fp8_weight(q, s, [128, 128], torch.float32)
 
 

@@ -15,6 +15,7 @@ block scales (``BlockWise128x128``); a projection that is not whole blocks is de
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 
@@ -113,6 +114,23 @@ def block_mm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
                      output_dtype=x.dtype)  # fmt: skip
 
 
+@functools.cache
+def _block_gemm_fails(device: int) -> str:
+    """Why this torch build's cuBLAS cannot run a 128x128 block-scaled FP8 GEMM on CUDA device
+    ``device`` ("": it can). torch 2.11 (cu130) on an H100 answers CUBLAS_STATUS_NOT_SUPPORTED."""
+    dev = torch.device("cuda", device)
+    w = torch.zeros(BLOCK, BLOCK, dtype=FP8, device=dev)
+    s = torch.ones(1, 4, device=dev)
+    try:
+        block_mm(torch.ones(1, BLOCK, dtype=torch.bfloat16, device=dev), w, s)
+        torch.cuda.synchronize(dev)
+    except RuntimeError as e:
+        return (
+            f"this torch build cannot run FP8 block-scaled GEMMs ({(str(e).splitlines() or [''])[0][:120]})"
+        )
+    return ""
+
+
 def _no_fp8_gemm(layer: Linear) -> str:
     """Why ``layer``'s CUDA weights cannot run block-scaled GEMMs ("": they can): cuBLAS's 1x128
     by 128x128 scaling is SM90-only, and torch's shape checks disagree on partial blocks (ceil in
@@ -120,6 +138,9 @@ def _no_fp8_gemm(layer: Linear) -> str:
     blocks anyway."""
     if torch.cuda.get_device_capability(layer.weight.device)[0] != 9:
         return "FP8 block-scaled GEMMs need an SM90 GPU"
+    why = _block_gemm_fails(torch.device(layer.weight.device).index or 0)
+    if why:
+        return why
     if layer.in_features % BLOCK or layer.out_features % BLOCK:
         return f"a [{layer.out_features}, {layer.in_features}] projection is not whole 128x128 blocks"
     return ""
