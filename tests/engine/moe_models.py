@@ -36,7 +36,8 @@ def moe_config(kind: str):
                                     bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
     if kind == "minimax_m2":
         return AutoConfig.for_model("minimax_m2", **COMMON, intermediate_size=64, num_local_experts=8,
-                                    num_experts_per_tok=2, rotary_dim=64, bos_token_id=1, eos_token_id=2,
+                                    num_experts_per_tok=2, rotary_dim=64, scoring_func="sigmoid",
+                                    use_routing_bias=True, bos_token_id=1, eos_token_id=2,
                                     pad_token_id=0)  # fmt: skip
     raise ValueError(kind)
 

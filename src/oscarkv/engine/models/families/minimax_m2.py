@@ -23,6 +23,9 @@ def _mlp(b: Build, layer: int) -> tuple[Any, str]:
 def _check(c: Any, where: str) -> None:
     from ..layers import model_error
 
+    scoring = getattr(c, "scoring_func", "sigmoid")
+    if scoring != "sigmoid":
+        raise model_error(where, f"scoring_func {scoring!r}: MiniMax-M2 routing is sigmoid")
     kinds = set(getattr(c, "attn_type_list", None) or [1])
     if kinds != {1}:
         raise model_error(
