@@ -115,19 +115,27 @@ class Engine:
     ) -> str:
         """Queue ``prompt`` (text or token ids); returns its request id. Raises ``InputError`` for
         a prompt that is empty, too long for ``max_model_len`` or larger than the KV pools."""
+        rid = rid if rid is not None else f"req-{next(self._ids)}"
+        seq = self._sequence(prompt, params, rid)
+        if seq.params.prompt_logprobs is not None:
+            seq.prompt_lps = [None] * len(seq.prompt)
+        self.scheduler.add(seq)
+        self._detok[rid] = IncrementalDetokenizer(self.tokenizer, seq.prompt, seq.params.stop)
+        return rid
+
+    def check_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        """Raise the ``InputError`` :meth:`add_request` would raise for ``prompt`` and ``params``,
+        queuing nothing (a front end that holds requests back checks them as they arrive)."""
+        self.scheduler.check(self._sequence(prompt, params, ""))
+
+    def _sequence(self, prompt: str | list[int], params: SamplingParams | None, rid: str) -> Sequence:
         params = params or SamplingParams()
         ids = encode_prompt(self.tokenizer, prompt, self.vocab_size)
         bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
         if bad:
             raise InputError(f"logit_bias names token {bad[0]}, outside the vocabulary of {self.vocab_size}",
                              "bias token ids in [0, vocab_size)")  # fmt: skip
-        rid = rid if rid is not None else f"req-{next(self._ids)}"
-        seq = Sequence(rid, ids, params)
-        if params.prompt_logprobs is not None:
-            seq.prompt_lps = [None] * len(ids)
-        self.scheduler.add(seq)
-        self._detok[rid] = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
-        return rid
+        return Sequence(rid, ids, params)
 
     def abort(self, rid: str) -> None:
         """End ``rid`` with finish reason "abort" (its pages are freed at the step boundary)."""

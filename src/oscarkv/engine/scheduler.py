@@ -81,12 +81,19 @@ class Scheduler:
         return _ceil(m.to_sink, self.ps), _ceil(m.to_int2, self.ps)
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new request; raises :class:`InputError` for one that can never run."""
-        n, mt, mml = len(seq.prompt), seq.params.max_tokens, self.max_model_len
+        """Queue a new request; raises :class:`InputError` for one that can never run (:meth:`check`)."""
         if seq.rid in self.live:
             raise InputError(f"request id {seq.rid!r} is already in use", "give each request its own id")
         if seq.status is not Status.WAITING or seq.out or seq.n_computed or seq.hp_pages or seq.q_pages:
             raise ValueError(f"Scheduler.add needs a new sequence; {seq.rid!r} has state")
+        self.check(seq)
+        self.live[seq.rid] = seq
+        self.waiting.append(seq)
+
+    def check(self, seq: Sequence) -> None:
+        """Raise :class:`InputError` if ``seq`` can never run (an empty prompt, one too long for
+        ``max_model_len``, or more pages than a pool has); queues nothing."""
+        n, mt, mml = len(seq.prompt), seq.params.max_tokens, self.max_model_len
         if n == 0:
             raise InputError("prompt must have at least one token; got an empty prompt")
         if mml is not None and n >= mml:
@@ -102,8 +109,6 @@ class Scheduler:
                 raise InputError(f"prompt of {n} tokens with max_tokens {mt} needs {need} {kind} pages "
                                  f"of {self.ps} tokens; the pool has {pool.capacity}",
                                  "raise --kv-budget-gb or lower max_tokens")  # fmt: skip
-        self.live[seq.rid] = seq
-        self.waiting.append(seq)
 
     def abort(self, rid: str) -> Sequence | None:
         """Finish ``rid`` with "abort"; returns it, or None if unknown or deferred (see finish)."""
