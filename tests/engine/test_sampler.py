@@ -53,6 +53,34 @@ def test_top_k_1_and_tiny_top_p_are_greedy(device: str, p: SamplingParams) -> No
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("temperature", [1e-20, 1e-38, 1e-45, 1e-300])
+def test_a_vanishing_temperature_is_its_limit_not_nan(device: str, temperature: float) -> None:
+    """``logits / T`` overflows fp32 (and below 1.4e-45, T itself rounds to 0): the draw must be
+    the limit, each row's most likely token, not NaN's token 0."""
+    logits = torch.randn(16, 300, device=device) * 8
+    logits[:, 0] = -50.0  # token 0 is the least likely: NaN's argmax would pick it
+    p = SamplingParams(temperature=temperature, top_p=0.9, top_k=50)
+    for _ in range(3):
+        assert torch.equal(sample(logits, [p] * 16, [None] * 16), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_vanishing_repetition_penalty_does_not_overflow(device: str) -> None:
+    """``repetition_penalty`` 1e-300 (0 in fp32) divides a seen positive logit by ~0: it is held
+    at fp32's largest, so the draw falls among the seen tokens, greedy or sampled, never on NaN."""
+    from oscarkv.engine.sampler import Seen
+
+    logits = torch.full((4, 64), -1.0, device=device)
+    logits[:, [3, 9]] = torch.tensor([2.0, 1.0], device=device)  # 3 and 9 are seen (the prompt)
+    logits[:, 40] = 5.0  # the most likely, not seen
+    seen = Seen(prompt=[[3, 9]] * 4, output=[[]] * 4)
+    for t in (0.0, 1.0, 1e-30):
+        p = SamplingParams(temperature=t, repetition_penalty=1e-300)
+        got = sample(logits, [p] * 4, [None] * 4, seen)
+        assert set(got.tolist()) <= {3, 9}, (t, got)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_temperature_matches_softmax(device: str) -> None:
     got = draws(device, SamplingParams(temperature=0.7))
     logits = torch.tensor(LOGITS8)

@@ -19,6 +19,9 @@ from .request import SamplingParams
 
 __all__ = ["Seen", "make_generator", "sample", "to_device", "token_logprobs"]
 
+_TINY = torch.finfo(torch.float32).tiny  # the smallest normal fp32 number
+_FMAX = torch.finfo(torch.float32).max
+
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     """A generator on ``device`` seeded with ``seed`` (any Python int, reduced mod 2**64)."""
@@ -168,11 +171,13 @@ def _apply(logits: torch.Tensor, params: Sequence[SamplingParams], rows: list[in
     idx = to_device(rows, torch.long, dev)
     in_output = counts > 0
     sel = [params[i] for i in rows]
-    rep = _column([p.repetition_penalty for p in sel], torch.float32, dev)
+    # a penalty below fp32's range would be 0 (x / 0 = inf); one that takes a logit past it, inf
+    rep = _column([p.repetition_penalty for p in sel], torch.float32, dev).clamp_(min=_TINY)
     x = logits.index_select(0, idx).float()
     x = torch.where(in_prompt | in_output, torch.where(x > 0, x / rep, x * rep), x)
     x -= _column([p.frequency_penalty for p in sel], torch.float32, dev) * counts
     x -= _column([p.presence_penalty for p in sel], torch.float32, dev) * in_output
+    x.clamp_(-_FMAX, _FMAX)  # so the temperature step's shift never meets inf - inf
     full = logits.float() if copied or logits.dtype != torch.float32 else logits.clone()
     return full.index_copy_(0, idx, x)
 
@@ -201,8 +206,14 @@ def sample(
     if all(greedy):
         return logits.argmax(-1)
     dev = logits.device
+    # (x - max) / T: each row's largest logit becomes 0 and the others <= 0, so no temperature
+    # overflows (x / 1e-30 would be inf, and softmax NaN); a temperature below fp32's range
+    # (which would round to 0: 0 / 0) is taken at fp32's smallest, where every token short of
+    # the row's largest already has probability 0, the limit of a vanishing temperature
     temps = _column([1.0 if p.greedy else p.temperature for p in params], torch.float32, dev)
-    probs = _filter(logits.float() / temps, params).softmax(-1)
+    temps.clamp_(min=_TINY)
+    x = logits.float()
+    probs = _filter((x - x.amax(-1, keepdim=True)) / temps, params).softmax(-1)
     noise = torch.empty_like(probs)
     if any(g is None and not gr for g, gr in zip(generators, greedy, strict=True)):
         noise.exponential_()  # one batched draw from the device's default generator
