@@ -14,6 +14,7 @@ import random
 import shutil
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -32,9 +33,13 @@ from oscarkv.calibration import (
     token_sequences,
 )
 from oscarkv.calibration.data import iter_documents
+from oscarkv.calibration.held_out import HeldOut
 from oscarkv.calibration.report import attention_errors, summary_rows
 from oscarkv.calibration.select import RotationSelect
 from oscarkv.config import CLIP_GRID_K, CLIP_GRID_V
+from oscarkv.config.calibration import GRANULARITY_MARGIN
+from oscarkv.demo import DEMO_SPEC, demo_model_path
+from oscarkv.hf.loading import load_model
 from oscarkv.quant import RowFormat
 from oscarkv.rotation import LayerRotation, compose, load_rotations, save_rotations
 
@@ -360,7 +365,9 @@ def test_calibrate_with_progress_bar(models, tok, corpus):
 @pytest.fixture(scope="module")
 def oscar_run(models, tok, corpus):
     """calibrate() on Qwen3 with the clip search on; tokens not a multiple of seq_len."""
-    cfg = CalibrationConfig(tokens=320, seq_len=128, holdout_tokens=128, clip_search=True, seed=0)
+    cfg = CalibrationConfig(
+        tokens=320, seq_len=128, holdout_tokens=128, clip_search=True, seed=0, granularity="layer"
+    )
     rs = calibrate(models["qwen3"], tok, cfg, SPEC, data=corpus, progress=False)
     return cfg, rs
 
@@ -368,7 +375,7 @@ def oscar_run(models, tok, corpus):
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_k_and_v_targets_match_spec_formulas(models, tok, corpus, name):
     model = models[name]
-    cfg = CalibrationConfig(tokens=320, seq_len=128, clip_search=False, seed=0)
+    cfg = CalibrationConfig(tokens=320, seq_len=128, clip_search=False, seed=0, granularity="layer")
     rs = calibrate(model, tok, cfg, SPEC, data=corpus, progress=False)
     cal, hold = calibration_chunks(tok, corpus, cfg)
     assert [c.numel() for c in cal] == [128, 128, 64] and hold == []
@@ -443,7 +450,7 @@ def test_attention_errors_zero_when_nothing_is_quantized(models, tok, corpus, os
 
 
 def test_batch_size_does_not_change_statistics(models, tok, corpus):
-    cfg = CalibrationConfig(tokens=320, seq_len=128, clip_search=False)
+    cfg = CalibrationConfig(tokens=320, seq_len=128, clip_search=False, granularity="layer")
     a = calibrate(models["llama"], tok, cfg, SPEC, data=corpus)
     b = calibrate(models["llama"], tok, replace(cfg, batch_size=2), SPEC, data=corpus)
     for i in a.layer_ids:
@@ -541,7 +548,9 @@ def test_layer_stats_ktk_vtv_and_needs():
 
 def test_softmax_v_target_through_calibrate(models, tok, corpus):
     model = models["qwen3"]
-    cfg = CalibrationConfig(tokens=256, seq_len=128, clip_search=False, v_target="softmax")
+    cfg = CalibrationConfig(
+        tokens=256, seq_len=128, clip_search=False, v_target="softmax", granularity="layer"
+    )
     rs = calibrate(model, tok, cfg, SPEC, data=corpus)
     cap = capture_all(model, calibration_chunks(tok, corpus, cfg)[0])
     for i in rs.layer_ids:
@@ -586,6 +595,142 @@ def test_kv_head_granularity(models, tok, corpus, tmp_path):
         load_rotations(out, model_config=wrong)
 
 
+# ---- 5b. granularity auto -----------------------------------------------------------------------
+def _two_kv_heads(outlier: float) -> tuple[transformers.PreTrainedModel, Any]:
+    """The bundled demo model (trained: 2 query heads on 1 KV head, head dim 128) rebuilt as 4 query
+    heads on 2 copies of its KV head, the same function. Each copy's values are then stretched by
+    ``outlier`` along a direction of its own (45 degrees apart), ``o_proj`` dividing it out: still
+    the same function, with value outliers that one per-layer rotation cannot align for both heads.
+    ``outlier=1``: two identical KV heads."""
+    model, tok = load_model(str(demo_model_path()), "cpu", "fp32")
+    cfg = model.config
+    d, hq = cfg.head_dim, cfg.num_attention_heads
+    assert cfg.num_key_value_heads == 1
+    wide = transformers.Qwen3Config(
+        **{**cfg.to_dict(), "num_attention_heads": 2 * hq, "num_key_value_heads": 2}
+    )
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}.self_attn."
+        for name in ("q_proj", "k_proj", "v_proj"):
+            sd[p + name + ".weight"] = sd[p + name + ".weight"].repeat(2, 1)
+        sd[p + "o_proj.weight"] = sd[p + "o_proj.weight"].repeat(1, 2) / 2  # each copy half the output
+        for h in range(2):
+            u = torch.zeros(d)
+            u[0], u[1] = 1.0, float(h)
+            uu = torch.outer(u, u) / u.dot(u)
+            grow, shrink = torch.eye(d) + (outlier - 1) * uu, torch.eye(d) + (1 / outlier - 1) * uu
+            rows, cols = slice(h * d, (h + 1) * d), slice(h * hq * d, (h + 1) * hq * d)
+            sd[p + "v_proj.weight"][rows] = grow @ sd[p + "v_proj.weight"][rows]
+            o = sd[p + "o_proj.weight"]
+            o[:, cols] = o[:, cols] @ torch.block_diag(*[shrink] * hq)
+    two = transformers.Qwen3ForCausalLM(wide).float().eval()
+    two.load_state_dict(sd)
+    ids = torch.arange(40)[None] * 7
+    with torch.inference_mode():
+        torch.testing.assert_close(two(ids).logits, model(ids).logits, atol=1e-3, rtol=0)
+    return two, tok
+
+
+#: Python the demo model reads well (it was trained on the standard library)
+AUTO_DATA = [Path(json.__file__).parent]
+AUTO_BASE = dict(tokens=512, seq_len=256, holdout_tokens=512, max_ppl_increase=None, offsets="none")
+
+
+def _held_out_batches(tok, cfg: CalibrationConfig) -> list[torch.Tensor]:
+    """The held-out sequences ``calibrate`` scores, one per batch (batch_size 1)."""
+    ids = token_sequences(
+        tok, AUTO_DATA, cfg.num_sequences + cfg.num_holdout_sequences, cfg.seq_len, cfg.seed
+    )
+    return [s[None] for s in ids[cfg.num_sequences :]]
+
+
+def test_auto_granularity_keeps_per_kv_head_where_it_clearly_lowers_the_held_out_nll(tmp_path):
+    model, tok = _two_kv_heads(100.0)
+    cfg = CalibrationConfig(**AUTO_BASE)
+    assert cfg.granularity == "auto"  # the default
+    rs = calibrate(model, tok, cfg, DEMO_SPEC, data=AUTO_DATA)
+    recipe = rs.provenance.recipe
+    ch = recipe["granularity_choice"]
+    assert rs.granularity == recipe["granularity"] == ch["chosen"] == "kv_head" and rs.num_kv_heads == 2
+    assert ch["mode"] == "auto" and ch["margin"] == GRANULARITY_MARGIN
+    assert ch["nll_layer"] - ch["nll_kv_head"] > 10 * GRANULARITY_MARGIN  # measured 0.68 nats
+    # explicit granularities: as before (no comparison, nothing recorded); auto kept kv_head's fit
+    by = {
+        g: calibrate(model, tok, CalibrationConfig(**AUTO_BASE, granularity=g), DEMO_SPEC, data=AUTO_DATA)
+        for g in ("layer", "kv_head")
+    }
+    for g, r in by.items():
+        assert r.granularity == r.provenance.recipe["granularity"] == g
+        assert "granularity_choice" not in r.provenance.recipe
+    for i in rs.layer_ids:
+        assert torch.equal(rs.layers[i].k, by["kv_head"].layers[i].k)
+        assert torch.equal(rs.layers[i].v, by["kv_head"].layers[i].v)
+    # the recorded NLLs are the held-out NLLs of the two sets on calibration's held-out sequences
+    held = HeldOut(model, _held_out_batches(tok, cfg), DEMO_SPEC, 128)
+    assert held.base == pytest.approx(ch["nll_unquantized"], rel=1e-6)
+    assert held.nll(by["layer"].layers) == pytest.approx(ch["nll_layer"], rel=1e-6)
+    assert held.nll(by["kv_head"].layers) == pytest.approx(ch["nll_kv_head"], rel=1e-6)
+    save_rotations(rs, tmp_path)  # the artifact is an ordinary kv_head one, the record kept
+    back = load_rotations(tmp_path, model_config=model.config)
+    assert back.granularity == "kv_head" and back.provenance.recipe["granularity_choice"] == ch
+
+
+def test_auto_granularity_keeps_per_layer_without_a_clear_gain(tok, corpus):
+    # two identical KV heads: the per-head targets are the per-layer one, and so are the NLLs
+    model, demo_tok = _two_kv_heads(1.0)
+    rs = calibrate(model, demo_tok, CalibrationConfig(**AUTO_BASE), DEMO_SPEC, data=AUTO_DATA)
+    ch = rs.provenance.recipe["granularity_choice"]
+    assert rs.granularity == rs.provenance.recipe["granularity"] == ch["chosen"] == "layer"
+    assert ch["nll_kv_head"] == pytest.approx(ch["nll_layer"], abs=1e-5)
+    assert all(lr.k.shape == (128, 128) for lr in rs.layers.values())
+    # one KV head: per layer, no comparison
+    one = make_qwen3(num_key_value_heads=1)
+    cfg = CalibrationConfig(
+        tokens=256, seq_len=128, holdout_tokens=128, max_ppl_increase=None, offsets="none"
+    )
+    rs = calibrate(one, tok, cfg, SPEC, data=corpus)
+    assert rs.granularity == "layer"
+    want = {"mode": "auto", "chosen": "layer", "reason": "one KV head"}
+    assert rs.provenance.recipe["granularity_choice"] == want
+    # data-free methods: the same matrix for every head, so per layer (no held-out tokens needed)
+    cfg = CalibrationConfig(tokens=128, seq_len=128, holdout_tokens=0, method="hadamard", offsets="none",
+                            max_ppl_increase=None)  # fmt: skip
+    rs = calibrate(make_llama(), tok, cfg, SPEC, data=corpus)
+    assert rs.granularity == "layer" and rs.layers[0].k.shape == (D, D)
+    assert rs.provenance.recipe["granularity_choice"]["reason"] == "hadamard is not fitted per KV head"
+
+
+def test_auto_granularity_shares_the_held_out_exact_pass(models, tok, corpus, monkeypatch):
+    """The comparison's exact pass is the one the offsets' verdict and the quality target use."""
+    import oscarkv.calibration.api as api
+
+    made = []
+
+    class Counted(HeldOut):
+        def __init__(self, *a, **k):
+            made.append(1)
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(api, "HeldOut", Counted)
+    lo, hi = (replace(SPEC, key_bits=b).bits_per_element(131072, D) for b in (2, 4))
+    cfg = CalibrationConfig(tokens=256, seq_len=128, holdout_tokens=128, bits_per_element=(lo + hi) / 2)
+    rs = calibrate(models["qwen3"], tok, cfg, SPEC, data=corpus)
+    recipe = rs.provenance.recipe
+    assert "nll_layer" in recipe["granularity_choice"] and recipe["offsets"]["mode"] == "auto"
+    assert len(recipe["key_bits"]["nll_alone"]) == 2 and len(made) == 1  # one layer of two raised
+
+
+def test_auto_granularity_config():
+    assert CalibrationConfig().granularity == "auto"
+    with pytest.raises(SpecError, match=r"holdout_tokens.*granularity is auto.*--granularity layer\|kv_head"):
+        CalibrationConfig(holdout_tokens=0, offsets="none", max_ppl_increase=None)
+    off = dict(tokens=300, seq_len=128, holdout_tokens=129, offsets="none", max_ppl_increase=None)
+    assert CalibrationConfig(**off).num_holdout_sequences == 2  # auto reads the held-out tokens
+    assert CalibrationConfig(**off, granularity="layer").num_holdout_sequences == 0
+    assert CalibrationConfig(**off, method="identity").num_holdout_sequences == 0
+
+
 # ---- 6. methods ------------------------------------------------------------------------------------
 def test_hadamard_and_identity_methods(models, tok, corpus):
     h = hadamard_ref(D)
@@ -614,7 +759,7 @@ def test_hadamard_and_identity_methods(models, tok, corpus):
 
 def test_ktk_vtv_method(models, tok, corpus):
     model = models["qwen3"]
-    cfg = CalibrationConfig(tokens=256, seq_len=128, method="ktk_vtv", clip_search=False)
+    cfg = CalibrationConfig(tokens=256, seq_len=128, method="ktk_vtv", clip_search=False, granularity="layer")
     rs = calibrate(model, tok, cfg, SPEC, data=corpus)
     cap = capture_all(model, calibration_chunks(tok, corpus, cfg)[0])
     for i in rs.layer_ids:
@@ -966,9 +1111,8 @@ def test_hybrid_model_full_attention_layers_are_calibrated(tok, corpus):
     assert cfg.layer_types == ["linear_attention"] * 3 + ["full_attention"]
     torch.manual_seed(0)
     model = cls(cfg).eval()
-    rs = calibrate(
-        model, tok, CalibrationConfig(tokens=128, seq_len=128, clip_search=False), SPEC, data=corpus
-    )
+    cfg = CalibrationConfig(tokens=128, seq_len=128, clip_search=False, granularity="layer")
+    rs = calibrate(model, tok, cfg, SPEC, data=corpus)
     assert rs.layer_ids == [3]
     assert rs.layers[3].k.shape == (D, D)
     assert rs.orthogonality_errors()[3] < 1e-5
@@ -977,7 +1121,9 @@ def test_hybrid_model_full_attention_layers_are_calibrated(tok, corpus):
 def test_corpus_too_small_names_both_counts(models, tok, tmp_path):
     small = tmp_path / "small.txt"
     small.write_text("x" * 50)  # 50 characters + one EOS = 51 tokens
-    cfg = CalibrationConfig(tokens=256, seq_len=128, clip_search=False, offsets="none", max_ppl_increase=None)
+    cfg = CalibrationConfig(
+        tokens=256, seq_len=128, clip_search=False, offsets="none", max_ppl_increase=None, granularity="layer"
+    )
     with pytest.raises(CorpusError, match="has 51 tokens, fewer than the 256 asked") as e:
         calibrate(models["llama"], tok, cfg, SPEC, data=[small])
     msg = str(e.value)
@@ -1027,9 +1173,8 @@ def test_clip_search_needs_holdout():
     with pytest.raises(SpecError, match="holdout_tokens"):
         CalibrationConfig(holdout_tokens=0, clip_search=True)
     # the search is off by default (and no held-out sequence is read without the quality target)
-    assert (
-        CalibrationConfig(holdout_tokens=0, offsets="none", max_ppl_increase=None).num_holdout_sequences == 0
-    )
+    off = dict(offsets="none", max_ppl_increase=None, granularity="layer")
+    assert CalibrationConfig(holdout_tokens=0, **off).num_holdout_sequences == 0
     cfg = CalibrationConfig(tokens=300, seq_len=128, holdout_tokens=129, clip_search=True)
     assert (cfg.num_sequences, cfg.num_holdout_sequences) == (3, 2)
 
@@ -1037,7 +1182,9 @@ def test_clip_search_needs_holdout():
 def test_rotation_select_needs_holdout_and_is_off_by_default():
     assert CalibrationConfig().rotation_select is False
     with pytest.raises(SpecError, match=r"holdout_tokens.*rotation_select"):
-        CalibrationConfig(holdout_tokens=0, rotation_select=True, offsets="none", max_ppl_increase=None)
+        CalibrationConfig(
+            holdout_tokens=0, rotation_select=True, offsets="none", max_ppl_increase=None, granularity="layer"
+        )
     cfg = CalibrationConfig(tokens=300, seq_len=128, holdout_tokens=129, rotation_select=True)
     assert cfg.num_holdout_sequences == 2
 
@@ -1116,7 +1263,7 @@ def test_cli_calibrate_end_to_end(saved_model, tmp_path, capsys):
     rc = main([
         "calibrate", "--model", str(model_dir), "--out", str(out), "--tokens", "256", "--seq-len", "128",
         "--holdout-tokens", "128", "--clip-search", "--sink-tokens", "4", "--recent-tokens", "16",
-        "--data", str(data), "--device", "cpu", "--quiet", "--export-oscar",
+        "--data", str(data), "--device", "cpu", "--quiet", "--export-oscar", "--granularity", "layer",
     ])  # fmt: skip
     assert rc == 0
     printed = capsys.readouterr().out
@@ -1146,7 +1293,7 @@ def test_cli_calibrate_end_to_end(saved_model, tmp_path, capsys):
     api = calibrate(
         model,
         tokenizer,
-        CalibrationConfig(tokens=256, seq_len=128, holdout_tokens=128),
+        CalibrationConfig(tokens=256, seq_len=128, holdout_tokens=128, granularity="layer"),
         QuantSpec(sink_tokens=4, recent_tokens=16),
         data=[data],
     )
@@ -1165,9 +1312,8 @@ def test_cli_corpus_error_is_exit_code_2(saved_model, tmp_path, capsys):
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("the of")
     argv = ["calibrate", "--model", str(model_dir), "--out", str(tmp_path / "o"), "--data", str(tiny)]
-    assert (
-        main([*argv, *CLI_SMALL, "--no-clip-search", "--offsets", "none", "--max-ppl-increase", "none"]) == 2
-    )
+    flags = ["--no-clip-search", "--offsets", "none", "--max-ppl-increase", "none", "--granularity", "layer"]
+    assert main([*argv, *CLI_SMALL, *flags]) == 2
     assert "fewer than the 256 asked" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
@@ -1182,6 +1328,49 @@ def test_cli_kv_head_with_export_oscar_is_a_clean_error(saved_model, tmp_path, c
     rc = main([*argv, *CLI_SMALL, "--no-clip-search", "--granularity", "kv_head", "--export-oscar"])
     assert rc == 2
     assert "kv_head" in capsys.readouterr().err
+
+
+def test_cli_auto_granularity_with_export_oscar_is_refused_up_front(saved_model, tmp_path, capsys):
+    """The default granularity, auto, may keep per-KV-head rotations, which OSCAR's files cannot
+    hold: ``--export-oscar`` without ``--granularity layer`` is refused before any work (exit 2,
+    nothing written). Data-free methods take per-layer matrices under auto and export."""
+    from oscarkv.cli import main
+
+    _, _, model_dir, data = saved_model
+    out = tmp_path / "o"
+    argv = ["calibrate", "--model", str(model_dir), "--out", str(out), "--data", str(data), *CLI_SMALL]
+    assert main([*argv, "--export-oscar"]) == 2
+    err = capsys.readouterr().err
+    assert "--export-oscar needs --granularity layer (got auto" in err and "hint" in err
+    assert not out.exists()
+    data_free = ["--method", "hadamard", "--offsets", "none", "--max-ppl-increase", "none"]
+    assert main([*argv, "--export-oscar", *data_free]) == 0
+    assert len(list(out.glob("*.pt"))) == 2
+    rs = load_rotations(out / "rotations.safetensors")
+    assert rs.granularity == "layer" and rs.provenance.recipe["granularity_choice"]["chosen"] == "layer"
+
+
+def test_cli_calibrate_default_auto_prints_the_choice_and_info_shows_it(
+    saved_model, tmp_path, capsys, monkeypatch
+):
+    from oscarkv.cli import main
+
+    monkeypatch.setenv("COLUMNS", "300")  # rich wraps table cells at the terminal width
+    _, _, model_dir, data = saved_model
+    out = tmp_path / "o"
+    argv = ["calibrate", "--model", str(model_dir), "--out", str(out), "--data", str(data), *CLI_SMALL]
+    assert main([*argv, "--holdout-tokens", "128", "--offsets", "none", "--max-ppl-increase", "none"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    rs = load_rotations(out)
+    ch = rs.provenance.recipe["granularity_choice"]
+    assert ch["chosen"] == rs.granularity == rs.provenance.recipe["granularity"]
+    nlls = f"held-out NLL {ch['nll_layer']:.4f} per layer, {ch['nll_kv_head']:.4f} per KV head"
+    assert f"granularity: auto chose {rs.granularity}: {nlls}" in printed
+    assert f"rotations ({rs.granularity}, V target oscar)" in printed
+    assert main(["info", str(out)]) == 0
+    info = " ".join(capsys.readouterr().out.split())
+    assert f"granularity choice │ auto chose {rs.granularity}: {nlls}" in info
+    assert f"margin {GRANULARITY_MARGIN}" in info
 
 
 def test_top_level_calibrate_is_the_same_function(models, tok, corpus):

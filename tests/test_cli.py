@@ -126,6 +126,58 @@ def test_demo(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
         assert (tmp_path / f).exists(), f
 
 
+def test_calibrate_granularity_defaults_to_auto() -> None:
+    from oscarkv.cli import build_parser
+
+    args = build_parser().parse_args(["calibrate", "--model", "m", "--out", "o"])
+    assert args.granularity == "auto"
+
+
+@pytest.mark.parametrize("chosen", ["layer", "kv_head"])
+def test_info_shows_the_auto_granularity_choice(
+    chosen: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    from oscarkv.rotation import LayerRotation, Provenance, RotationSet, save_rotations
+
+    shape = (2, 8, 8) if chosen == "kv_head" else (8, 8)
+    eye, lam = torch.eye(8).expand(shape).clone(), torch.ones(shape[:-1])
+    layers = {i: LayerRotation(eye, eye.clone(), lam, lam.clone()) for i in range(2)}
+    choice = {"mode": "auto", "chosen": chosen, "nll_layer": 2.3456, "nll_kv_head": 2.3012,
+              "nll_unquantized": 2.25, "margin": 0.01}  # fmt: skip
+    if chosen == "layer":
+        choice["nll_kv_head"] = 2.3401
+    recipe = {"granularity": chosen, "granularity_choice": choice}
+    rs = RotationSet(layers, QuantSpec(group_size=8), chosen, Provenance(recipe=recipe))
+    save_rotations(rs, tmp_path)
+    assert main(["info", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    gain = "lower by 0.0444" if chosen == "kv_head" else "lower by 0.0055"
+    assert (
+        f"auto chose {chosen}: held-out NLL 2.3456 per layer, {choice['nll_kv_head']:.4f} per KV head" in out
+    )
+    assert f"(unquantized 2.2500; per KV head {gain}, margin 0.01)" in out
+    assert "granularity_choice=" not in out  # its own row, not in the recipe's
+
+
+def test_info_shows_an_auto_granularity_without_comparison(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    from oscarkv.rotation import LayerRotation, Provenance, RotationSet, save_rotations
+
+    layers = {0: LayerRotation(torch.eye(8), torch.eye(8), torch.ones(8), torch.ones(8))}
+    recipe = {
+        "granularity": "layer",
+        "granularity_choice": {"mode": "auto", "chosen": "layer", "reason": "one KV head"},
+    }
+    save_rotations(RotationSet(layers, QuantSpec(group_size=8), "layer", Provenance(recipe=recipe)), tmp_path)
+    assert main(["info", str(tmp_path)]) == 0
+    assert "auto chose layer (one KV head)" in capsys.readouterr().out
+
+
 def test_dataclass_args_round_trip() -> None:
     ap = argparse.ArgumentParser()
     add_dataclass_args(ap, QuantSpec)

@@ -11,12 +11,14 @@ from typing import Any
 import torch
 
 from ..config import CLIP_GRID_K, CLIP_GRID_V, CalibrationConfig, QuantSpec
+from ..config.calibration import GRANULARITY_MARGIN
 from ..rotation import LayerRotation, Provenance, RotationSet, config_fingerprint, rotated_offset
 from ..version import __version__
 from .capture import UnsupportedModelError, attention_geometry, capture_attention, check_supported
 from .data import token_sequences
 from .error import ClipSearch
 from .fit import fit_layer, fixed_layer
+from .granularity import choose_granularity, fixed_choice
 from .held_out import HeldOut
 from .key_bits import high_layer_count, select_key_bits, select_key_bits_for_target
 from .loss_search import LossClipSearch
@@ -128,7 +130,14 @@ def calibrate(
     cal = list(ids[:n_cal].reshape(-1)[: cfg.tokens].split(cfg.seq_len)) if n_cal else []
     hold = list(ids[n_cal:])
 
+    # "auto": both granularities from the same statistics, compared on the held-out NLL below
+    compare = cfg.compares_granularity and hkv > 1
+    gran = "layer" if cfg.granularity == "auto" else cfg.granularity
+    gran_choice: dict[str, Any] = {}
+    if cfg.granularity == "auto" and not compare:
+        gran_choice = fixed_choice("one KV head" if hkv == 1 else f"{cfg.method} is not fitted per KV head")
     rots: dict[int, LayerRotation] = {}
+    per_head: dict[int, LayerRotation] = {}
     means: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     if gather:
         stats = {i: LayerStats(geo["num_heads"], hkv, d, gather, skip=spec.sink_tokens) for i in layers}
@@ -142,19 +151,26 @@ def calibrate(
         )
         for i in layers:
             if needs:
-                rots[i] = fit_layer(*stats[i].targets(cfg.method, cfg.v_target), cfg.granularity)
+                targets = stats[i].targets(cfg.method, cfg.v_target)
+                rots[i] = fit_layer(*targets, gran)
+                if compare:
+                    per_head[i] = fit_layer(*targets, "kv_head")
             else:
-                rots[i] = fixed_layer(cfg.method, d, hkv, cfg.granularity)
+                rots[i] = fixed_layer(cfg.method, d, hkv, gran)
             if "mean" in gather:
                 means[i] = stats[i].means()
             stats[i] = None  # type: ignore[assignment]  # free the K/V buffers early
     else:
-        rots = {i: fixed_layer(cfg.method, d, hkv, cfg.granularity) for i in layers}
+        rots = {i: fixed_layer(cfg.method, d, hkv, gran) for i in layers}
 
     held: HeldOut | None = None  # the held-out NLL's exact pass, made once where first needed
+    if compare:  # first: every later step tunes the kept rotations
+        held = HeldOut(model, _batches(hold, cfg.batch_size), spec, d)
+        rots, gran, gran_choice = choose_granularity(held, rots, per_head, GRANULARITY_MARGIN)
+        per_head = {}
     selection: dict[str, dict[str, Any]] = {}
     if cfg.rotation_select:  # before the clip search, which then tunes the chosen rotations
-        sel = RotationSelect(rots, spec, d, cfg.granularity)
+        sel = RotationSelect(rots, spec, d, gran)
         _run(model, _batches(hold, cfg.batch_size), _qkv(sel.update), layers, "rotation selection", progress)
         rots, selection = sel.apply()
 
@@ -209,7 +225,8 @@ def calibrate(
     recipe = {
         "method": cfg.method,
         "v_target": cfg.v_target,
-        "granularity": cfg.granularity,
+        "granularity": gran,
+        **({"granularity_choice": gran_choice} if gran_choice else {}),
         "tokens": sum(s.numel() for s in cal),
         "seq_len": cfg.seq_len,
         "seed": cfg.seed,
@@ -229,5 +246,5 @@ def calibrate(
         library_version=__version__,
         created=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     )
-    rs = RotationSet(rots, spec, cfg.granularity, prov)
+    rs = RotationSet(rots, spec, gran, prov)
     return rs.validate(model.config, source=f"calibration of {name}")

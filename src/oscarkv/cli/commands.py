@@ -57,11 +57,14 @@ def cmd_info(args: argparse.Namespace) -> int:
         )
     bpe = [f"{n // 1024}K: {rs.bits_per_element(n):.3f}" for n in (4096, 32768, 131072)]
     t.add_row("bits/element", f"tier {rs.bits_per_element(None):.3f}; " + ", ".join(bpe))
+    line = granularity_line(rs)
+    if line:
+        t.add_row("granularity choice", line.removeprefix("granularity: "))
     line = target_line(rs)
     if line:
         t.add_row("quality target", line.removeprefix("quality target: "))
     if p.recipe:
-        skip = ("clip_search", "rotation_select", "offsets", "key_bits")
+        skip = ("clip_search", "rotation_select", "offsets", "key_bits", "granularity_choice")
         t.add_row("recipe", ", ".join(f"{k}={v}" for k, v in p.recipe.items() if k not in skip))
         sel = p.recipe.get("rotation_select")
         if isinstance(sel, dict):
@@ -97,9 +100,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     cfg = dataclass_from_args(CalibrationConfig, args)
     spec = dataclass_from_args(QuantSpec, args)
-    if args.export_oscar and cfg.granularity != "layer":
+    if args.export_oscar and (cfg.granularity == "kv_head" or cfg.compares_granularity):
+        why = ", which picks kv_head where that lowers the held-out loss" if cfg.granularity == "auto" else ""
         raise SpecError(
-            f"--export-oscar needs --granularity layer (got {cfg.granularity}): OSCAR files hold one matrix per layer"
+            f"--export-oscar needs --granularity layer (got {cfg.granularity}{why}): OSCAR files hold one "
+            "matrix per layer",
+            "pass --granularity layer with --export-oscar",
         )
     oscar_files = ("k_rotation_qqt_r_h_pbr.pt", "v_rotation_sst_r_h_pbr.pt") if args.export_oscar else ()
     out = check_output_dir(args.out, (ARTIFACT_NAME, *oscar_files), overwrite=args.overwrite)
@@ -116,7 +122,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     written = [save_rotations(rs, out, overwrite=args.overwrite)]
     if args.export_oscar:
         written += save_oscar_files(rs, out, overwrite=args.overwrite)
-    t = Table(title=f"{cfg.method} rotations ({cfg.granularity}, V target {cfg.v_target})")
+    t = Table(title=f"{cfg.method} rotations ({rs.granularity}, V target {cfg.v_target})")
     cols = ("layer", "K λmax/mean", "V λmax/mean", "K clip", "V clip", "max|RᵀR−I|", "err", "K/V gain")
     for c in cols:
         t.add_column(c, justify="right")
@@ -138,9 +144,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         "err: held-out relative attention-output error (INT2, windows) at the global clips; "
         "K/V gain: error reduction from the chosen K / V clip"
     )
-    line = target_line(rs)
-    if line:
-        con.print(line)
+    for line in (granularity_line(rs), target_line(rs)):
+        if line:
+            con.print(line)
     con.print("wrote " + ", ".join(str(f) for f in written))
     if args.export_oscar:
         con.print("(the .pt files are in OSCAR's RotationZoo format)")
@@ -296,6 +302,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     check_output_dir(args.out, DEMO_OUTPUTS, overwrite=args.overwrite)
     return run_demo(args.out, resolve_device(args.device), args.quick, args.overwrite)
+
+
+def granularity_line(rs: RotationSet) -> str | None:
+    """What ``--granularity auto`` chose for ``rs`` and why, in one line; ``None`` for an artifact
+    calibrated with an explicit granularity."""
+    ch = rs.provenance.recipe.get("granularity_choice") if rs.provenance.recipe else None
+    if not isinstance(ch, dict) or "chosen" not in ch:
+        return None
+    if "nll_layer" not in ch:
+        return f"granularity: auto chose {ch['chosen']} ({ch.get('reason', 'no comparison')})"
+    gain = ch["nll_layer"] - ch["nll_kv_head"]
+    return (
+        f"granularity: auto chose {ch['chosen']}: held-out NLL {ch['nll_layer']:.4f} per layer, "
+        f"{ch['nll_kv_head']:.4f} per KV head (unquantized {ch['nll_unquantized']:.4f}; per KV head "
+        f"{'lower' if gain >= 0 else 'higher'} by {abs(gain):.4f}, margin {ch['margin']})"
+    )
 
 
 def target_line(rs: RotationSet) -> str | None:
