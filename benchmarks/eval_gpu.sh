@@ -11,7 +11,7 @@ mkdir -p "$OUT"
 for r in $RECIPES; do
   case $r in
     kvhead) flags="--granularity kv_head" ;;
-    nll) flags="--clip-search --clip-objective nll" ;;
+    nll) flags="--granularity layer --clip-search --clip-objective nll" ;;
     nll-kvhead) flags="--granularity kv_head --clip-search --clip-objective nll" ;;
     nll-kvhead-layer) flags="--granularity kv_head --clip-search --clip-objective nll --clip-per-layer" ;;
     hadamard-nll) flags="--method hadamard --clip-search --clip-objective nll" ;;

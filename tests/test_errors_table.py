@@ -388,6 +388,11 @@ def _(w, c):
     return cli(cal(w, "--export-oscar", "--granularity", "kv_head"), c)
 
 
+@case("cal-export-auto")
+def _(w, c):
+    return cli(cal(w, "--export-oscar"), c)
+
+
 @case("device-cuda")
 def _(w, c):
     if torch.cuda.is_available():
@@ -795,6 +800,8 @@ def test_calibrate_refuses_then_overwrites_only_its_own_files(
         "none",
         "--max-ppl-increase",
         "none",
+        "--granularity",
+        "layer",
         "--quiet",
     ]
     assert main(argv) == 0

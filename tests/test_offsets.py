@@ -167,7 +167,8 @@ def test_auto_keeps_offsets_only_where_the_held_out_error_drops() -> None:
                 assert [bool(row.abs().sum() > 0) for row in off] == kept
     with pytest.raises(SpecError, match="holdout_tokens"):
         CalibrationConfig(holdout_tokens=0)
-    assert CalibrationConfig(holdout_tokens=0, offsets="kv", max_ppl_increase=None).num_holdout_sequences == 0
+    fixed = dict(offsets="kv", max_ppl_increase=None, granularity="layer")  # auto would read held-out tokens
+    assert CalibrationConfig(holdout_tokens=0, **fixed).num_holdout_sequences == 0
 
 
 def test_offsets_lower_the_two_bit_attention_error_on_smollm2(smollm2_dir: Path) -> None:
