@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from serve_demo import DEMO, MODEL, TEMPLATE, engine_config
+from serve_demo import DEMO, MODEL, TEMPLATE, engine_config, wait_idle
 
 import oscarkv
 from oscarkv.config import ServerConfig
@@ -30,13 +30,6 @@ PROMPT = "Once upon a time"
 _engine_cfg = engine_config
 
 
-def _wait_idle(srv: RunningServer, timeout: float = 20.0) -> None:
-    eng, t0 = srv.engine, time.monotonic()
-    while not (eng.scheduler.idle and eng.hp.n_free == eng.hp.capacity and srv.async_engine.num_live == 0):
-        assert time.monotonic() - t0 < timeout, "the engine did not return to idle"
-        time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     """No chat template, an API key, a 2000-byte body limit."""
@@ -49,7 +42,7 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(DEMO, kv_dtype="bf16", device="cpu", max_running=4)
+    return LLM(DEMO, kv_dtype="bf16", device="cpu", max_running=4, kv_budget_gb=0.25)
 
 
 def _client(s: RunningServer, key: str = "none") -> openai.OpenAI:
@@ -196,11 +189,57 @@ def test_chat_without_template_is_400(secured: RunningServer) -> None:
         ({"ignore_eos": 1}, "ignore_eos"),
         ({"echo": "false"}, "echo"),
         ({"user": 5}, "user"),
+        ({"logit_bias": {"²": 1}}, "logit_bias"),  # a digit to str.isdigit, not to int
+        ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),  # past int()'s digit limit
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),  # outside the vocabulary
+        ({"stop_token_ids": [2048]}, "stop_token_ids"),  # outside the vocabulary
     ],
 )
 def test_bad_parameters_are_400(srv: RunningServer, extra: dict, param: str | None) -> None:
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **extra}
     _assert_error(httpx.post(srv.url + "/v1/completions", json=body), 400, param)
+
+
+def test_chat_refuses_echo_by_name(srv: RunningServer) -> None:
+    """Completions' echo returns the prompt; chat has no such field (vLLM's chat echo repeats the
+    last message, which this server does not do): refused by name, never ignored."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert "completions" in _assert_error(httpx.post(srv.url + "/v1/chat/completions", json={**chat, "echo": True}),
+                                          400, "echo")["message"]  # fmt: skip
+    assert httpx.post(srv.url + "/v1/chat/completions", json={**chat, "echo": False}).status_code == 200
+
+
+def test_error_messages_do_not_echo_a_huge_value(srv: RunningServer) -> None:
+    chat = {"model": MODEL, "messages": [{"role": "x" * 500_000, "content": "hi"}]}
+    r = httpx.post(srv.url + "/v1/chat/completions", json=chat)
+    err = _assert_error(r, 400, "messages")
+    assert "role" in err["message"] and len(err["message"]) < 1100 and len(r.content) < 2000
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-45, 1e-300])
+def test_a_vanishing_temperature_samples_the_most_likely_token(
+    srv: RunningServer, temperature: float
+) -> None:
+    """``logits / T`` would overflow to inf (and softmax to NaN, token 0): the sampler takes the
+    limit instead, the greedy choice."""
+    c = _client(srv)
+    greedy = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1)
+    r = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=temperature, logprobs=1)
+    assert r.choices[0].text == greedy.choices[0].text and r.choices[0].finish_reason == "length"
+    assert r.choices[0].logprobs.token_logprobs == pytest.approx(greedy.choices[0].logprobs.token_logprobs)
+
+
+def test_a_vanishing_repetition_penalty_does_not_sample_nan(srv: RunningServer) -> None:
+    """``repetition_penalty`` 1e-300 divides every seen positive logit by ~0: those logits are
+    held at fp32's largest, so the draw is among the prompt's own tokens, never NaN's token 0."""
+    prompt = [17, 250, 901, 33, 1200]
+    texts = {srv.engine.tokenizer.decode([t]) for t in prompt}
+    for temperature in (0, 1.0):
+        r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 3,
+                       "temperature": temperature, "seed": 1, "repetition_penalty": 1e-300, "logprobs": 1})  # fmt: skip
+        assert r.status_code == 200
+        got = r.json()["choices"][0]["logprobs"]["tokens"]
+        assert got and all(t in texts for t in got), (temperature, got)
 
 
 def test_too_long_prompt_is_400(srv: RunningServer) -> None:
@@ -272,28 +311,28 @@ def test_non_loopback_host_needs_key() -> None:
 
 # ---- cancellation and responsiveness ---------------------------------------------------------
 def test_stream_disconnect_aborts(srv: RunningServer) -> None:
-    _wait_idle(srv)
+    wait_idle(srv)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
         assert any(x.startswith("data: ") for x in got)
-    _wait_idle(srv)
+    wait_idle(srv)
     assert srv.engine.stats["decode_tokens"] < 10_000
 
 
 def test_non_stream_disconnect_aborts(srv: RunningServer) -> None:
-    _wait_idle(srv)
+    wait_idle(srv)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1800, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(srv.url + "/v1/completions", json=body, timeout=0.5)
     t0 = time.monotonic()
-    _wait_idle(srv)
+    wait_idle(srv)
     assert time.monotonic() - t0 < 15
 
 
 def test_health_and_metrics_during_long_prefill(srv: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    _wait_idle(srv)
+    wait_idle(srv)
     runner = srv.engine.runner
     real, in_prefill = runner.launch, threading.Event()
 
@@ -336,7 +375,7 @@ def test_queue_full_503_and_engine_death(tmp_path: Path) -> None:
             assert _assert_error(r2, 503)["type"] == "service_unavailable"
             assert r2.headers["retry-after"] == "1"
             assert s.async_engine.num_live == 1
-        _wait_idle(s)
+        wait_idle(s)
 
         def boom(batch: Any, host: Any = None) -> Any:
             raise RuntimeError("simulated device failure")
@@ -395,4 +434,4 @@ def test_concurrent_requests(srv: RunningServer) -> None:
 
     for i, r in enumerate(asyncio.run(main())):
         assert r.usage.completion_tokens == 6 + i and r.choices[0].finish_reason == "length"
-    _wait_idle(srv)
+    wait_idle(srv)

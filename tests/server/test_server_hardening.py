@@ -6,6 +6,7 @@ kept out of the access log."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import logging.config
 import socket
@@ -17,9 +18,9 @@ from typing import Any
 
 import httpx
 import pytest
-from serve_demo import DEMO, MODEL, serve_with_template
+from serve_demo import MODEL, closed_within, engine_config, serve_with_template, slow_long_prompts
 
-from oscarkv.config import EngineConfig, ServerConfig
+from oscarkv.config import ServerConfig
 from oscarkv.config.base import SpecError
 from oscarkv.server.launch import RedactQuery, RunningServer, access_log_config, start_server
 
@@ -29,7 +30,7 @@ JSON = {"Content-Type": "application/json"}
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     s = serve_with_template(tmp_path_factory.mktemp("tpl"), "{% for m in messages %}{{ m.content }}\n{% endfor %}",
-                            EngineConfig(model=DEMO, kv_dtype="bf16", device="cpu", max_running=2))  # fmt: skip
+                            engine_config(max_running=2, check_invariants=False))  # fmt: skip
     yield s
     s.stop()
 
@@ -44,6 +45,14 @@ def test_lone_surrogates_are_400_not_500(srv: RunningServer) -> None:
     chat = '{"model": "demo-model", "messages": [{"role": "user", "content": "x\\udfffy"}], "max_tokens": 2}'
     r = _post(srv, "/v1/chat/completions", chat)
     assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"]
+    for field in ('"stop": "a\\ud800"', '"stop": ["ok", "\\udfff"]', '"user": "\\ud800x"'):
+        r = _post(
+            srv, "/v1/completions", '{"model": "demo-model", "prompt": "hi", "max_tokens": 2, ' + field + "}"
+        )
+        assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], (field, r.text)
+        assert r.json()["error"]["param"] == field.split('"')[1]
+    r = _post(srv, "/v1/completions", '{"model": "demo-model", "prompt": "hi", "logit_bias": {"\\ud800": 1}}')
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"  # the key is quoted, escaped
     ok = _post(srv, "/v1/completions", '{"model": "demo-model", "prompt": "\\ud83d\\ude00", "max_tokens": 2}')
     assert ok.status_code == 200  # a valid pair (an emoji) is text
 
@@ -120,20 +129,6 @@ def test_api_keys_in_query_strings_stay_out_of_the_access_log() -> None:
 
 
 # ---- tokenization: a byte cap, a short-prompt thread, and the queue counting what is tokenized --
-def _slow_long_prompts(monkeypatch: pytest.MonkeyPatch, delay: float) -> None:
-    """Long prompts take ``delay`` seconds to tokenize (as a megabyte does on a slow tokenizer)."""
-    import oscarkv.server.async_engine as ae
-
-    real = ae.encode_prompt
-
-    def slow(tok: Any, prompt: Any, vocab: int) -> list[int]:
-        if isinstance(prompt, str) and len(prompt) > ae.SHORT_PROMPT_CHARS:
-            time.sleep(delay)
-        return real(tok, prompt, vocab)
-
-    monkeypatch.setattr(ae, "encode_prompt", slow)
-
-
 @contextlib.contextmanager
 def _long_prompts_in_flight(s: RunningServer, n: int, settle_s: float) -> Iterator[list[Future]]:
     """``n`` long-prompt requests posted from threads, ``settle_s`` seconds after they were sent."""
@@ -145,12 +140,12 @@ def _long_prompts_in_flight(s: RunningServer, n: int, settle_s: float) -> Iterat
 
 
 def _start(**server: Any) -> RunningServer:
-    cfg = EngineConfig(model=DEMO, kv_dtype="bf16", device="cpu", max_running=2)
+    cfg = engine_config(max_running=2, check_invariants=False)
     return start_server(cfg, ServerConfig(port=0, **server))
 
 
 def test_prompts_over_the_byte_cap_are_refused_before_tokenizing(monkeypatch: pytest.MonkeyPatch) -> None:
-    _slow_long_prompts(monkeypatch, 30.0)  # a tokenized prompt would time the test out
+    slow_long_prompts(monkeypatch, 30.0)  # a tokenized prompt would time the test out
     s = _start(max_prompt_bytes=20_000)
     try:
         t0 = time.monotonic()
@@ -167,7 +162,7 @@ def test_prompts_over_the_byte_cap_are_refused_before_tokenizing(monkeypatch: py
 
 
 def test_a_short_request_is_not_held_behind_long_prompts(monkeypatch: pytest.MonkeyPatch) -> None:
-    _slow_long_prompts(monkeypatch, 3.0)
+    slow_long_prompts(monkeypatch, 3.0)
     s = _start(tokenizer_workers=2)
     try:
         with _long_prompts_in_flight(s, 5, settle_s=0.3) as futs:
@@ -181,7 +176,7 @@ def test_a_short_request_is_not_held_behind_long_prompts(monkeypatch: pytest.Mon
 
 
 def test_prompts_being_tokenized_count_toward_max_queued(monkeypatch: pytest.MonkeyPatch) -> None:
-    _slow_long_prompts(monkeypatch, 3.0)
+    slow_long_prompts(monkeypatch, 3.0)
     s = _start(max_queued=2)
     try:
         with _long_prompts_in_flight(s, 2, settle_s=0.5) as futs:  # both being tokenized, none in the engine
@@ -233,27 +228,6 @@ def test_connection_cap_and_keep_alive_come_from_the_config() -> None:
         ServerConfig(keep_alive_s=0)
 
 
-def _closed_within(sock: socket.socket, seconds: float, trickle: bytes = b"") -> float | None:
-    """Seconds until the server closes ``sock`` (None if it stays open ``seconds``), sending
-    ``trickle`` one byte every 0.2 s meanwhile."""
-    t0 = time.monotonic()
-    sock.settimeout(0.2)
-    for i in range(int(seconds / 0.2)):
-        try:
-            if sock.recv(4096) == b"":
-                return time.monotonic() - t0
-        except TimeoutError:
-            pass
-        except ConnectionResetError:
-            return time.monotonic() - t0
-        if trickle:
-            try:
-                sock.sendall(trickle[i % len(trickle) : i % len(trickle) + 1])
-            except (BrokenPipeError, ConnectionResetError):
-                return time.monotonic() - t0
-    return None
-
-
 def test_a_request_head_trickled_past_the_header_timeout_is_closed() -> None:
     """A client sending headers a byte at a time (each byte resets keep-alive) is cut off after
     ``header_timeout_s``; an idle new connection too; a prompt request is unaffected."""
@@ -263,10 +237,10 @@ def test_a_request_head_trickled_past_the_header_timeout_is_closed() -> None:
         assert s.server.config.timeout_keep_alive == 30
         with socket.create_connection((host, int(port))) as sock:
             sock.sendall(f"GET /health HTTP/1.1\r\nHost: {host}:{port}\r\n".encode())
-            took = _closed_within(sock, 4.0, trickle=b"X-Slow: aaaaaaaa\r\n")
+            took, _ = closed_within(sock, 4.0, trickle=b"X-Slow: aaaaaaaa\r\n")
         assert took is not None and 0.5 < took < 2.5
         with socket.create_connection((host, int(port))) as sock:
-            took = _closed_within(sock, 4.0)
+            took, _ = closed_within(sock, 4.0)
         assert took is not None and 0.5 < took < 2.5
         with socket.create_connection((host, int(port))) as sock:  # a whole head in time: answered
             sock.sendall(f"GET /health HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
@@ -278,6 +252,106 @@ def test_a_request_head_trickled_past_the_header_timeout_is_closed() -> None:
         s.stop()
     with pytest.raises(SpecError, match="header_timeout_s"):
         ServerConfig(header_timeout_s=0)
+
+
+def _head(s: RunningServer, length: int) -> tuple[str, int, bytes]:
+    host, port = s.url.removeprefix("http://").split(":")
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n\r\n")  # fmt: skip
+    return host, int(port), head.encode()
+
+
+def test_a_body_not_sent_in_time_is_answered_408_and_health_stays_up(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A POST head whose body never comes, or comes a byte at a time, holds its connection only
+    until ``body_timeout_s`` after the head: 408 (OpenAI's error shape) and the connection
+    closed. Meanwhile connections stuck so fill ``max_connections`` (uvicorn counts the new
+    one too), and /health still answers."""
+    s = _start(body_timeout_s=1.0, header_timeout_s=10.0, keep_alive_s=30, max_connections=4)
+    host, port, head = _head(s, 100)
+    try:
+        with caplog.at_level(logging.INFO, logger="oscarkv.server"):
+            stuck = [socket.create_connection((host, port)) for _ in range(3)]
+            for sock in stuck:
+                sock.sendall(head)
+            time.sleep(0.3)
+            assert httpx.get(s.url + "/health", timeout=5).status_code == 200  # over the cap, still served
+            for sock in stuck:
+                took, got = closed_within(sock, 5.0)
+                assert took is not None and took < 3.0
+                status, _, body = got.partition(b"\r\n\r\n")
+                assert status.startswith(b"HTTP/1.1 408") and b"connection: close" in status.lower()
+                assert json.loads(body)["error"]["code"] == "request_timeout"
+                sock.close()
+            with socket.create_connection((host, port)) as sock:  # trickled: cut off at the deadline too
+                sock.sendall(head)
+                took, _ = closed_within(sock, 5.0, trickle=b'{"model": "demo-model", "prompt": "hi"}')
+            assert took is not None and 0.5 < took < 3.0
+        assert "408" in caplog.text and "disconnected while sending" not in caplog.text
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+        r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200  # a body sent whole is unaffected
+    finally:
+        s.stop()
+    assert ServerConfig().body_timeout_s == 30.0
+    with pytest.raises(SpecError, match="body_timeout_s"):
+        ServerConfig(body_timeout_s=0)
+
+
+def test_over_max_connections_the_503_is_openai_shaped_with_retry_after() -> None:
+    s = _start(max_connections=2, header_timeout_s=10.0)
+    host, port, _ = _head(s, 0)
+    try:
+        with socket.create_connection((host, port)), socket.create_connection((host, port)):
+            time.sleep(0.2)  # two idle connections: the cap is reached
+            r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "too_many_connections" and r.headers["connection"] == "close"
+            assert httpx.get(s.url + "/health").status_code == 200
+        time.sleep(0.2)
+        r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200
+    finally:
+        s.stop()
+
+
+def test_sigterm_while_a_prompt_is_tokenized_is_503_not_500(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request still being tokenized when the server drains gets 503 with Retry-After at once,
+    not uvicorn's plain-text 500 (and a logged CancelledError) at the end of the grace period."""
+    slow_long_prompts(monkeypatch, 6.0)
+    s = _start(shutdown_grace_s=2.0)
+    res: dict[str, Any] = {}
+    long = {"model": MODEL, "prompt": "word " * 3000, "max_tokens": 1}
+    t = threading.Thread(
+        target=lambda: res.update(r=httpx.post(s.url + "/v1/completions", json=long, timeout=60))
+    )
+    with caplog.at_level(logging.INFO):
+        t.start()
+        time.sleep(0.5)  # being tokenized
+        t0 = time.monotonic()
+        s.stop()
+        t.join(30)
+    r = res["r"]
+    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+    assert r.json()["error"]["code"] == "shutting_down" and time.monotonic() - t0 < 10
+    assert "Traceback" not in caplog.text and "Exception in ASGI application" not in caplog.text
+
+
+def test_the_servers_own_log_lines_are_printed(capsys: pytest.CaptureFixture[str]) -> None:
+    """`oscarkv serve` logs through uvicorn's configuration; the server's own INFO lines (a client
+    gone mid-body, a 408) have a handler there and are printed, not dropped."""
+    log = logging.getLogger("oscarkv.server")
+    try:
+        logging.config.dictConfig(access_log_config())
+        log.info("client disconnected while sending a request to /v1/completions")
+        assert "client disconnected while sending" in capsys.readouterr().err
+    finally:
+        log.handlers.clear()
+        log.setLevel(logging.NOTSET)
+        log.propagate = True
 
 
 def test_a_client_leaving_mid_upload_is_no_internal_error(

@@ -4,16 +4,16 @@ official ``openai`` client's chat answers (plain and streamed, the tokenizer's t
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import openai
 import pytest
+from serve_demo import wait_idle
 
 from oscarkv import LLM, EngineConfig, SamplingParams
 from oscarkv.config import ServerConfig
 from oscarkv.engine.request import RequestOutput
-from oscarkv.server.launch import RunningServer, start_server
+from oscarkv.server.launch import start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]  # see conftest
 
@@ -48,11 +48,11 @@ def test_chat_through_openai_client_equals_llm_chat(smollm2_dir: Path, tmp_path:
         engine = srv.engine
         for chat, ref in zip(CHATS, refs, strict=True):
             _check_chat(srv.url, smollm2_dir.name, chat, ref, stream=True)
-        _wait_idle(srv)
+        wait_idle(srv)
     # a --chat-template file (the same engine, a new server): the file's template is used
     with start_server(cfg, ServerConfig(port=0, chat_template=str(tpl)), engine=engine) as srv:
         _check_chat(srv.url, smollm2_dir.name, CHATS[1], own[1], stream=False)
-        _wait_idle(srv)
+        wait_idle(srv)
 
 
 def _check_chat(url: str, model: str, chat: list[dict], ref: RequestOutput, stream: bool) -> None:
@@ -77,10 +77,3 @@ def _check_chat(url: str, model: str, chat: list[dict], ref: RequestOutput, stre
     assert body[-1].choices[0].finish_reason == ref.finish_reason
     assert all(c.choices[0].finish_reason is None for c in body[:-1])
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(ref.token_ids)
-
-
-def _wait_idle(srv: RunningServer, timeout: float = 10.0) -> None:
-    eng, t0 = srv.engine, time.monotonic()
-    while not (eng.scheduler.idle and eng.hp.n_free == eng.hp.capacity and srv.async_engine.num_live == 0):
-        assert time.monotonic() - t0 < timeout, "the engine did not return to idle"
-        time.sleep(0.05)

@@ -15,12 +15,13 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from serve_demo import wait_idle
 
 from conftest import random_rotation_set
 from oscarkv import LLM, EngineConfig, QuantSpec, SamplingParams, save_rotations
 from oscarkv.config import ServerConfig
 from oscarkv.demo import demo_model_path
-from oscarkv.server.launch import RunningServer, start_server
+from oscarkv.server.launch import start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]  # tiny tensors
 
@@ -158,20 +159,6 @@ def _metrics(url: str) -> dict[tuple[str, tuple], float]:
     }
 
 
-def _wait_idle(srv: RunningServer, timeout: float = 10.0) -> None:
-    eng, t0 = srv.engine, time.monotonic()
-
-    def idle() -> bool:
-        pools = [p for p in (eng.hp, getattr(eng, "q", None)) if p is not None]
-        return (eng.scheduler.idle and not eng.scheduler.running and not eng.scheduler.waiting
-                and all(p.n_free == p.capacity for p in pools) and srv.async_engine.num_live == 0
-                and not eng.has_unfinished())  # fmt: skip
-
-    while not idle():
-        assert time.monotonic() - t0 < timeout, "the engine did not return to idle"
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("kv", ["bf16", "int2"])
 def test_soak_concurrent_streams_with_hangups(kv: str, rotations: Path) -> None:
     cfg = _cfg(kv, rotations)
@@ -180,7 +167,7 @@ def test_soak_concurrent_streams_with_hangups(kv: str, rotations: Path) -> None:
     with start_server(cfg, ServerConfig(port=0)) as srv:
         seen = asyncio.run(_soak(srv.url, reqs))
         t_soak = time.monotonic() - t0
-        _wait_idle(srv)
+        wait_idle(srv)
         got = _metrics(srv.url)
         assert srv.engine.q is None if kv == "bf16" else srv.engine.q is not None
 

@@ -35,7 +35,24 @@ class ServerConfig:
     chat_template: str | None = help_field(
         "jinja2 chat template file (overrides the tokenizer's)", default=None
     )
-    max_queued: int = help_field("most requests waiting or running; more get 503", default=1024)
+    max_queued: int = help_field(
+        "most choices (prompts x n, over all requests) waiting or running; a request whose choices "
+        "do not fit now gets 503",
+        default=1024,
+    )
+    max_request_choices: int = help_field(
+        "most choices (prompts x n) one request may ask for; more get 400", default=256
+    )
+    max_request_tokens: int | None = help_field(
+        "most tokens one request may ask for, its choices' prompt + max_tokens summed; more get 400 "
+        "(unset: 64 x max_model_len)",
+        default=None,
+    )
+    max_request_share: float = help_field(
+        "share of the engine's running slots (max_running) one request's choices take at a time; its "
+        "other choices wait in the server until earlier ones finish (1: every slot)",
+        default=0.5,
+    )
     max_body_bytes: int = help_field("largest request body in bytes; larger get 413", default=1_000_000)
     max_prompt_bytes: int | None = help_field(
         "largest prompt text in UTF-8 bytes, refused (400) before it is tokenized (unset: 64 bytes "
@@ -50,6 +67,11 @@ class ServerConfig:
         "seconds a connection may take to send a whole request head (from opening, or from its "
         "last response) before it is closed",
         default=10.0,
+    )
+    body_timeout_s: float = help_field(
+        "seconds a request may take to send its whole body once its head has arrived; later it is "
+        "answered 408 and its connection closed",
+        default=30.0,
     )
     shutdown_grace_s: float = help_field(
         "seconds SIGTERM waits for requests in flight; open streams end at once with an error event "
@@ -74,18 +96,26 @@ class ServerConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
                 raise field_error(n, name, "unset or a non-empty string", v, True)
-        for name in ("keep_alive_s", "header_timeout_s", "shutdown_grace_s"):
+        for name in ("keep_alive_s", "header_timeout_s", "body_timeout_s", "shutdown_grace_s"):
             v = getattr(self, name)
             if not is_num(v) or not 0 < v < float("inf"):
                 raise field_error(n, name, "a positive number of seconds", v, True)
-        for name in ("max_queued", "max_body_bytes", "tokenizer_workers", "max_connections"):
+        for name in (
+            "max_queued",
+            "max_request_choices",
+            "max_body_bytes",
+            "tokenizer_workers",
+            "max_connections",
+        ):
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 raise field_error(n, name, "an integer >= 1", v, True)
-        if self.max_prompt_bytes is not None and (
-            not is_int(self.max_prompt_bytes) or self.max_prompt_bytes < 1
-        ):
-            raise field_error(n, "max_prompt_bytes", "unset or an integer >= 1", self.max_prompt_bytes, True)
+        for name in ("max_prompt_bytes", "max_request_tokens"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or v < 1):
+                raise field_error(n, name, "unset or an integer >= 1", v, True)
+        if not is_num(self.max_request_share) or not 0 < self.max_request_share <= 1:
+            raise field_error(n, "max_request_share", "a number in (0, 1]", self.max_request_share, True)
         if not isinstance(self.insecure_no_api_key, bool):
             raise field_error(n, "insecure_no_api_key", "a bool", self.insecure_no_api_key)
         if not is_loopback(self.host) and self.api_key_file is None and not self.insecure_no_api_key:

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,17 +26,27 @@ from ..config.server import ServerConfig, is_loopback
 from ..engine.request import RequestOutput
 from ..errors import InputError, OscarkvError
 from ..utils.files import read_text
-from .async_engine import AsyncEngine, EngineDeadError, QueueFullError
-from .choices import DISCONNECT_POLL_S, Choice, ChoiceItem, add_choices, answer, event_stream
+from .async_engine import AsyncEngine, EngineDeadError, QueueFullError, Reservation
+from .choices import (
+    DISCONNECT_POLL_S,
+    Choice,
+    ChoiceItem,
+    add_choices,
+    answer,
+    event_stream,
+    until_disconnected,
+    until_set,
+)
+from .connection import READ_TIMED_OUT
 from .guard import GuardMiddleware
+from .limits import RequestLimits
+from .params import sampling_params, spec_param
 from .protocol import (
     ApiError,
     ChatRequest,
     CompletionRequest,
     error_response,
     new_id,
-    sampling_params,
-    spec_param,
 )
 
 __all__ = ["create_app"]
@@ -43,8 +54,7 @@ __all__ = ["create_app"]
 log = logging.getLogger("oscarkv.server")
 
 
-#: the prompt text a server takes per token of max_model_len (unless --max-prompt-bytes is set)
-PROMPT_BYTES_PER_TOKEN = 64
+T = TypeVar("T")
 
 
 def check_server_files(cfg: ServerConfig) -> None:
@@ -75,7 +85,8 @@ async def _read_json(request: Request, limit: int) -> Any:
             if len(buf) > limit:
                 raise ApiError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
     except ClientDisconnect:  # nobody to answer, nothing went wrong here: no traceback in the log
-        log.info("client disconnected while sending a request to %s", request.url.path)
+        if not request.scope.get(READ_TIMED_OUT):  # else the connection logged its 408
+            log.info("client disconnected while sending a request to %s", request.url.path)
         raise ApiError(
             499, "the client disconnected while sending the request", code="client_closed"
         ) from None
@@ -111,17 +122,15 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Any | None = Non
     model_name = cfg.served_model_name or Path(engine.engine.cfg.model).name or "oscarkv"
     template = read_text(cfg.chat_template, "--chat-template") if cfg.chat_template else None
     api_key = _read_key(cfg.api_key_file) if cfg.api_key_file else None
-    max_len = engine.engine.max_model_len
-    decode = engine.engine.tokenizer.decode  # a token's text, for log-probabilities
-    max_prompt_bytes = cfg.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * max_len
+    max_len, vocab = engine.engine.max_model_len, engine.engine.vocab_size
+    tok = engine.engine.tokenizer
+    token_text = functools.lru_cache(maxsize=1 << 20)(lambda t: tok.decode([t]))  # at most the vocabulary
 
-    def check_size(text: str, param: str) -> None:
-        """Refuse a text no prompt of ``max_len`` tokens could be, before tokenizing it."""
-        n = len(text.encode("utf-8", "surrogatepass"))
-        if n > max_prompt_bytes:
-            raise ApiError(400, f"{param} is {n} bytes of text, more than this server takes ({max_prompt_bytes}: "
-                           f"--max-prompt-bytes, unset {PROMPT_BYTES_PER_TOKEN} bytes per token of max_model_len "
-                           f"{max_len})", param, "prompt_too_large")  # fmt: skip
+    def decode(ids: list[int]) -> str:
+        """The text of token ids (one token's from a cache: log-probabilities name every token)."""
+        return token_text(ids[0]) if len(ids) == 1 else tok.decode(ids)
+
+    limits = RequestLimits(cfg, max_len, engine.max_queued)
 
     def observe(out: RequestOutput) -> None:
         n = len(out.token_ids)
@@ -195,9 +204,31 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Any | None = Non
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
                            "model", "model_not_found")  # fmt: skip
 
-    async def run(request: Request, req: Any, items: list[ChoiceItem], chat: bool) -> Response:
-        base = new_id("chatcmpl" if chat else "cmpl")
-        choices = await add_choices(engine, items, base)
+    async def guarded(request: Request, work: Awaitable[T], client: bool = True) -> T:
+        """``work`` (reading, tokenizing or adding a request), given up when the server begins
+        shutting down (503) or, with ``client``, when the client leaves (499); cancelling it
+        aborts whatever it added. (While the body is read the read itself sees a departure.)"""
+        task = asyncio.ensure_future(work)
+        watch = [asyncio.ensure_future(until_set(draining))]
+        if client:
+            watch.append(asyncio.ensure_future(until_disconnected(request)))
+        try:
+            await asyncio.wait({task, *watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in watch:
+                w.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task})
+                if not task.cancelled():
+                    task.exception()  # retrieved: the 503 or 499 below is the answer
+        if not task.cancelled():
+            return task.result()
+        if draining.is_set():
+            raise ApiError(503, "the server is shutting down", code="shutting_down")
+        raise ApiError(499, "the client disconnected", code="client_closed")
+
+    async def respond(request: Request, req: Any, choices: list[Choice], base: str, chat: bool) -> Response:
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             body = event_stream(engine, choices, base, model_name, chat, usage, draining, decode)
@@ -211,44 +242,64 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Any | None = Non
     async def _abort_on_disconnect(request: Request, choices: list[Choice]) -> None:
         while any(engine.is_live(c.rid) for c in choices):
             if await request.is_disconnected():
-                for c in choices:
-                    engine.abort(c.rid)
+                engine.abort(*(c.rid for c in choices))
                 return
             await asyncio.sleep(DISCONNECT_POLL_S)
 
+    async def read(request: Request, cls: type[BaseModel]) -> Any:
+        check_auth(request)
+        req = _parse(cls, await guarded(request, _read_json(request, cfg.max_body_bytes), client=False))
+        check_model(req.model)
+        return req
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        check_auth(request)
-        req = _parse(CompletionRequest, await _read_json(request, cfg.max_body_bytes))
-        check_model(req.model)
+        req = await read(request, CompletionRequest)
         request.state.prompt_param = "prompt"
-        items = []
-        for p in req.prompts():
-            if isinstance(p, str):
-                check_size(p, "prompt")
-            ids = await engine.encode(p)
-            echo = (p if isinstance(p, str) else decode(ids)) if req.echo else None
-            items += [(ids, sampling_params(req, len(ids), req.max_tokens, "completion", max_len, j), j == 0, echo)
-                      for j in range(req.n or 1)]  # fmt: skip
-        return await run(request, req, items, chat=False)
+        prompts, n, base = req.prompts(), req.n or 1, new_id("cmpl")
+        param = "n" if n > 1 else "prompt"
+
+        async def prepare(res: Reservation) -> list[Choice]:
+            items: list[ChoiceItem] = []
+            tokens = 0
+            for p in prompts:
+                if isinstance(p, str):
+                    limits.prompt_size(p, "prompt")
+                ids = await engine.encode(p)
+                echo = (p if isinstance(p, str) else decode(ids)) if req.echo else None
+                mine = [(ids, sampling_params(req, len(ids), req.max_tokens, "completion", max_len, vocab, j),
+                         j == 0, echo) for j in range(n)]  # fmt: skip
+                tokens = limits.tokens(tokens, [(c[0], c[1]) for c in mine], param)
+                items += mine
+            return await add_choices(engine, items, base, res)
+
+        with engine.reserve(limits.choices(len(prompts), n, param)) as res:
+            choices = await guarded(request, prepare(res))
+        return await respond(request, req, choices, base, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        check_auth(request)
-        req = _parse(ChatRequest, await _read_json(request, cfg.max_body_bytes))
-        check_model(req.model)
+        req = await read(request, ChatRequest)
         request.state.prompt_param = "messages"
-        tok = engine.engine.tokenizer
         if template is None and not getattr(tok, "chat_template", None):
             raise ApiError(400, "this model's tokenizer has no chat template; start the server with "
                            "--chat-template FILE, or use /v1/completions", "messages", "no_chat_template")  # fmt: skip
         messages = req.plain_messages()
-        check_size("".join(m["content"] for m in messages), "messages")
-        ids = await engine.encode_chat(messages, template)
+        limits.prompt_size("".join(m["content"] for m in messages), "messages")
+        n, base = req.n or 1, new_id("chatcmpl")
+        param = "n" if n > 1 else "messages"
         max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
-        items = [(ids, sampling_params(req, len(ids), max_tokens, "chat", max_len, j), j == 0, None)
-                 for j in range(req.n or 1)]  # fmt: skip
-        return await run(request, req, items, chat=True)
+
+        async def prepare(res: Reservation) -> list[Choice]:
+            ids = await engine.encode_chat(messages, template)
+            items = [(ids, sampling_params(req, len(ids), max_tokens, "chat", max_len, vocab, j), j == 0, None)
+                     for j in range(n)]  # fmt: skip
+            limits.tokens(0, [(c[0], c[1]) for c in items], param)
+            return await add_choices(engine, items, base, res)
+
+        with engine.reserve(limits.choices(1, n, param)) as res:
+            choices = await guarded(request, prepare(res))
+        return await respond(request, req, choices, base, chat=True)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:

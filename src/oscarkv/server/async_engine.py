@@ -3,24 +3,34 @@
 The thread drains a command queue (add / abort), calls :meth:`Engine.step` and hands each
 :class:`RequestOutput` to its request's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``.
 All engine state is touched by that thread only; tokenization runs in an executor.
+
+The choices of one HTTP request are added together, as a group: at most ``group_slots`` of them
+are in the engine at a time, and the others wait in the thread (:class:`ChoiceGroups`) and go
+in, in order, as earlier ones finish; so one request's fan-out never takes every running slot
+from the requests beside it. Every choice counts toward ``max_queued`` from the moment its
+request reserves it (:meth:`AsyncEngine.reserve`, before tokenizing) until it finishes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from ..engine.engine import Engine
 from ..engine.request import RequestOutput, SamplingParams
 from ..engine.tokenizer import apply_chat, encode_prompt
 from ..errors import OscarkvError
+from .groups import ChoiceGroups
 
-__all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError"]
+__all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "Reservation"]
 
 log = logging.getLogger("oscarkv.server")
 _IDLE_WAIT_S = 0.05
@@ -29,15 +39,24 @@ SHORT_PROMPT_CHARS = 8192
 
 
 class QueueFullError(OscarkvError):
-    """More requests are live than ``max_queued`` allows (answered 503)."""
+    """More choices are live than ``max_queued`` allows (answered 503)."""
 
 
 class EngineDeadError(OscarkvError):
     """The engine thread stopped after an error (answered 503)."""
 
 
+@dataclass
+class Reservation:
+    """Places in ``max_queued`` held for one request's choices; :meth:`AsyncEngine.add` turns
+    them into live choices, and leaving :meth:`AsyncEngine.reserve` frees those left."""
+
+    places: int
+
+
 class AsyncEngine:
-    """Runs ``engine`` in its own thread; ``generate`` streams a request's outputs on the loop."""
+    """Runs ``engine`` in its own thread; :meth:`add` queues one request's choices and
+    :meth:`stream` yields a choice's outputs on the loop."""
 
     def __init__(
         self,
@@ -45,21 +64,25 @@ class AsyncEngine:
         max_queued: int = 1024,
         on_finished: Callable[[RequestOutput], None] | None = None,
         tokenizer_workers: int = 4,
+        request_share: float = 1.0,
     ):
         self.engine = engine
         self.max_queued = max_queued
         self.on_finished = on_finished
+        #: the most choices of one request in the engine at once (a share of its running slots)
+        self.group_slots = max(1, math.floor(request_share * engine.cfg.max_running))
         self._cmds: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._queues: dict[str, asyncio.Queue] = {}
+        self._reserved = 0  # places reserved for choices being tokenized or added
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._groups = ChoiceGroups(engine, self.group_slots, self._deliver)  # the engine thread's
         # long prompts share a pool; short ones (and chats) have a thread of their own, so a burst
         # of long prompts does not hold back a short request
         self._tok_pool = ThreadPoolExecutor(tokenizer_workers, thread_name_prefix="oscarkv-tokenize")
         self._tok_short = ThreadPoolExecutor(1, thread_name_prefix="oscarkv-tokenize-short")
-        self._tokenizing = 0  # prompts being tokenized: they count toward max_queued
         self.error: BaseException | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -89,6 +112,7 @@ class AsyncEngine:
 
     @property
     def num_live(self) -> int:
+        """Choices added and not finished (held back ones included)."""
         with self._lock:
             return len(self._queues)
 
@@ -97,62 +121,85 @@ class AsyncEngine:
         with self._lock:
             return rid in self._queues
 
+    # ---- admission ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def reserve(self, places: int) -> Iterator[Reservation]:
+        """Hold ``places`` of ``max_queued`` for one request's choices while its prompts are
+        tokenized and added; ``QueueFullError`` if they do not fit beside the live ones now."""
+        with self._lock:
+            if len(self._queues) + self._reserved + places > self.max_queued:
+                raise QueueFullError(
+                    f"the server is busy: {self.max_queued} choices are queued (--max-queued)",
+                    "retry after the time in Retry-After",
+                )
+            self._reserved += places
+        res = Reservation(places)
+        try:
+            yield res
+        finally:
+            with self._lock:
+                self._reserved -= res.places
+
     # ---- tokenization (off the loop) ----------------------------------------------------------
     async def encode(self, prompt: str | list[int]) -> list[int]:
         """Checked token ids of a text prompt or an id list (``InputError`` for a bad one)."""
         tok, vocab = self.engine.tokenizer, self.engine.vocab_size
         long = isinstance(prompt, str) and len(prompt) > SHORT_PROMPT_CHARS
-        return await self._tokenize(
-            self._tok_pool if long else self._tok_short, encode_prompt, tok, prompt, vocab
-        )
+        pool = self._tok_pool if long else self._tok_short
+        return await asyncio.get_running_loop().run_in_executor(pool, encode_prompt, tok, prompt, vocab)
 
     async def encode_chat(self, messages: list[dict], template: str | None) -> list[int]:
         tok = self.engine.tokenizer
         chars = sum(len(m.get("content") or "") for m in messages if isinstance(m, dict))
         pool = self._tok_pool if chars > SHORT_PROMPT_CHARS else self._tok_short
-        return await self._tokenize(pool, apply_chat, tok, messages, template)
-
-    async def _tokenize(
-        self, pool: ThreadPoolExecutor, fn: Callable[..., list[int]], *args: Any
-    ) -> list[int]:
-        with self._lock:  # a prompt being tokenized is a queued request
-            if len(self._queues) + self._tokenizing >= self.max_queued:
-                raise QueueFullError(f"the server is busy: {self.max_queued} requests are queued")
-            self._tokenizing += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
-        finally:
-            with self._lock:
-                self._tokenizing -= 1
+        return await asyncio.get_running_loop().run_in_executor(pool, apply_chat, tok, messages, template)
 
     # ---- requests ---------------------------------------------------------------------------
-    async def add(self, prompt_ids: list[int], params: SamplingParams, rid: str) -> asyncio.Queue:
-        """Queue a request and wait until the engine accepted it (its ``InputError`` raises here)."""
+    async def add(
+        self,
+        items: Sequence[tuple[list[int], SamplingParams]],
+        rids: Sequence[str],
+        group: str,
+        reservation: Reservation | None = None,
+    ) -> list[asyncio.Queue]:
+        """Queue one request's choices (``items[k]`` as ``rids[k]``), all or none, and wait until
+        the engine thread checked them (the first one's ``InputError`` raises here). At most
+        ``group_slots`` of them run at a time; the rest wait their turn. Without a
+        ``reservation`` they must fit ``max_queued`` now."""
         if not self.alive:
             raise EngineDeadError(
                 "the engine thread has stopped", "restart the server; its log has the error"
             )
-        q: asyncio.Queue = asyncio.Queue()
+        qs = [asyncio.Queue() for _ in rids]
         with self._lock:
-            if len(self._queues) >= self.max_queued:
-                raise QueueFullError(f"the server is busy: {self.max_queued} requests are queued")
-            if rid in self._queues:
-                raise OscarkvError(f"request id {rid!r} is already in use")
-            self._queues[rid] = q
+            if reservation is None and len(self._queues) + self._reserved + len(rids) > self.max_queued:
+                raise QueueFullError(
+                    f"the server is busy: {self.max_queued} choices are queued (--max-queued)"
+                )
+            taken = [r for r in rids if r in self._queues]
+            if taken or len(set(rids)) != len(rids):
+                raise OscarkvError(f"request id {(taken or list(rids))[0]!r} is already in use")
+            self._queues.update(zip(rids, qs, strict=True))
+            if reservation is not None:
+                n = min(reservation.places, len(rids))
+                reservation.places -= n
+                self._reserved -= n
         accepted: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._cmds.put(("add", (rid, prompt_ids, params, accepted)))
+        choices = [(rid, ids, params) for rid, (ids, params) in zip(rids, items, strict=True)]
+        self._cmds.put(("add", (group, choices, accepted)))
         try:
             await accepted
         except BaseException:
             with self._lock:
-                self._queues.pop(rid, None)
+                for rid in rids:
+                    self._queues.pop(rid, None)
             if not accepted.done() or accepted.cancelled() or accepted.exception() is None:
-                self.abort(rid)  # cancelled while queued: the engine may accept it later
+                self.abort(*rids)  # cancelled while queued: the engine thread may take them later
             raise
-        return q
+        return qs
 
     async def stream(self, rid: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        """Outputs of an added request until it finishes; leaving early aborts it."""
+        """Outputs of an added choice until it finishes; leaving early aborts it."""
         finished = False
         try:
             while True:
@@ -170,14 +217,15 @@ class AsyncEngine:
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, rid: str
     ) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its cumulative outputs; an unfinished request is aborted on exit."""
-        q = await self.add(prompt_ids, params, rid)
+        """Add one request and yield its cumulative outputs; an unfinished request is aborted on exit."""
+        (q,) = await self.add([(prompt_ids, params)], [rid], rid)
         async for out in self.stream(rid, q):
             yield out
 
-    def abort(self, rid: str) -> None:
-        """Abort ``rid`` at the next step boundary (thread-safe; unknown ids are ignored)."""
-        self._cmds.put(("abort", rid))
+    def abort(self, *rids: str) -> None:
+        """Abort ``rids`` together at the next step boundary (thread-safe; unknown ids are
+        ignored); choices still held back end at once."""
+        self._cmds.put(("abort", rids))
 
     # ---- the engine thread --------------------------------------------------------------------
     def _deliver(self, rid: str, item: Any) -> None:
@@ -188,17 +236,19 @@ class AsyncEngine:
         assert self._loop is not None
         if q is not None:
             self._loop.call_soon_threadsafe(q.put_nowait, item)
-        if isinstance(item, RequestOutput) and item.finished and self.on_finished is not None:
-            self._loop.call_soon_threadsafe(self.on_finished, item)
+        if isinstance(item, RequestOutput) and item.finished:
+            self._groups.finished(rid)
+            if self.on_finished is not None:
+                self._loop.call_soon_threadsafe(self.on_finished, item)
 
     def _command(self, kind: str, arg: Any) -> None:
         assert self._loop is not None
         if kind == "abort":
-            self.engine.abort(arg)
+            self._groups.abort(arg)
         elif kind == "add":
-            rid, ids, params, fut = arg
+            group, choices, fut = arg
             try:
-                self.engine.add_request(ids, params, rid)
+                self._groups.add(group, choices)
             except Exception as e:  # handed to the caller
                 self._loop.call_soon_threadsafe(_set, fut, e)
             else:
@@ -208,7 +258,7 @@ class AsyncEngine:
         eng = self.engine
         try:
             while not self._stop.is_set():
-                if not eng.has_unfinished():
+                if not eng.has_unfinished() and not self._groups:  # nothing to run or hold: wait
                     try:
                         self._command(*self._cmds.get(timeout=_IDLE_WAIT_S))
                     except queue.Empty:
@@ -218,6 +268,7 @@ class AsyncEngine:
                         self._command(*self._cmds.get_nowait())
                     except queue.Empty:
                         break
+                self._groups.feed()  # after the commands: requests that came during the step wait first
                 if eng.has_unfinished():
                     for out in eng.step():
                         self._deliver(out.rid, out)
@@ -235,7 +286,7 @@ class AsyncEngine:
                 except queue.Empty:
                     break
                 if kind == "add" and self._loop is not None:
-                    self._loop.call_soon_threadsafe(_set, arg[3], dead)
+                    self._loop.call_soon_threadsafe(_set, arg[2], dead)
 
 
 def _set(fut: asyncio.Future, err: BaseException | None) -> None:

@@ -12,18 +12,21 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from ..engine.request import RequestOutput, SamplingParams
 from ..errors import OscarkvError
-from .async_engine import AsyncEngine
+from .async_engine import AsyncEngine, Reservation
 from .protocol import (
     ChoiceBody,
     Usage,
+    chat_choice,
     chat_chunk,
     chat_response,
+    completion_choice,
     completion_chunk,
     completion_response,
     error_body,
@@ -39,6 +42,8 @@ __all__ = [
     "answer",
     "event_stream",
     "until_disconnected",
+    "until_set",
+    "whole_body",
 ]
 
 #: how often a waiting handler checks whether its client has gone
@@ -62,20 +67,15 @@ class Choice:
 ChoiceItem = tuple[list[int], SamplingParams, bool, "str | None"]
 
 
-async def add_choices(engine: AsyncEngine, items: Sequence[ChoiceItem], base: str) -> list[Choice]:
-    """Add ``items`` in index order: ids ``base`` for one choice, else ``base-INDEX``. If one is
-    refused, the ones added before are aborted."""
-    choices: list[Choice] = []
-    try:
-        for k, (ids, params, first, echo) in enumerate(items):
-            rid = base if len(items) == 1 else f"{base}-{k}"
-            q = await engine.add(ids, params, rid)
-            choices.append(Choice(k, rid, engine.stream(rid, q), first, echo))
-    except BaseException:
-        for c in choices:
-            engine.abort(c.rid)
-        raise
-    return choices
+async def add_choices(
+    engine: AsyncEngine, items: Sequence[ChoiceItem], base: str, reservation: Reservation | None = None
+) -> list[Choice]:
+    """Add ``items`` together, all or none (ids ``base`` for one choice, else ``base-INDEX``); at
+    most the engine's ``group_slots`` of them run at a time, the others in index order after."""
+    rids = [base] if len(items) == 1 else [f"{base}-{k}" for k in range(len(items))]
+    qs = await engine.add([(ids, params) for ids, params, _, _ in items], rids, base, reservation)
+    return [Choice(k, rid, engine.stream(rid, q), first, echo)
+            for k, (rid, q, (_, _, first, echo)) in enumerate(zip(rids, qs, items, strict=True))]  # fmt: skip
 
 
 def _usage(outs: Sequence[tuple[Choice, RequestOutput]]) -> Usage:
@@ -116,7 +116,7 @@ async def until_disconnected(request: Request) -> None:
         await asyncio.sleep(DISCONNECT_POLL_S)
 
 
-async def _until_set(event: threading.Event) -> None:
+async def until_set(event: threading.Event) -> None:
     while not event.is_set():
         await asyncio.sleep(DISCONNECT_POLL_S)
 
@@ -144,7 +144,7 @@ async def answer(
 
     task = asyncio.ensure_future(asyncio.gather(*(last(c) for c in choices)))
     watch = asyncio.ensure_future(until_disconnected(request))
-    drain = asyncio.ensure_future(_until_set(draining))
+    drain = asyncio.ensure_future(until_set(draining))
     await asyncio.wait({task, watch, drain}, return_when=asyncio.FIRST_COMPLETED)
     watch.cancel()
     drain.cancel()
@@ -152,16 +152,36 @@ async def answer(
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        for c in choices:  # a stream cancelled before it started has not aborted its request
-            engine.abort(c.rid)
+        engine.abort(*(c.rid for c in choices))  # a stream cancelled before it started aborted nothing
         if draining.is_set():
             return error_response(503, "the server is shutting down", code="shutting_down")
         return Response(status_code=499)
-    outs = task.result()
-    make = chat_response if chat else completion_response
-    usage = _usage(list(zip(choices, outs, strict=True)))
-    body = make(base, model, [_body(decode, c, o, chat) for c, o in zip(choices, outs, strict=True)], usage)
-    return JSONResponse(body)
+    body = await asyncio.to_thread(whole_body, decode, choices, task.result(), base, model, chat)
+    return Response(body, media_type="application/json")
+
+
+def _json(obj: Any) -> bytes:
+    """``obj`` as ``JSONResponse`` writes it: UTF-8, compact, no NaN."""
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def whole_body(
+    decode: Callable[[list[int]], str],
+    choices: list[Choice],
+    outs: list[RequestOutput],
+    base: str,
+    model: str,
+    chat: bool,
+) -> bytes:
+    """The non-streamed response's JSON (run in a thread, off the event loop). Each choice is
+    serialized on its own: ``json.dumps`` holds the GIL for the whole object it is given, and
+    one call over a body of tens of megabytes (echo with logprobs) would stall the loop."""
+    make, one = (chat_response, chat_choice) if chat else (completion_response, completion_choice)
+    pairs = list(zip(choices, outs, strict=True))
+    parts = [_json(one(c.index, _body(decode, c, o, chat))) for c, o in pairs]
+    head, mark, tail = _json(make(base, model, [], _usage(pairs))).partition(b'"choices":[]')
+    assert mark, "the response envelope has no empty choices list"
+    return head + b'"choices":[' + b",".join(parts) + b"]" + tail
 
 
 def _sse(obj: dict) -> str:
@@ -221,8 +241,9 @@ async def event_stream(
             if isinstance(out, BaseException):
                 raise out
             if c.echo is not None and c.index not in echoed:  # the prompt first, with its scores
-                echoed.add(c.index)
-                yield chunk(c.index, c.echo, None, lp=_echoed(decode, out))
+                echoed.add(c.index)  # (built in a thread: a long prompt's scores are megabytes)
+                lp = await asyncio.to_thread(_echoed, decode, out)
+                yield chunk(c.index, c.echo, None, lp=lp)
             delta, sent[c.index] = out.text[sent[c.index] :], len(out.text)
             finish = out.finish_reason if out.finished else None
             if delta or finish:
@@ -243,5 +264,4 @@ async def event_stream(
         await asyncio.gather(*pumps, return_exceptions=True)
         for c in choices:
             await c.outs.aclose()  # type: ignore[attr-defined]
-            if c.index not in finals:  # unknown (finished) ids are ignored by abort
-                engine.abort(c.rid)
+        engine.abort(*(c.rid for c in choices if c.index not in finals))  # all in one command

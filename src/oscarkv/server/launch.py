@@ -19,7 +19,7 @@ from ..config.server import ServerConfig
 from ..engine.engine import Engine
 from ..errors import InputError
 from .async_engine import AsyncEngine
-from .connection import header_timeout_protocol
+from .connection import request_timeout_protocol
 
 __all__ = ["RedactQuery", "RunningServer", "access_log_config", "build_app", "serve", "start_server"]
 
@@ -38,12 +38,15 @@ class RedactQuery(logging.Filter):
 
 
 def access_log_config() -> dict:
-    """uvicorn's logging configuration with :class:`RedactQuery` on the access log."""
+    """uvicorn's logging configuration with :class:`RedactQuery` on the access log, and the
+    server's own ``oscarkv.server`` logger printing INFO lines as uvicorn's do."""
     from uvicorn.config import LOGGING_CONFIG
 
     out = copy.deepcopy(LOGGING_CONFIG)
     out.setdefault("filters", {})["redact_query"] = {"()": RedactQuery}
     out["handlers"]["access"]["filters"] = ["redact_query"]
+    # the server's own lines (a client gone mid-body, a 408, the connection cap) beside uvicorn's
+    out["loggers"]["oscarkv.server"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
     return out
 
 
@@ -54,7 +57,8 @@ def build_app(engine_cfg: EngineConfig, server_cfg: ServerConfig, engine: Engine
 
     check_server_files(server_cfg)
     eng = engine if engine is not None else Engine(engine_cfg)
-    aeng = AsyncEngine(eng, server_cfg.max_queued, tokenizer_workers=server_cfg.tokenizer_workers)
+    aeng = AsyncEngine(eng, server_cfg.max_queued, tokenizer_workers=server_cfg.tokenizer_workers,
+                       request_share=server_cfg.max_request_share)  # fmt: skip
     return create_app(aeng, server_cfg, metrics)
 
 
@@ -63,7 +67,7 @@ def _uvicorn_config(app: Any, cfg: ServerConfig, **kw: Any) -> Any:
 
     return uvicorn.Config(app, limit_concurrency=cfg.max_connections, timeout_keep_alive=cfg.keep_alive_s,
                           timeout_graceful_shutdown=cfg.shutdown_grace_s,
-                          http=header_timeout_protocol(cfg.header_timeout_s), **kw)  # fmt: skip
+                          http=request_timeout_protocol(cfg.header_timeout_s, cfg.body_timeout_s), **kw)  # fmt: skip
 
 
 def _draining_server(config: Any) -> Any:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from typing import Annotated, Any
@@ -10,8 +9,7 @@ from typing import Annotated, Any
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from ..config.base import SpecError
-from ..engine.request import MAX_LOGPROBS, SamplingParams, TokenLogprob
+from ..engine.request import MAX_LOGPROBS, TokenLogprob
 
 __all__ = [
     "ApiError",
@@ -21,15 +19,16 @@ __all__ = [
     "ContentPart",
     "StreamOptions",
     "Usage",
+    "chat_choice",
     "chat_chunk",
     "chat_response",
+    "completion_choice",
     "completion_chunk",
     "completion_response",
     "error_body",
     "error_response",
+    "is_text",
     "new_id",
-    "sampling_params",
-    "spec_param",
 ]
 
 #: the most stop strings a request may carry (OpenAI's limit)
@@ -44,8 +43,15 @@ OUTPUT_FIELDS: dict[str, tuple[Any, ...]] = {
     "prompt_logprobs": (None,), "length_penalty": (None, 1, 1.0), "use_beam_search": (None, False),
     "bad_words": (None, []), "allowed_token_ids": (None,), "structured_outputs": (None,),
 }  # fmt: skip
-#: max_tokens when a request sets none (capped to what fits in max_model_len)
-DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256}
+
+
+def is_text(s: str) -> bool:
+    """Whether ``s`` encodes to UTF-8 (JSON's ``\\ud800`` escapes can carry lone surrogates)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class ApiError(Exception):
@@ -61,9 +67,16 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
           422: "invalid_request_error", 503: "service_unavailable"}  # fmt: skip
 
 
+#: error messages longer than this are cut (a message may quote the value it refuses)
+MAX_ERROR_CHARS = 1000
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    """OpenAI's error object for ``status``."""
+    """OpenAI's error object for ``status``; a message over ``MAX_ERROR_CHARS`` is cut there."""
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    if len(message) > MAX_ERROR_CHARS:
+        message = f"{message[:MAX_ERROR_CHARS]}... ({len(message) - MAX_ERROR_CHARS} more characters)"
+    message = message.encode("utf-8", "backslashreplace").decode()  # a quoted lone surrogate, escaped
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
@@ -127,6 +140,10 @@ class _Sampling(BaseModel):
             return ApiError(400, f"stop takes at most {MAX_STOPS} strings; got {len(self.stops())}", "stop")
         if self.stream_options is not None and not self.stream:
             return ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
+        for name, texts in (("stop", self.stops()), ("user", (self.user or "",))):
+            if not all(is_text(t) for t in texts):
+                return ApiError(400, f"{name} is not valid text: it holds a lone UTF-16 surrogate; send "
+                                "the text as UTF-8 (surrogates only in valid pairs)", name)  # fmt: skip
         return None
 
 
@@ -203,6 +220,9 @@ class ChatRequest(_Sampling):
                             "top_logprobs")  # fmt: skip
         if self.tools:
             return ApiError(400, "tools are not supported", "tools")
+        if (self.model_extra or {}).get("echo") not in (None, False):
+            return ApiError(400, "echo is a completions field: chat does not echo (vLLM's chat echo, which "
+                            "repeats the last message, is not implemented); leave it out", "echo")  # fmt: skip
         return super().unsupported()
 
     def plain_messages(self) -> list[dict]:
@@ -232,18 +252,28 @@ def _head(rid: str, obj: str, model: str, created: int | None) -> dict:
 ChoiceBody = tuple[str, "str | None", "dict | None"]  # text, finish_reason, logprobs object
 
 
+def completion_choice(index: int, choice: ChoiceBody) -> dict:
+    """One choice of a non-streamed completion: ``(text, finish_reason, logprobs)``."""
+    text, finish, lp = choice
+    return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+
+
+def chat_choice(index: int, choice: ChoiceBody) -> dict:
+    """One choice of a non-streamed chat completion: ``(text, finish_reason, logprobs)``."""
+    text, finish, lp = choice
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+            "finish_reason": finish}  # fmt: skip
+
+
 def completion_response(rid: str, model: str, choices: list[ChoiceBody], usage: Usage) -> dict:
     """``choices``: ``(text, finish_reason, logprobs)`` in index order."""
-    out = [
-        {"index": i, "text": t, "logprobs": lp, "finish_reason": f} for i, (t, f, lp) in enumerate(choices)
-    ]
+    out = [completion_choice(i, c) for i, c in enumerate(choices)]
     return {**_head(rid, "text_completion", model, None), "choices": out, "usage": usage.model_dump()}
 
 
 def chat_response(rid: str, model: str, choices: list[ChoiceBody], usage: Usage) -> dict:
     """``choices``: ``(text, finish_reason, logprobs)`` in index order."""
-    out = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp, "finish_reason": f}
-           for i, (t, f, lp) in enumerate(choices)]  # fmt: skip
+    out = [chat_choice(i, c) for i, c in enumerate(choices)]
     return {**_head(rid, "chat.completion", model, None), "choices": out, "usage": usage.model_dump()}
 
 
@@ -312,38 +342,3 @@ def logprobs_object(
         at += len(t)
     return {"tokens": texts, "token_logprobs": [None if lp is None else lp[0] for lp in lps],
             "top_logprobs": [None if top is None else dict(top) for top in tops], "text_offset": offsets}  # fmt: skip
-
-
-def spec_param(msg: str) -> str | None:
-    """The field a ``SpecError`` message names (``Cls.field must ...``)."""
-    m = re.match(r"\w+\.(\w+) must", msg)
-    return m.group(1) if m else None
-
-
-def sampling_params(
-    req: Any, n_prompt: int, max_tokens: int | None, kind: str, max_len: int, choice: int = 0
-) -> SamplingParams:
-    """SamplingParams of a request's ``choice``-th choice of a prompt (a default ``max_tokens``
-    that fits; with a ``seed``, choice ``j`` samples with ``seed + j``); 400 for a bad value."""
-    if max_tokens is None:
-        max_tokens = max(1, min(DEFAULT_MAX_TOKENS[kind], max_len - n_prompt))
-    kw: dict[str, Any] = {"max_tokens": max_tokens, "stop": req.stops(), "ignore_eos": req.ignore_eos}
-    for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty"):  # fmt: skip
-        if getattr(req, name) is not None:
-            kw[name] = getattr(req, name)
-    if "seed" in kw:
-        kw["seed"] += choice
-    if req.stop_token_ids:
-        kw["stop_token_ids"] = tuple(req.stop_token_ids)
-    kw["logprobs"] = req.logprob_count()
-    if getattr(req, "echo", False):  # the prompt comes back with its tokens' log-probabilities
-        kw["prompt_logprobs"] = kw["logprobs"]
-    if req.logit_bias:
-        if not all(k.isdigit() for k in req.logit_bias):
-            raise ApiError(400, "logit_bias keys must be token ids (decimal strings)", "logit_bias")
-        kw["logit_bias"] = tuple((int(k), v) for k, v in req.logit_bias.items())
-    try:
-        return SamplingParams(**kw)
-    except SpecError as e:
-        raise ApiError(400, str(e), spec_param(str(e))) from None
