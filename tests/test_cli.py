@@ -27,6 +27,14 @@ def test_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
     assert "info" in out and "demo" in out
 
 
+@pytest.mark.parametrize("command", ["calibrate", "info", "generate", "eval", "serve", "demo"])
+def test_every_command_prints_its_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every flag's help renders (argparse %-formats it: a bare % in a config's help crashed serve)."""
+    with pytest.raises(SystemExit, match=r"^0$"):
+        main([command, "--help"])
+    assert "--" in capsys.readouterr().out
+
+
 def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     err = capsys.readouterr().err.splitlines()

@@ -44,7 +44,8 @@ def add_dataclass_args(
         tp = _scalar_type(hints[f.name])
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else None
-        help_ = f.metadata.get("help", "") + f" (default: {default})"
+        # argparse %-formats help text: a literal % in a field's help ("25% of ...") must be doubled
+        help_ = (f.metadata.get("help", "") + f" (default: {default})").replace("%", "%%")
         if tp is bool:
             target.add_argument(
                 flag,
