@@ -28,12 +28,7 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 KW = dict(device="cpu", page_tokens=8, check_invariants=True)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # identical reductions in HF and the engine
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # identical reductions in HF and the engine
 
 
 @pytest.fixture(scope="module")
