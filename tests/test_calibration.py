@@ -701,24 +701,42 @@ def test_auto_granularity_keeps_per_layer_without_a_clear_gain(tok, corpus):
     assert rs.provenance.recipe["granularity_choice"]["reason"] == "hadamard is not fitted per KV head"
 
 
-def test_auto_granularity_shares_the_held_out_exact_pass(models, tok, corpus, monkeypatch):
-    """The comparison's exact pass is the one the offsets' verdict and the quality target use."""
+def test_held_out_passes_are_shared_and_not_repeated(models, tok, corpus, monkeypatch):
+    """One exact pass serves the granularity's choice, the offsets' verdict and the key widths;
+    an NLL a step has measured for the rotations as they stand is not measured again."""
     import oscarkv.calibration.api as api
 
-    made = []
+    made, passes = [], []
 
     class Counted(HeldOut):
         def __init__(self, *a, **k):
             made.append(1)
             super().__init__(*a, **k)
 
+        def nll(self, rotations):
+            passes.append(1)
+            return super().nll(rotations)
+
     monkeypatch.setattr(api, "HeldOut", Counted)
+    base = dict(tokens=256, seq_len=128, holdout_tokens=128)
     lo, hi = (replace(SPEC, key_bits=b).bits_per_element(131072, D) for b in (2, 4))
-    cfg = CalibrationConfig(tokens=256, seq_len=128, holdout_tokens=128, bits_per_element=(lo + hi) / 2)
+    cfg = CalibrationConfig(**base, bits_per_element=(lo + hi) / 2)  # one layer of two raised
     rs = calibrate(models["qwen3"], tok, cfg, SPEC, data=corpus)
     recipe = rs.provenance.recipe
     assert "nll_layer" in recipe["granularity_choice"] and recipe["offsets"]["mode"] == "auto"
-    assert len(recipe["key_bits"]["nll_alone"]) == 2 and len(made) == 1  # one layer of two raised
+    assert len(recipe["key_bits"]["nll_alone"]) == 2 and len(made) == 1
+    # auto, offsets auto: both granularities, then the offsets (the bare NLL is the chosen one's)
+    made.clear()
+    passes.clear()
+    rs = calibrate(models["qwen3"], tok, CalibrationConfig(**base, max_ppl_increase=None), SPEC, data=corpus)
+    ch, off = rs.provenance.recipe["granularity_choice"], rs.provenance.recipe["offsets"]["choice"]
+    assert off["nll_without"] == ch[f"nll_{ch['chosen']}"] and (len(made), len(passes)) == (1, 3)
+    # a target met at the spec's widths: the offsets' verdict measured the rotations it starts from
+    made.clear()
+    passes.clear()
+    cfg = CalibrationConfig(**base, granularity="layer", max_ppl_increase=10.0)
+    kb = calibrate(models["qwen3"], tok, cfg, SPEC, data=corpus).provenance.recipe["key_bits"]
+    assert kb["met"] and kb["layers"] == [] and (len(made), len(passes)) == (1, 2)
 
 
 def test_auto_granularity_config():

@@ -164,17 +164,19 @@ def calibrate(
         rots = {i: fixed_layer(cfg.method, d, hkv, gran) for i in layers}
 
     held: HeldOut | None = None  # the held-out NLL's exact pass, made once where first needed
+    known: float | None = None  # the held-out NLL of `rots` as they stand, where a step measured it
     if compare:  # first: every later step tunes the kept rotations
         held = HeldOut(model, _batches(hold, cfg.batch_size), spec, d)
         rots, gran, gran_choice = choose_granularity(held, rots, per_head, GRANULARITY_MARGIN)
-        per_head = {}
+        per_head, known = {}, gran_choice[f"nll_{gran}"]
     selection: dict[str, dict[str, Any]] = {}
     if cfg.rotation_select:  # before the clip search, which then tunes the chosen rotations
         sel = RotationSelect(rots, spec, d, gran)
         _run(model, _batches(hold, cfg.batch_size), _qkv(sel.update), layers, "rotation selection", progress)
-        rots, selection = sel.apply()
+        rots, selection, known = *sel.apply(), None
 
     # the offsets in the basis of the final rotations (the clip searches below score rows without them)
+    bare_nll, known = known, None if means else known
     for i, (mk, mv) in means.items():
         rots[i].k_offset = rotated_offset(mk, rots[i].k)
         rots[i].v_offset = rotated_offset(mv, rots[i].v) if cfg.offsets != "k" else None
@@ -186,8 +188,9 @@ def calibrate(
         # the per-head choice stands only if it also lowers the held-out NLL of the whole model
         bare = {i: dataclasses.replace(lr, k_offset=None, v_offset=None) for i, lr in rots.items()}
         held = held or HeldOut(model, _batches(hold, cfg.batch_size), spec, d)
-        nll = {name: held.nll(r) for name, r in (("with", picked), ("without", bare))}
+        nll = {"with": held.nll(picked), "without": held.nll(bare) if bare_nll is None else bare_nll}
         rots = picked if nll["with"] < nll["without"] else bare
+        known = min(nll.values())
         offset_choice = {"heads": heads, "nll_with": nll["with"], "nll_without": nll["without"],
                          "kept": nll["with"] < nll["without"]}  # fmt: skip
 
@@ -201,24 +204,26 @@ def calibrate(
         search = {i: {"k_clip": kc, "v_clip": vc} for i, (kc, vc) in clips.items()}
         for i, (kc, vc) in clips.items():
             rots[i].k_clip, rots[i].v_clip = kc, vc
+        known = None
     elif cfg.clip_search:
         cs = ClipSearch(rots, spec, d, CLIP_GRID_K, CLIP_GRID_V)
         _run(model, _batches(hold, cfg.batch_size), _qkv(cs.update), layers, "clip search", progress)
         search = cs.result()
         for i, r in search.items():
             rots[i].k_clip, rots[i].v_clip = r["k_clip"], r["v_clip"]
+        known = None
 
     key_bits: dict[str, Any] = {}
     if cfg.bits_per_element is not None:  # last: it ranks the layers as they will be stored
         held = held or HeldOut(model, _batches(hold, cfg.batch_size), spec, d)
         rots, key_bits = select_key_bits(
-            held, rots, cfg.bits_per_element, cfg.budget_context, cfg.high_key_bits
+            held, rots, cfg.bits_per_element, cfg.budget_context, cfg.high_key_bits, known
         )
     elif cfg.max_ppl_increase is not None:
         held = held or HeldOut(model, _batches(hold, cfg.batch_size), spec, d)
         rots, key_bits = select_key_bits_for_target(
             held, rots, cfg.max_ppl_increase, cfg.max_bits_per_element, cfg.budget_context,
-            cfg.high_key_bits,
+            cfg.high_key_bits, known,
         )  # fmt: skip
 
     name = getattr(model.config, "_name_or_path", "") or type(model).__name__

@@ -48,17 +48,19 @@ def select_key_bits(
     budget: float,
     context: int,
     high: int,
+    known_nll: float | None = None,
 ) -> tuple[dict[int, LayerRotation], dict[str, Any]]:
     """The rotations with ``key_bits = high`` on the chosen layers (and their key clips), and a
-    JSON-ready record of the ranking and the held-out NLLs."""
+    JSON-ready record of the ranking and the held-out NLLs. ``known_nll``: the held-out NLL of
+    ``rotations`` where the caller has measured it (one pass fewer)."""
     n = high_layer_count(held.spec, held.head_dim, len(rotations), budget, context, high)
     record: dict[str, Any] = {"budget": budget, "context": context, "high_bits": high, "layers": []}
     if n == 0:
         return rotations, record
     order, alone = _ranking(held, rotations)
     chosen = sorted(order[:n])
-    rots, nll, clip = _raise(held, rotations, chosen, high)
-    record.update(layers=chosen, nll_alone={str(i): alone[i] for i in order}, nll=nll, high_key_clip=clip)
+    rots, nlls, clip = _raise(held, rotations, chosen, high, known_nll)
+    record.update(layers=chosen, nll_alone={str(i): alone[i] for i in order}, nll=nlls, high_key_clip=clip)
     return rots, record
 
 
@@ -69,15 +71,17 @@ def select_key_bits_for_target(
     ceiling: float,
     context: int,
     high: int,
+    known_nll: float | None = None,
 ) -> tuple[dict[int, LayerRotation], dict[str, Any]]:
     """The fewest layers (in the held-out ranking) whose keys in ``high`` bits bring the whole
     fake-quantized model's held-out perplexity within ``1 + max_ppl_increase`` of the unquantized
     model's, at most as many as ``ceiling`` bits per element at ``context`` allow; the rotations
     and a JSON-ready record (perplexity ratios before and after, the layers, each count tried).
     Warns in one line where the ceiling cannot meet the target (the ceiling's layers are kept).
-    Whether the raised keys keep their clips is decided once, at the first count tried."""
+    Whether the raised keys keep their clips is decided once, at the first count tried.
+    ``known_nll``: the held-out NLL of ``rotations`` where the caller has measured it."""
     bound = 1.0 + max_ppl_increase
-    base, spec_nll = held.base, held.nll(rotations)
+    base, spec_nll = held.base, held.nll(rotations) if known_nll is None else known_nll
     ratio = {0: math.exp(spec_nll - base)}
     record: dict[str, Any] = {"target": bound, "ceiling": ceiling, "context": context, "high_bits": high,
                               "nll_unquantized": base, "layers": [], "ppl_ratio_before": ratio[0]}  # fmt: skip
