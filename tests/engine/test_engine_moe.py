@@ -25,7 +25,9 @@ from oscarkv.rotation import save_rotations
 
 SPEC = QuantSpec(sink_tokens=16, recent_tokens=32, demote_block=8)
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-KW = dict(device="cpu", page_tokens=8, check_invariants=True)
+KW = dict(
+    device="cpu", page_tokens=8, check_invariants=True, kv_budget_gb=0.05
+)  # small pools: the CPU default is up to 2 GiB
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # identical reductions in HF and the engine
@@ -203,8 +205,8 @@ def test_int2_chunks_prefix_hits_and_preemption_on_a_moe_model(moe_dirs, calibra
     plan = base.engine.runner.plan
     fixed = plan.total_bytes - plan.q_pages * plan.q_page_bytes
     budget = (fixed + 40 * plan.q_page_bytes) / 2**30  # not all four at once
-    tight = LLM(str(path), rotations=str(rot), spec=SPEC, max_running=4, kv_budget_gb=budget,
-                decode_reserve_pages=0, **KW)  # fmt: skip
+    tight = LLM(str(path), rotations=str(rot), spec=SPEC, max_running=4, decode_reserve_pages=0,
+                **dict(KW, kv_budget_gb=budget))  # fmt: skip
     outs = tight.generate(ps, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
     eng = tight.engine
     assert all(len(o.token_ids) == 40 for o in outs) and eng.stats["preemptions"] > 0

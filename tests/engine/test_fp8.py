@@ -35,7 +35,9 @@ from oscarkv.rotation import absorb_output_weight, save_rotations
 
 SPEC = QuantSpec(sink_tokens=16, recent_tokens=32, demote_block=8)
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-KW = dict(device="cpu", page_tokens=8, check_invariants=True)
+KW = dict(
+    device="cpu", page_tokens=8, check_invariants=True, kv_budget_gb=0.05
+)  # the CPU default is up to 2 GiB
 KINDS = ("qwen3_moe", "glm4_moe", "minimax_m2")
 
 
