@@ -12,6 +12,7 @@ from typing import Any
 
 from ..attention import AttnSpec
 from ..family import Build, Family
+from ..layers import model_error
 from ..moe import Routing
 from .common import attention_sizes, dense, sparse
 
@@ -51,8 +52,6 @@ def _skipped(c: Any) -> Callable[[str], bool]:
 
 
 def _check(c: Any, where: str) -> None:
-    from ..layers import model_error
-
     e, g = int(c.n_routed_experts), int(c.n_group)
     if g < 1 or e % g or not 1 <= int(c.topk_group) <= g:
         raise model_error(

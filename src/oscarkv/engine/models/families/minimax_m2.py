@@ -8,6 +8,7 @@ from typing import Any
 
 from ..attention import AttnSpec
 from ..family import Build, Family
+from ..layers import model_error
 from ..moe import Routing
 from .common import attention_sizes, sparse
 
@@ -21,8 +22,6 @@ def _mlp(b: Build, layer: int) -> tuple[Any, str]:
 
 
 def _check(c: Any, where: str) -> None:
-    from ..layers import model_error
-
     scoring = getattr(c, "scoring_func", "sigmoid")
     if scoring != "sigmoid":
         raise model_error(where, f"scoring_func {scoring!r}: MiniMax-M2 routing is sigmoid")
