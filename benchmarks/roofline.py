@@ -68,7 +68,9 @@ class Roofline:
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())  # shared ones once
         row = emb[0].numel() * emb.element_size()
         ps = plan.page_tokens
-        experts = [m for m in model.modules() if type(m).__name__ == "Experts"]
+        from oscarkv.engine.models.moe import Experts
+
+        experts = [m for m in model.modules() if isinstance(m, Experts)]
         routed = sum(p.numel() * p.element_size() for m in experts for p in m.parameters())
         n_exp = experts[0].w13.lead[0] if experts else 0
         return cls(
