@@ -78,6 +78,17 @@ _QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_act
               attention_bias=False, vocab_size=151936, num_attention_heads=32, num_key_value_heads=8,
               head_dim=128, num_hidden_layers=36, max_position_embeddings=40960, rope_theta=1000000.0,
               bos_token_id=151643, eos_token_id=151645)  # fmt: skip
+_GLM_AIR_FP8 = dict(architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", hidden_act="silu",
+                    rms_norm_eps=1e-5, vocab_size=151552, hidden_size=4096, intermediate_size=10944,
+                    moe_intermediate_size=1408, num_attention_heads=96, num_key_value_heads=8, head_dim=128,
+                    num_hidden_layers=46, first_k_dense_replace=1, n_routed_experts=128, n_shared_experts=1,
+                    num_experts_per_tok=8, n_group=1, topk_group=1, norm_topk_prob=True,
+                    routed_scaling_factor=1.0, partial_rotary_factor=0.5, attention_bias=True,
+                    use_qk_norm=False, num_nextn_predict_layers=1, max_position_embeddings=131072,
+                    rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=151329,
+                    eos_token_id=151329,
+                    quantization_config=dict(quant_method="fp8", fmt="e4m3", weight_block_size=[128, 128],
+                                             activation_scheme="dynamic"))  # fmt: skip
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-8b": {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "tie_word_embeddings": False},
     "qwen3-4b": {**_QWEN3, "hidden_size": 2560, "intermediate_size": 9728, "tie_word_embeddings": True},
@@ -118,6 +129,10 @@ SHAPES: dict[str, dict[str, Any]] = {
         "mlp_only_layers": [],
         "tie_word_embeddings": False,
     },
+    # GLM-4.5-Air (the architecture of GLM-4.7) with FP8 128x128 block-scaled weights, as its FP8
+    # checkpoint ships: 46 layers (about 110 GB) fit one H200; 20 of them one H100
+    "glm-4.5-air-fp8": _GLM_AIR_FP8,
+    "glm-4.5-air-fp8-20l": {**_GLM_AIR_FP8, "num_hidden_layers": 20},
     # MiniMax-M2's layers (62 in the model; 6 here fit one GPU in bf16)
     "minimax-m2-6l": dict(
         architectures=["MiniMaxM2ForCausalLM"],

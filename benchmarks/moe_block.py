@@ -1,7 +1,7 @@
 """One mixture-of-experts block of the engine (``engine/models/moe.py``) against its rooflines.
 
-Random bf16 weights of each model's real MoE layer, random inputs, the engine's router and
-experts. Decode sizes (``T`` tokens, each routed to ``k`` experts) run as CUDA-graph replays; the
+Random weights of each model's real MoE layer (bf16, or FP8 128x128 block-scaled with path
+``fp8``), random inputs, the engine's router and experts. Decode sizes (``T`` tokens, each routed to ``k`` experts) run as CUDA-graph replays; the
 memory roofline is the bytes of the distinct experts the step's tokens chose (counted from the
 routing of that very input), the router and the shared experts, read once, over the device's copy
 bandwidth measured in the same run. Prefill sizes run eagerly against the FLOP bound: ``2·T·k·3·H·I``
@@ -23,9 +23,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import copy_bandwidth, save
 
+from oscarkv.engine.models.fp8 import Fp8Block
 from oscarkv.engine.models.layers import SiluAndMul
-from oscarkv.engine.models.linear import Unquantized
+from oscarkv.engine.models.linear import Linear, Unquantized
 from oscarkv.engine.models.moe import DenseMLP, Experts, Routing, SparseMoe, route
+from oscarkv.kernels import resolve
 
 #: (hidden, expert width, experts, top-k, shared width, routing)
 SHAPES = {
@@ -36,19 +38,30 @@ SHAPES = {
 
 
 def build(shape: str, path: str) -> SparseMoe:
+    """The block with random weights: bf16 (paths ``grouped``, ``fused``), or FP8 128x128
+    block-scaled experts and shared experts (path ``fp8``, the Triton FP8 kernels)."""
     h, i, e, _, shared, routing = SHAPES[shape]
     kw = {"dtype": torch.bfloat16, "device": "cuda"}
-    ex = Experts(e, h, i, Unquantized(), names=("gate_proj", "up_proj", "down_proj"), **kw)
-    sh = DenseMLP(h, shared, False, Unquantized(), SiluAndMul(), **kw) if shared else None
+    method = Fp8Block() if path == "fp8" else Unquantized()
+    ex = Experts(e, h, i, method, names=("gate_proj", "up_proj", "down_proj"), **kw)
+    sh = DenseMLP(h, shared, False, method, SiluAndMul(), **kw) if shared else None
     moe = SparseMoe(h, routing, ex, sh, bias_name="bias" if routing.kind == "sigmoid" else None, **kw)
+    g = torch.Generator(device="cuda").manual_seed(1)
     with torch.no_grad():
-        for p in moe.parameters():
-            p.normal_(0.0, 0.02)
+        for n, p in moe.named_parameters():
+            if p.dtype != torch.float8_e4m3fn and not n.endswith("weight_scale_inv"):
+                p.normal_(0.0, 0.02, generator=g)
+        for mod in moe.modules():
+            if isinstance(mod, Linear) and path == "fp8":
+                mod.method.fill_dummy(mod, g)
+                mod.finish(resolve("triton", "cuda"))
     ex.grouped = True
     if path == "fused":  # the fused small-batch kernel at every size
         from oscarkv.kernels.triton.moe import moe_experts
 
         ex.small, ex.small_tokens = moe_experts, 1 << 30
+    if path == "fp8":
+        ex.fp8 = resolve("triton", "cuda").fp8_moe_experts
     return moe.eval().requires_grad_(False)
 
 
@@ -89,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128")
     ap.add_argument("--prefill", default="512,2048,8192")
-    ap.add_argument("--paths", default="grouped,fused", help="grouped GEMMs, or the fused small-batch kernel")
+    ap.add_argument("--paths", default="grouped,fused",
+                    help="grouped GEMMs, the fused small-batch kernel, or fp8 (FP8 weights, Triton FP8 kernels)")  # fmt: skip
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--name", default="moe_block")
     args = ap.parse_args(argv)
@@ -100,10 +114,13 @@ def main(argv: list[str] | None = None) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     for shape in args.shapes.split(","):
         h, inter, _, k, shared, routing = SHAPES[shape]
-        per_expert = 3 * h * inter * 2
         for path in args.paths.split(","):
             moe = build(shape, path)
-            fixed = sum(p.numel() * 2 for n, p in moe.named_parameters() if not n.startswith("experts."))
+            nbytes = {n: p.numel() * p.element_size() for n, p in moe.named_parameters()}
+            per_expert = (
+                sum(b for n, b in nbytes.items() if n.startswith("experts.")) / moe.experts.w13.lead[0]
+            )
+            fixed = sum(b for n, b in nbytes.items() if not n.startswith("experts."))
             for t in [int(v) for v in args.tokens.split(",")]:
                 x = torch.randn(t, h, generator=g, device="cuda", dtype=torch.bfloat16)
                 _, ids = route(routing, x, moe.gate, moe.correction)
@@ -133,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(rows[-1], flush=True)
             del moe
             torch.cuda.empty_cache()
-    head = (f"One MoE block, bf16, {torch.cuda.get_device_name()}: copy {bw / 1e9:.0f} GB/s, bf16 mm "
+    head = (f"One MoE block, {args.paths}, {torch.cuda.get_device_name()}: copy {bw / 1e9:.0f} GB/s, bf16 mm "
             f"{flops / 1e12:.0f} TFLOP/s. Decode rows: CUDA-graph replays against the bytes of the distinct "
             f"experts chosen (+ router, shared experts). Prefill rows: eager, against the FLOP bound.")  # fmt: skip
     table = "| shape | path | tokens | experts touched | µs | roofline µs | % of roofline |\n|---|---|---|---|---|---|---|\n"

@@ -1,27 +1,31 @@
-"""bf16 ``F.linear`` against the FP8 block-scaled path (``oscarkv.engine.models.fp8.block_mm``) at
-decode shapes, on an SM90 GPU: a 4096x4096 projection and a GLM-4.5-Air-like expert (hidden 4096,
-expert width 1408: ``w13 [2816, 4096]``, ``w2 [4096, 1408]``).
+"""bf16 ``F.linear`` against the FP8 block-scaled paths at decode and prefill shapes: the Triton
+weight-only kernel (``kernels.triton.fp8.fp8_linear``, what the engine runs) and, where the torch
+build's cuBLAS runs it on SM90, the block-scaled ``scaled_mm`` (``engine.models.fp8.block_mm``).
 
-Per shape and token count T: microseconds per call of bf16, of the whole FP8 path (per-token
-activation quantization + ``scaled_mm``) and of ``scaled_mm`` alone on pre-quantized activations,
-each timed eagerly and as CUDA-graph replays (how the engine's decode steps run); and the FP8
-output's relative error against fp32 ``x Wᵀ`` with the dequantized weight.
+Per shape and token count T: microseconds per call as CUDA-graph replays (how decode steps run),
+each side's weight bytes over the copy bandwidth (% of that roofline), and the FP8 output's relative
+error against fp32 ``x Wᵀ`` with the dequantized weight.
 
-    python lab/fp8_gemm.py [--iters 200]
+    python lab/fp8_gemm.py [--iters 200] [--tokens 1,4,16,64,256,2048]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
-from torch.nn.functional import ScalingType, scaled_mm
 
-from oscarkv.engine.models.fp8 import block_mm, dequantize_blocks, quantize_activations, quantize_blocks
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from _harness import copy_bandwidth
 
-SHAPES = {"4096x4096": (4096, 4096), "air w13": (2816, 4096), "air w2": (4096, 1408)}  # (out, in)
-TOKENS = (1, 2, 4, 8, 16, 32, 64)
+from oscarkv.engine.models.fp8 import _block_gemm_fails, block_mm, dequantize_blocks, quantize_blocks
+from oscarkv.kernels.triton.fp8 import fp8_linear
+
+# (out, in): a 4096-square projection; GLM-4.5-Air's fused q|k|v, its o_proj, one expert's gate|up and down
+SHAPES = {"4096x4096": (4096, 4096), "air qkv": (14336, 4096), "air o": (4096, 12288),
+          "air w13": (2816, 4096), "air w2": (4096, 1408)}  # fmt: skip
 
 
 def timed(fn, iters: int, graph: bool) -> float:
@@ -61,14 +65,17 @@ def timed(fn, iters: int, graph: bool) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--tokens", default="1,4,16,64,256,2048")
     args = ap.parse_args()
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        sys.exit("needs an SM90 (Hopper) GPU: cuBLAS's 1x128 by 128x128 block scaling is SM90-only")
-    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}")
-    print("us per call (best of 5 x iters); rel err: FP8 output vs fp32 x W^T with the dequantized weight")
-    head = f"{'shape':>10} {'T':>3} | {'mode':>5} | {'bf16':>7} {'fp8':>7} {'mm only':>7} {'fp8/bf16':>8} | {'rel err':>7}"
-    print(head)
-    print("-" * len(head))
+    cublas = not _block_gemm_fails(0) if torch.cuda.get_device_capability()[0] == 9 else False
+    bw = copy_bandwidth("cuda")
+    print(
+        f"torch {torch.__version__}, {torch.cuda.get_device_name()}, copy {bw / 1e9:.0f} GB/s, cuBLAS block-scaled: {cublas}"
+    )
+    print(
+        "| shape | T | bf16 us | fp8 triton us | fp8/bf16 | bf16 % roof | fp8 % roof | cuBLAS fp8 us | rel err |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     g = torch.Generator().manual_seed(0)
     for name, (n, k) in SHAPES.items():
         q, s = quantize_blocks(0.02 * torch.randn(n, k, generator=g))
@@ -76,25 +83,20 @@ def main() -> None:
         wd = dequantize_blocks(q, s, torch.float32).cuda()
         q = q.cuda()
         s_pad = torch.nn.functional.pad(s, (0, -s.shape[1] % 4)).cuda()
-        for t in TOKENS:
+        for t in [int(v) for v in args.tokens.split(",")]:
             x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
-            for mode, us, err in bench(x, w, wd, q, s_pad, args.iters):
-                print(f"{name:>10} {t:>3} | {mode:>5} | {us[0]:7.1f} {us[1]:7.1f} {us[2]:7.1f} "
-                      f"{us[1] / us[0]:8.2f} | {err:7.4f}")  # fmt: skip
-
-
-def bench(x, w, wd, q, s_pad, iters: int) -> list[tuple[str, list[float], float]]:
-    """``(mode, [bf16, fp8, mm only] us, rel err)`` for eager and graph timing."""
-    xq, xs = quantize_activations(x)
-    ref = x.float() @ wd.T
-    err = float((block_mm(x, q, s_pad).float() - ref).norm() / ref.norm())
-    fns = (
-        lambda: torch.nn.functional.linear(x, w),
-        lambda: block_mm(x, q, s_pad),
-        lambda: scaled_mm(xq, q.t(), xs, ScalingType.BlockWise1x128, s_pad.t(), ScalingType.BlockWise128x128,
-                          output_dtype=torch.bfloat16),
-    )  # fmt: skip
-    return [(mode, [timed(f, iters, mode == "graph") for f in fns], err) for mode in ("eager", "graph")]
+            ref = x.float() @ wd.T
+            err = float((fp8_linear(x, q, s_pad).float() - ref).norm() / ref.norm())
+            b = timed(lambda x=x, w=w: torch.nn.functional.linear(x, w), args.iters, True)
+            f = timed(lambda x=x, q=q, s=s_pad: fp8_linear(x, q, s), args.iters, True)
+            c = (
+                f"{timed(lambda x=x, q=q, s=s_pad: block_mm(x, q, s), args.iters, True):.1f}"
+                if cublas
+                else "-"
+            )
+            rb, rf = 2 * n * k / bw * 1e6, (n * k + s_pad.numel() * 4) / bw * 1e6
+            print(f"| {name} | {t} | {b:.1f} | {f:.1f} | {f / b:.2f} | {rb / b:.0%} | {rf / f:.0%} | {c} | {err:.4f} |",
+                  flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

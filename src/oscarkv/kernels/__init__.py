@@ -58,6 +58,11 @@ class KernelOps:
     #: steps of at most ``moe_small_tokens`` tokens (0: never; the CPU runs the reference loop)
     moe_experts: Callable[..., torch.Tensor] = _ref_moe.moe_experts
     moe_small_tokens: int = 0
+    #: FP8 block-scaled weights kept as FP8 (``kernels.ref.fp8`` contracts): dense projections and
+    #: routed experts; ``None`` where the backend has no such kernels (the weights are then
+    #: dequantized at load, or run by cuBLAS's block-scaled GEMM where it can)
+    fp8_linear: Callable[..., torch.Tensor] | None = None
+    fp8_moe_experts: Callable[..., torch.Tensor] | None = None
 
     def require_formats(self, formats: Sequence[tuple[Any, Any]], fix: str) -> None:
         """Fail at start-up, not at the first quantize: raises :class:`BackendError` naming the first

@@ -178,15 +178,19 @@ class Decoder(nn.Module):
     def finish(self) -> None:
         """After loading: each linear's method finishes its tensors; stacked experts take grouped
         GEMMs on CUDA in bf16 (capturable in CUDA graphs), with the backend's fused kernel for
-        steps of a few tokens, else the reference loop."""
+        steps of a few tokens, else the reference loop; experts kept FP8 take the backend's FP8
+        experts kernel."""
         for mod in self.modules():
             if isinstance(mod, Linear):
-                mod.finish()
-            elif isinstance(mod, Experts):
+                mod.finish(self.ops)
+        for mod in self.modules():
+            if isinstance(mod, Experts):
                 fac = mod.w13.factory
                 mod.grouped = fac["dtype"] == torch.bfloat16 and torch.device(fac["device"]).type == "cuda"
                 if mod.grouped and self.ops.moe_small_tokens:
                     mod.small, mod.small_tokens = self.ops.moe_experts, self.ops.moe_small_tokens
+                if mod.w13.weight.dtype == torch.float8_e4m3fn:  # kept FP8 by its method's finish
+                    mod.fp8 = self.ops.fp8_moe_experts
 
     def checkpoint_targets(self) -> dict[str, Target]:
         """Every checkpoint tensor name this decoder reads -> where it goes (this rank's part)."""

@@ -5,12 +5,15 @@ each linear's ``weight`` is float8_e4m3fn ``[out, in]`` and ``weight_scale_inv``
 ``[ceil(out/128), ceil(in/128)]``; the weight is ``weight_scale_inv[i // 128, j // 128] ·
 weight[i, j]``, each block's scale being its ``amax / 448``.
 
-Where the weights live decides how they run (:meth:`Fp8Block.finish`). On CPU, and on CUDA GPUs
-other than SM90, they are dequantized once into the model dtype (in fp32, then rounded), so the
-model computes exactly what its dequantized twin computes. On SM90 (Hopper) they stay FP8 and
-each projection is one cuBLAS block-scaled GEMM (``torch.nn.functional.scaled_mm``): activations
-quantized per token and 128-column group on the fly (``BlockWise1x128``), weights with their
-block scales (``BlockWise128x128``); a projection that is not whole blocks is dequantized.
+Where the weights live decides how they run (:meth:`Fp8Block.finish`). On CPU they are
+dequantized once into the model dtype (in fp32, then rounded), so the model computes exactly what
+its dequantized twin computes. On CUDA with the Triton backend they stay FP8: every projection and
+the routed experts run the weight-only FP8 kernels of ``kernels.triton.fp8`` (FP8 tiles widened
+in registers, block scales applied per 128-column step). With the torch backend on SM90 (Hopper),
+dense projections of whole blocks run one cuBLAS block-scaled GEMM (``torch.nn.functional.scaled_mm``:
+activations quantized per token and 128-column group on the fly, ``BlockWise1x128``; weights with
+their block scales, ``BlockWise128x128``) where the torch build's cuBLAS runs it; anything else is
+dequantized at load, with a warning.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from torch import nn
 
 from ...errors import OscarkvWarning
+from ...kernels import KernelOps
 from .linear import Linear, LinearMethod
 
 __all__ = [
@@ -152,9 +156,8 @@ class Fp8Block(LinearMethod):
     ceil(out/128), L4]`` (the checkpoint's ``ceil(in/128)`` columns, zero-padded to a multiple of 4
     for cuBLAS; :meth:`tensors` names the unpadded view).
 
-    Stacked experts (``lead``) need whole blocks (``out`` and ``in`` multiples of 128). On SM90 they
-    stay FP8 and :meth:`stacked` dequantizes them on every call into a transient model-dtype copy
-    for the grouped GEMM; a grouped FP8 GEMM is later work.
+    Stacked experts (``lead``) need whole blocks (``out`` and ``in`` multiples of 128). Kept FP8 on
+    CUDA, they are run by ``KernelOps.fp8_moe_experts`` (the :class:`~.moe.Experts` module calls it).
     """
 
     name = "fp8-block"
@@ -187,20 +190,31 @@ class Fp8Block(LinearMethod):
         w = layer.weight
         if not _quantized(layer):
             return nn.functional.linear(x, w)
-        if w.is_cuda:  # still FP8 on CUDA after finish: block-scaled GEMMs run it
-            return block_mm(x.reshape(-1, x.shape[-1]), w, layer.weight_scale_inv).view(*x.shape[:-1], -1)
+        if layer.kernel is not None:  # still FP8 after finish (CUDA): a block-scaled GEMM runs it
+            return layer.kernel(x.reshape(-1, x.shape[-1]), w, layer.weight_scale_inv).view(*x.shape[:-1], -1)
         return nn.functional.linear(x, dequantize_blocks(w, layer.weight_scale_inv, x.dtype))
 
-    def finish(self, layer: Linear) -> None:
-        """Keep FP8 for block-scaled GEMMs (SM90, whole blocks), else dequantize into the model
-        dtype and free the FP8 tensors (on CUDA with a one-line warning)."""
+    def finish(self, layer: Linear, ops: KernelOps | None = None) -> None:
+        """On CUDA, keep FP8 where a kernel runs it: the backend's Triton kernels (``ops.fp8_linear``
+        and, for stacked experts, ``ops.fp8_moe_experts``), else cuBLAS's block-scaled GEMM for
+        dense projections where it runs. Otherwise dequantize into the model dtype and free the FP8
+        tensors (on CUDA with a one-line warning)."""
         w = layer.weight
         if not _quantized(layer):
             return
         if w.is_cuda:
-            why = _no_fp8_gemm(layer)
-            if not why:
+            if layer.lead:
+                if ops is not None and ops.fp8_moe_experts is not None:
+                    return  # the Experts module calls ops.fp8_moe_experts on the FP8 tensors
+                why = "FP8 experts need the Triton kernels (backend 'triton')"
+            elif ops is not None and ops.fp8_linear is not None:
+                layer.kernel = ops.fp8_linear
                 return
+            else:
+                why = _no_fp8_gemm(layer)
+                if not why:
+                    layer.kernel = block_mm
+                    return
             msg = f"{why}: such FP8 weights run dequantized to the model dtype (twice their memory)"
             warnings.warn(OscarkvWarning(msg), stacklevel=2)
         dense = _dequantize_matrices(w, layer.weight_scale_inv, layer.factory["dtype"])

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from ...kernels import KernelOps
 from .parallel import Comm, Shard
 
 __all__ = ["ColumnLinear", "Linear", "LinearMethod", "RowLinear", "Target", "Unquantized", "blocks_of"]
@@ -53,8 +54,9 @@ class LinearMethod:
         """``x [T, in]`` -> ``x Wᵀ [T, out]`` in the model dtype (bias not added)."""
         raise NotImplementedError
 
-    def finish(self, layer: Linear) -> None:
-        """After loading: turn the loaded tensors into what :meth:`apply` reads."""
+    def finish(self, layer: Linear, ops: KernelOps | None = None) -> None:
+        """After loading: turn the loaded tensors into what :meth:`apply` reads (``ops``: the
+        backend's kernels, which decide what a quantized weight runs on)."""
 
     def stacked(self, layer: Linear) -> torch.Tensor:
         """Stacked experts' weights ``[E, out, in]`` in the model dtype, as the grouped GEMMs read them."""
@@ -124,6 +126,7 @@ class Linear(nn.Module):
         self.in_features, self.out_features, self.lead = in_features, out_features, lead
         self.method = method
         self.factory: dict[str, Any] = {"dtype": dtype, "device": device}
+        self.kernel: Any = None  # what ``method`` runs the weights with on a GPU, chosen at finish
         method.create(self, out_features, in_features, bias)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
 
@@ -131,8 +134,8 @@ class Linear(nn.Module):
         y = self.method.apply(self, x)
         return y if self.bias is None else y + self.bias
 
-    def finish(self) -> None:
-        self.method.finish(self)
+    def finish(self, ops: KernelOps | None = None) -> None:
+        self.method.finish(self, ops)
 
     def checkpoint_targets(self, prefix: str) -> dict[str, Target]:
         """``{"{prefix}.weight": Target, ...}`` for a plain (unsplit, unsharded) projection."""

@@ -160,9 +160,14 @@ class Experts(nn.Module):
         self.grouped = False
         self.small: Any = None
         self.small_tokens = 0
+        # set by the decoder where the experts stay FP8 (CUDA): ``KernelOps.fp8_moe_experts``
+        self.fp8: Any = None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``x [T, H]``, routing ``weights``/``ids [T, k]`` -> this rank's partial ``[T, H]``."""
+        if self.fp8 is not None:
+            a, b = self.w13, self.w2
+            return self.fp8(x, a.weight, a.weight_scale_inv, b.weight, b.weight_scale_inv, weights, ids)
         w13, w2 = self.w13.method.stacked(self.w13), self.w2.method.stacked(self.w2)
         if self.small is not None and x.shape[0] <= self.small_tokens:
             return self.small(x, w13, w2, weights, ids)

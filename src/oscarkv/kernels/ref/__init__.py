@@ -1,6 +1,7 @@
 """Readable PyTorch reference kernels (fp32 math): the CPU path and the test oracle."""
 
 from .decode_attention import decode_attention, merge_states, partial_attention
+from .fp8 import dequantize_fp8, fp8_linear, fp8_moe_experts
 from .moe import moe_experts
 from .norm import rms_norm, silu_and_mul
 from .prefill_attention import prefill_attention, prefill_attention_varlen
@@ -12,6 +13,9 @@ __all__ = [
     "apply_rotary",
     "decode_attention",
     "dequantize",
+    "dequantize_fp8",
+    "fp8_linear",
+    "fp8_moe_experts",
     "merge_states",
     "moe_experts",
     "partial_attention",

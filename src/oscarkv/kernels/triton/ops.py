@@ -17,6 +17,7 @@ from ..ref.prefill_attention import per_sequence
 from .decode import decode_attention
 from .decode.attention import _check_format as _decode_check
 from .dequantize import dequantize
+from .fp8 import fp8_linear, fp8_moe_experts
 from .moe import MoeTuning, moe_experts
 from .norm import rms_norm, silu_and_mul
 from .quantize_pack import _check as _quantize_check
@@ -109,4 +110,6 @@ KERNEL_OPS = KernelOps(
     quantize_pack_into=quantize_pack_into,
     moe_experts=moe_experts,
     moe_small_tokens=MoeTuning().small_tokens,
+    fp8_linear=fp8_linear,
+    fp8_moe_experts=fp8_moe_experts,
 )
