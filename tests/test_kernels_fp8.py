@@ -92,26 +92,34 @@ def test_align_pairs_groups_every_pair_once_by_expert(tokens: int, experts: int,
     assert (used[1:] >= used[:-1]).all()  # experts in order, blocks in front
 
 
+# several tiles and steps, both tile heights; the second splits every small launch's reduction
+TUNINGS = {
+    "tiles": dict(bn_small=32, bn_large=64, bm_large=32, bk=64, small_rows=16),
+    "split": dict(bn_small=32, bn_large=64, bm_large=32, bk=64, small_rows=16, programs_per_sm=1 << 20,
+                  min_split_steps=1, max_split=4),
+}  # fmt: skip
+
+
 @interpreted
+@pytest.mark.parametrize("tuning", sorted(TUNINGS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", LINEAR_GRID)
-def test_triton_vs_twin_fp8_linear(shape, dtype: torch.dtype) -> None:
+def test_triton_vs_twin_fp8_linear(shape, dtype: torch.dtype, tuning: str) -> None:
     from oscarkv.kernels.triton.fp8 import Fp8Tuning, fp8_linear
 
     args = linear_case(*shape, dtype)
-    tuning = Fp8Tuning(bn=32, bk=64, small_rows=16)  # several tiles, steps and both row tiles
-    close(fp8_linear(*args, tuning=tuning), ref.fp8_linear(*args), dtype)
+    close(fp8_linear(*args, tuning=Fp8Tuning(**TUNINGS[tuning])), ref.fp8_linear(*args), dtype)
 
 
 @interpreted
+@pytest.mark.parametrize("tuning", sorted(TUNINGS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", MOE_GRID)
-def test_triton_vs_twin_fp8_moe_experts(shape, dtype: torch.dtype) -> None:
+def test_triton_vs_twin_fp8_moe_experts(shape, dtype: torch.dtype, tuning: str) -> None:
     from oscarkv.kernels.triton.fp8 import Fp8Tuning, fp8_moe_experts
 
     args = moe_case(*shape, dtype)
-    tuning = Fp8Tuning(bn=64, bk=128, small_rows=16)
-    close(fp8_moe_experts(*args, tuning=tuning), ref.fp8_moe_experts(*args), dtype)
+    close(fp8_moe_experts(*args, tuning=Fp8Tuning(**TUNINGS[tuning])), ref.fp8_moe_experts(*args), dtype)
 
 
 def test_fp8_kernels_under_the_interpreter() -> None:
@@ -130,7 +138,7 @@ def test_bad_inputs_are_refused() -> None:
     with pytest.raises(ValueError, match="fp8_moe_experts: x \\[T, H\\]"):
         fp8_moe_experts(args[0][:, :128], *args[1:])
     with pytest.raises(ValueError, match="must divide 128"):
-        Fp8Tuning(bn=96)
+        Fp8Tuning(bn_small=96)
 
 
 @pytest.mark.gpu

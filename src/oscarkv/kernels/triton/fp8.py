@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import Launcher
+from .launch import Launcher, device_facts
 
 __all__ = ["Fp8Tuning", "align_pairs", "fp8_linear", "fp8_moe_experts"]
 
@@ -31,32 +31,55 @@ SCALE_BLOCK = 128
 
 @dataclass(frozen=True)
 class Fp8Tuning:
-    """Tiles: ``BM`` activation rows (``bm_small`` up to ``small_rows`` rows or pairs, else
-    ``bm_large``), ``BN`` weight rows (divides 128: one block scale per tile and step), ``BK``
-    reduction columns (divides 128)."""
+    """Tiles and launch shape. Up to ``small_rows`` activation rows (pairs, for experts) a launch
+    uses ``bm_small`` x ``bn_small`` tiles (memory-bound GEMV shapes), above it ``bm_large`` x
+    ``bn_large`` (compute-bound). ``BN`` and ``BK`` divide 128, so a tile's step has one block
+    scale. Small launches split the reduction over ``K`` into up to ``max_split`` parts (fp32
+    partials, summed after) until they have ``programs_per_sm`` programs per SM, each part keeping
+    at least ``min_split_steps`` steps of ``BK`` columns."""
 
-    bm_small: int = 16
-    bm_large: int = 64
     small_rows: int = 64
-    bn: int = 64
+    bm_small: int = 16
+    bn_small: int = 64
+    bm_large: int = 128
+    bn_large: int = 128
     bk: int = 128
-    num_warps: int = 4
-    num_stages: int = 4
+    warps_small: int = 4
+    warps_large: int = 8
+    stages_small: int = 4
+    stages_large: int = 3
+    programs_per_sm: int = 2
+    max_split: int = 8
+    min_split_steps: int = 4
 
     def __post_init__(self) -> None:
-        if SCALE_BLOCK % self.bn or SCALE_BLOCK % self.bk:
-            raise ValueError(f"Fp8Tuning: bn {self.bn} and bk {self.bk} must divide {SCALE_BLOCK}")
+        if SCALE_BLOCK % self.bn_small or SCALE_BLOCK % self.bn_large or SCALE_BLOCK % self.bk:
+            raise ValueError(
+                f"Fp8Tuning: bn_small {self.bn_small}, bn_large {self.bn_large} and bk {self.bk} must divide {SCALE_BLOCK}"
+            )
 
-    def bm(self, rows: int) -> int:
-        return self.bm_small if rows <= self.small_rows else self.bm_large
+    def launch(self, rows: int, tiles: int, k: int, sms: int) -> tuple[int, int, int, int, int]:
+        """``(BM, BN, split, num_warps, num_stages)`` for ``rows`` activation rows; ``tiles(bm, bn)``
+        is the number of output tiles of the launch; ``k`` the reduction length."""
+        if rows > self.small_rows:
+            return self.bm_large, self.bn_large, 1, self.warps_large, self.stages_large
+        split, steps = 1, triton.cdiv(k, self.bk)
+        while (
+            split < self.max_split
+            and tiles * split < self.programs_per_sm * sms
+            and steps // (2 * split) >= self.min_split_steps
+        ):
+            split *= 2
+        return self.bm_small, self.bn_small, split, self.warps_small, self.stages_small
 
 
 @triton.jit
-def _fp8_mm(X, W, S, Y, ROWS, BLOCK_E, M, N, K, s_xm, s_we, s_wn, s_se, s_sn, s_ym,
+def _fp8_mm(X, W, S, Y, ROWS, BLOCK_E, M, N, K, K_PART, s_xm, s_we, s_wn, s_se, s_sn, s_ys, s_ym,
             ROW_DIV: tl.constexpr, GATHER: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
             BK: tl.constexpr):  # fmt: skip
     pm = tl.program_id(0)
     pn = tl.program_id(1)
+    ps = tl.program_id(2)  # this program's part of the reduction: [ps * K_PART, (ps + 1) * K_PART)
     r = tl.arange(0, BM)
     if GATHER:
         e = tl.load(BLOCK_E + pm).to(tl.int64)
@@ -73,30 +96,43 @@ def _fp8_mm(X, W, S, Y, ROWS, BLOCK_E, M, N, K, s_xm, s_we, s_wn, s_se, s_sn, s_
     w_rows = W + e * s_we + n[:, None].to(tl.int64) * s_wn
     s_row = S + e * s_se + ((pn * BN) // 128) * s_sn
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    k_end = tl.minimum(K, (ps + 1) * K_PART)
+    for k0 in range(ps * K_PART, k_end, BK):
         kk = k0 + tl.arange(0, BK)
-        km = kk < K
+        km = kk < k_end
         x = tl.load(X + xr[:, None] * s_xm + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
         w = tl.load(w_rows + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
         sc = tl.load(s_row + k0 // 128)
         acc += tl.dot(x, tl.trans(w.to(x.dtype))) * sc
-    tl.store(
-        Y + rows[:, None] * s_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=rm[:, None] & nm[None, :]
-    )
+    out = Y + ps * s_ys + rows[:, None] * s_ym + n[None, :]
+    tl.store(out, acc.to(Y.dtype.element_ty), mask=rm[:, None] & nm[None, :])
 
 
 _MM = Launcher(_fp8_mm)
 
 
-def _launch(x, w, s, y, rows, blocks, m: int, n: int, k: int, row_div: int, bm: int, tu: Fp8Tuning) -> None:
+def _mm(x, w, s, rows, blocks, m: int, n: int, k: int, row_div: int, tu: Fp8Tuning) -> torch.Tensor:
+    """``[m, n]`` in ``x``'s dtype: the products of ``m`` rows (pairs, when ``rows`` lists them by
+    expert block) with ``w``'s rows."""
     gather = rows is not None
-    grid_m = blocks.shape[0] if gather else triton.cdiv(m, bm)
+    sms = device_facts(x.device)[0] or 1
+
+    def tiles(bm: int, bn: int) -> int:
+        return (blocks.shape[0] if gather else triton.cdiv(m, bm)) * triton.cdiv(n, bn)
+
+    bm, bn, split, warps, stages = tu.launch(m, tiles(tu.bm_small, tu.bn_small), k, sms)
+    if gather and bm != rows.shape[0] // blocks.shape[0]:
+        raise ValueError("fp8 experts: the pair blocks were aligned for another tile height")
+    k_part = triton.cdiv(triton.cdiv(k, tu.bk), split) * tu.bk
+    y = torch.empty((split, m, n) if split > 1 else (1, m, n), dtype=torch.float32 if split > 1 else x.dtype,
+                    device=x.device)  # fmt: skip
     s_we, s_se = (w.stride(0), s.stride(0)) if w.dim() == 3 else (0, 0)
     dummy = y  # an unused pointer where the dense path has no pair lists
-    _MM((grid_m, triton.cdiv(n, tu.bn)), x, w, s, y, rows if gather else dummy, blocks if gather else dummy,
-        m, n, k, x.stride(0), s_we, w.stride(-2), s_se, s.stride(-2), y.stride(0),
-        ROW_DIV=row_div, GATHER=gather, BM=bm, BN=tu.bn, BK=tu.bk, num_warps=tu.num_warps,
-        num_stages=tu.num_stages)  # fmt: skip
+    grid_m = blocks.shape[0] if gather else triton.cdiv(m, bm)
+    _MM((grid_m, triton.cdiv(n, bn), split), x, w, s, y, rows if gather else dummy, blocks if gather else dummy,
+        m, n, k, k_part, x.stride(0), s_we, w.stride(-2), s_se, s.stride(-2), y.stride(0), y.stride(1),
+        ROW_DIV=row_div, GATHER=gather, BM=bm, BN=bn, BK=tu.bk, num_warps=warps, num_stages=stages)  # fmt: skip
+    return y[0] if split == 1 else y.sum(dim=0).to(x.dtype)
 
 
 def _check_scales(w: torch.Tensor, s: torch.Tensor, what: str) -> None:
@@ -120,10 +156,9 @@ def fp8_linear(
             f"fp8_linear: x [M, K] (unit last stride), w [N, K]; got x {list(x.shape)}, w {list(w.shape)}"
         )
     _check_scales(w, s, "fp8_linear")
-    y = torch.empty(m, w.shape[0], dtype=x.dtype, device=x.device)
-    if m:
-        _launch(x, w, s, y, None, None, m, w.shape[0], k, 1, tuning.bm(m), tuning)
-    return y
+    if not m:
+        return x.new_empty(0, w.shape[0])
+    return _mm(x, w, s, None, None, m, w.shape[0], k, 1, tuning)
 
 
 def align_pairs(ids: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,13 +208,10 @@ def fp8_moe_experts(
     if t == 0:
         return torch.empty_like(x)
     p, dt = t * k, x.dtype
-    bm = tuning.bm(p)
-    rows, blocks = align_pairs(ids, e, bm)
-    h13 = torch.empty(p, two_i, dtype=dt, device=x.device)
-    _launch(x, w13, s13, h13, rows, blocks, p, two_i, h, k, bm, tuning)
+    rows, blocks = align_pairs(ids, e, tuning.bm_small if p <= tuning.small_rows else tuning.bm_large)
+    h13 = _mm(x, w13, s13, rows, blocks, p, two_i, h, k, tuning)
     g, u = h13[:, :inter].float(), h13[:, inter:].float()
     a = (torch.nn.functional.silu(g).to(dt).float() * u).to(dt)
-    y = torch.empty(p, h, dtype=dt, device=x.device)
-    _launch(a, w2, s2, y, rows, blocks, p, h, inter, 1, bm, tuning)
+    y = _mm(a, w2, s2, rows, blocks, p, h, inter, 1, tuning)
     y = (y.float() * weights.reshape(p, 1).float()).to(dt)
     return y.view(t, k, h).float().sum(dim=1).to(dt)
