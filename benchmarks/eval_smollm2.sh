@@ -6,7 +6,7 @@
 #   the recipes as methods oscar:NAME.
 # usage: bash benchmarks/eval_smollm2.sh SMOLLM2_DIR OUT_DIR [CONTEXT SEQUENCES PROMPTS DEVICE]
 #   defaults 2048 8 24 cpu (the docs' CPU run); on a GPU: 4096 24 100 cuda
-# get the model: ../shared/tools/get_smollm2.sh DIR
+# get the model: scripts/get_smollm2.sh DIR
 set -eu
 M=$1; O=$2; CTX=${3:-2048}; SEQ=${4:-8}; PROMPTS=${5:-24}; DEV=${6:-cpu}
 DT=$([ "$DEV" = cpu ] && echo fp32 || echo bf16)

@@ -19,7 +19,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--smollm2",
         default=str(SHARED_DIR / "models" / "smollm2-135m-instruct"),
-        help="SmolLM2-135M-Instruct as a transformers folder (../shared/tools/get_smollm2.sh makes one)",
+        help="SmolLM2-135M-Instruct as a transformers folder (scripts/get_smollm2.sh DIR makes one)",
+    )
+    parser.addoption(
+        "--qwen25-coder",
+        default=str(SHARED_DIR / "models" / "qwen2.5-coder-1.5b-instruct"),
+        help="Qwen2.5-Coder-1.5B-Instruct as a transformers folder (scripts/get_qwen25_coder.sh DIR makes one)",
     )
 
 
@@ -29,7 +34,20 @@ def smollm2_dir(request: pytest.FixtureRequest) -> Path:
     path = Path(request.config.getoption("--smollm2"))
     if not (path / "config.json").is_file():
         pytest.skip(
-            f"SmolLM2-135M-Instruct not found at {path}: run ../shared/tools/get_smollm2.sh DIR, pass --smollm2 DIR"
+            f"SmolLM2-135M-Instruct not found at {path}: run scripts/get_smollm2.sh DIR, pass --smollm2 DIR"
+        )
+    return path
+
+
+@pytest.fixture
+def qwen25_coder_dir(request: pytest.FixtureRequest) -> Path:
+    """Qwen2.5-Coder-1.5B-Instruct (a real head_dim-128 model, docs/eval.md), or a skip saying how
+    to get it."""
+    path = Path(request.config.getoption("--qwen25-coder"))
+    if not (path / "config.json").is_file():
+        pytest.skip(
+            f"Qwen2.5-Coder-1.5B-Instruct not found at {path}: "
+            "run scripts/get_qwen25_coder.sh DIR, pass --qwen25-coder DIR"
         )
     return path
 
