@@ -53,7 +53,7 @@ def check_pool(pool: PagePool, name: str, owners: Counter[int]) -> None:
 
 def replay_tiers(s: Scheduler, seq: Sequence, steps: list[tuple[str, int]], fresh: bool) -> TierState:
     """The tier state after ``steps``; ``fresh`` replays a prefix hit as a prefill instead."""
-    st, target = TierState(), s.sink_target(seq)
+    st, target = TierState(), s.kv.sink_target(seq)
     for kind, n in steps[1:]:
         if kind == "hit" and not fresh:
             n_sink = min(n, target)
@@ -73,7 +73,7 @@ def _check_seq(s: Scheduler, seq: Sequence) -> None:
         _fail(f"I5 {r!r}: tiers {st} do not add up to n_computed {seq.n_computed}")
     if len(seq.hp_pages) != -(-st.n_sink // ps) or len(seq.q_pages) != -(-st.n_q // ps):
         _fail(f"I5 {r!r}: {len(seq.hp_pages)} hp / {len(seq.q_pages)} q pages for tiers {st}")
-    if seq.n_computed > seq.num_tokens or st.n_sink > s.sink_target(seq):
+    if seq.n_computed > seq.num_tokens or st.n_sink > s.kv.sink_target(seq):
         _fail(f"I5 {r!r}: n_computed {seq.n_computed} / n_sink {st.n_sink} beyond its limits")
     if not 0 <= st.head < s.ring or st.n_recent > s.ring:
         _fail(f"I5 {r!r}: ring (head {st.head}, n_recent {st.n_recent}) outside its slab of {s.ring}")
@@ -125,5 +125,5 @@ def check(s: Scheduler) -> None:
     all_slots = sorted(slots + list(s.free_slots))
     if all_slots != list(range(s.cfg.max_running)):
         _fail(f"I5: request slots {sorted(slots)} in use and {sorted(s.free_slots)} free overlap or leak")
-    if s.idle and (any(s.hp.ref) or any(s.q.ref)):
+    if s.idle and s.kv.in_use:
         _fail("I7: idle, but some pages still have owners")

@@ -273,7 +273,5 @@ class Engine:
     def memory_report(self) -> dict[str, Any]:
         """Bytes of every KV pool as allocated, plus the page counts of each tier."""
         rep = self.runner.memory_report()
-        rep["pages"] = {"hp_free": self.hp.n_free, "hp_cached": self.hp.n_cached}
-        if self.q is not None:
-            rep["pages"].update(q_free=self.q.n_free, q_cached=self.q.n_cached)
+        rep["pages"] = self.scheduler.kv.stats()
         return rep

@@ -25,21 +25,19 @@ from dataclasses import replace
 
 from ..config import EngineConfig, QuantSpec
 from ..errors import InputError
-from ..quant.tiers import Moves, TierState, apply_moves, plan_moves, window_limit
+from ..quant.tiers import TierState, apply_moves, plan_moves, window_limit
 from .check import check
+from .kv_manager import KVManager
 from .pages import OutOfPages, PagePool
-from .prefix_cache import UNBOUNDED_SINK, PrefixCache
+from .prefix_cache import PrefixCache
 from .request import Batch, FinishReason, Sequence, Status, StepSeq
 
 __all__ = ["Scheduler"]
 
 
-def _ceil(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class Scheduler:
-    """Owns the waiting queue, the running list (admission order, newest last) and request slots."""
+    """Owns the waiting queue, the running list (admission order, newest last) and request slots;
+    asks :class:`KVManager` (``self.kv``) for pages."""
 
     def __init__(self, cfg: EngineConfig, hp: PagePool, q: PagePool | None = None,
                  prefix: PrefixCache | None = None, *, spec: QuantSpec | None = None,
@@ -51,8 +49,7 @@ class Scheduler:
         if self.int2:
             cfg.check_spec(spec)
         self.cfg, self.spec, self.ps = cfg, spec, cfg.page_tokens
-        self.hp, self.q = hp, q if q is not None else PagePool(1)
-        self.prefix = prefix
+        self.kv = KVManager(spec, self.int2, cfg.page_tokens, hp, q, prefix, cfg.decode_reserve_pages)
         self.ring = window_limit(spec)  # ring modulus of every request slot
         self.max_model_len = max_model_len if max_model_len is not None else cfg.max_model_len
         self.eos_ids = frozenset(eos_ids)
@@ -67,18 +64,21 @@ class Scheduler:
         self._pending: dict[str, FinishReason] = {}
         self._epochs = itertools.count()
 
-    # ---- requests -------------------------------------------------------------------------
-    def sink_target(self, seq: Sequence) -> int:
-        assert seq.sink_len is not None
-        return seq.sink_len if self.int2 else UNBOUNDED_SINK
+    @property
+    def hp(self) -> PagePool:
+        """The 16-bit pages (owned by ``self.kv``)."""
+        return self.kv.hp
 
-    def pages_for(self, n: int, sink_len: int) -> tuple[int, int]:
-        """(16-bit, INT2) pages after a fresh prefill of ``n`` tokens: the most a request with
-        ``n`` computed tokens ever holds (decode keeps at least as many in the ring)."""
-        m = plan_moves(
-            TierState(), n, False, self.spec, sink_target=sink_len if self.int2 else UNBOUNDED_SINK
-        )
-        return _ceil(m.to_sink, self.ps), _ceil(m.to_int2, self.ps)
+    @property
+    def q(self) -> PagePool:
+        """The INT2 pages (owned by ``self.kv``; a 1-page dummy in bf16 mode)."""
+        return self.kv.q
+
+    @property
+    def prefix(self) -> PrefixCache | None:
+        return self.kv.prefix
+
+    # ---- requests -------------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request; raises :class:`InputError` for one that can never run (:meth:`check`)."""
@@ -102,13 +102,7 @@ class Scheduler:
         if mml is not None and n + mt > mml:
             raise InputError(f"prompt ({n} tokens) + max_tokens ({mt}) must be <= max_model_len ({mml})",
                              "lower max_tokens or raise --max-model-len")  # fmt: skip
-        sink_len = seq.sink_len if seq.sink_len is not None else min(n, self.spec.sink_tokens)
-        need_h, need_q = self.pages_for(n + mt - 1, sink_len)
-        for need, pool, kind in ((need_q, self.q, "INT2"), (need_h, self.hp, "16-bit")):
-            if need > pool.capacity:
-                raise InputError(f"prompt of {n} tokens with max_tokens {mt} needs {need} {kind} pages "
-                                 f"of {self.ps} tokens; the pool has {pool.capacity}",
-                                 "raise --kv-budget-gb or lower max_tokens")  # fmt: skip
+        self.kv.fits(n, mt, seq.sink_len if seq.sink_len is not None else min(n, self.spec.sink_tokens))
 
     def abort(self, rid: str) -> Sequence | None:
         """Finish ``rid`` with "abort"; returns it, or None if unknown or deferred (see finish)."""
@@ -187,8 +181,8 @@ class Scheduler:
                     reason = FinishReason.STOP
             if seq.status is Status.FINISHED:
                 continue
-            if self.prefix is not None and seq.status is Status.RUNNING:
-                self.prefix.publish_ready(seq)
+            if seq.status is Status.RUNNING:
+                self.kv.publish_ready(seq)
             if reason is not None:
                 self._finish(seq, reason)
                 done.append(seq)
@@ -253,15 +247,8 @@ class Scheduler:
         if seq.sink_len is None:
             seq.sink_len = min(len(seq.prompt), self.spec.sink_tokens)
         n = seq.num_tokens
-        if self.prefix is not None and seq.params.prompt_logprobs is None:  # scoring computes every row
-            seq.hp_pages, seq.q_pages = self.prefix.match(seq)
-            seq.published = len(seq.hp_pages) + len(seq.q_pages)
-            seq.n_computed = seq.published * self.ps
-            seq.tiers = self.prefix.hit_state(n, seq.n_computed, self.sink_target(seq))
-        need_h, need_q = self.pages_for(n, seq.sink_len)
-        reserve = self.cfg.decode_reserve_pages * len(self.running)  # on the growing tier
-        need_h += (not self.int2) * reserve - len(seq.hp_pages)
-        if need_h > self.hp.n_free or need_q + self.int2 * reserve - len(seq.q_pages) > self.q.n_free:
+        self.kv.match(seq)
+        if not self.kv.can_allocate(seq, len(self.running)):
             self._release(seq, reset=True)  # undo the match
             return None
         self.running.append(self.waiting.popleft())
@@ -279,9 +266,9 @@ class Scheduler:
         """Allocate and advance one step of ``seq``; None if it cannot get its pages (with
         ``preempt``: after preempting newer sequences, ``seq`` itself last)."""
         while True:
-            moves = plan_moves(seq.tiers, n, decode, self.spec, sink_target=self.sink_target(seq))
+            moves = plan_moves(seq.tiers, n, decode, self.spec, sink_target=self.kv.sink_target(seq))
             try:
-                self._grow(seq, moves)
+                self.kv.allocate(seq, moves)
                 break
             except OutOfPages:
                 if not preempt:
@@ -297,23 +284,9 @@ class Scheduler:
             self.trace[seq.rid].append(("decode" if decode else "prefill", n))
         return item
 
-    def _grow(self, seq: Sequence, m: Moves) -> None:
-        """Allocate the pages ``m`` writes (all or nothing)."""
-        st = seq.tiers
-        need_h = _ceil(st.n_sink + m.to_sink, self.ps) - len(seq.hp_pages)
-        need_q = _ceil(st.n_q + m.demote + m.to_int2, self.ps) - len(seq.q_pages)
-        if need_h > self.hp.n_free or need_q > self.q.n_free:
-            raise OutOfPages(f"{seq.rid!r} needs {need_h} 16-bit and {need_q} INT2 pages")
-        seq.hp_pages += self.hp.alloc(max(need_h, 0))
-        seq.q_pages += self.q.alloc(max(need_q, 0))
-
     def _release(self, seq: Sequence, reset: bool) -> None:
-        """Drop ``seq``'s pages (reverse order, so tails are evicted first) and its slot."""
-        for p in reversed(seq.q_pages):
-            self.q.decref(p)
-        for p in reversed(seq.hp_pages):
-            self.hp.decref(p)
-        seq.hp_pages, seq.q_pages = [], []
+        """Drop ``seq``'s pages and its slot."""
+        self.kv.free(seq)
         if seq.slot is not None:
             heapq.heappush(self.free_slots, seq.slot)
             seq.slot = None
