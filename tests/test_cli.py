@@ -230,7 +230,7 @@ def test_generate_streams_the_continuation_and_reports_memory(
     assert rc == 0
     captured = capsys.readouterr()
     err = captured.err
-    assert "KV cache:" in err and "quantized" in err
+    assert "KV cache:" in err and "quantized" in err and " fp32 tokens" in err  # the dtype really stored
     quantized = int(err.split("KV cache:")[1].split(" for ")[1].split(" quantized")[0])
     assert quantized > 0
     # the streamed text (stdout) is the continuation alone, ended by a newline: the decode of the
@@ -248,6 +248,50 @@ def test_generate_streams_the_continuation_and_reports_memory(
     assert full.shape[1] == ids.shape[1] + 8
     assert captured.out == tok.decode(full[0, ids.shape[1] :]) + "\n"
     assert captured.out == "\ndef add(a, b):\n"  # measured: the model repeats the function
+
+
+def test_generate_without_rotations_streams_the_16_bit_cache(capsys: pytest.CaptureFixture[str]) -> None:
+    """No --rotations: transformers' own cache in the model dtype, the same command otherwise."""
+    import torch
+    from transformers import DynamicCache
+
+    from oscarkv.demo import demo_model_path
+
+    model_dir = str(demo_model_path())
+    prompt = "def add(a, b):\n    return a + b\n\n"
+    assert (
+        main(
+            ["generate", "--model", model_dir, "--prompt", prompt, "--max-new-tokens", "8", "--device", "cpu"]
+        )
+        == 0
+    )
+    out, err = capsys.readouterr()
+    model, tok = load_model(model_dir, "cpu", "fp32")
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        full = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=DynamicCache(),
+                              max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id or 0)  # fmt: skip
+    assert out == tok.decode(full[0, ids.shape[1] :], skip_special_tokens=True) + "\n"
+    assert f"for {full.shape[1] - 1} tokens in fp32 (no rotations: uncompressed)" in err
+
+
+def test_generate_streams_no_special_tokens(smollm2_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A chat answer ends with <|im_end|>: the stream stops before it instead of printing it."""
+    prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    argv = [
+        "generate",
+        "--model",
+        str(smollm2_dir),
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        "20",
+        "--device",
+        "cpu",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Paris" in out and "<|im_end|>" not in out and "<|" not in out
 
 
 def test_missing_model_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

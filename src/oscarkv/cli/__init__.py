@@ -104,10 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "generate",
         parents=common,
-        help="generate with the 2-bit cache: one prompt streamed (OscarCache), or a batch with --engine",
+        help="generate: one prompt streamed (with --rotations the 2-bit OscarCache, without it the 16-bit cache), or a batch with --engine",
     )
     _model_flags(p)
-    p.add_argument("--rotations", help="rotation artifact (ours or OSCAR RotationZoo files)")
+    p.add_argument(
+        "--rotations",
+        help="rotation artifact (ours or OSCAR RotationZoo files); without it: the 16-bit cache",
+    )
     p.add_argument("--prompt", help="the prompt; @FILE reads a UTF-8 file, @@text is the literal @text")
     p.add_argument(
         "--prompts",

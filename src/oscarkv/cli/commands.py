@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .args import dataclass_from_args
 from .preflight import check_model, load_checked_rotations, read_json_file, read_prompt
@@ -241,7 +241,7 @@ def _recipe_dirs(specs: list[str]) -> dict[str, str]:
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
-    from transformers import TextStreamer
+    from transformers import DynamicCache, TextStreamer
 
     from ..config import GenerateConfig
     from ..errors import InputError
@@ -255,7 +255,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return generate_engine(args, gen)
     prompt = read_prompt(args.prompt)
     info, device = check_model(args.model, args.device)
-    rots = load_checked_rotations(args.rotations, info.config, args.strict)
+    rots = load_checked_rotations(args.rotations, info.config, args.strict) if args.rotations else None
     if info.max_positions and gen.max_new_tokens >= info.max_positions:
         raise InputError(
             f"--max-new-tokens {gen.max_new_tokens} leaves no room for a prompt in the model's "
@@ -266,7 +266,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     resolve(args.backend, device)  # a backend that cannot run here fails before the model loads
     model, tok = load_model(args.model, device, args.dtype, info=info)
-    cache = OscarCache.from_rotations(model, rots, backend=args.backend)
+    cache = (
+        OscarCache.from_rotations(model, rots, backend=args.backend) if rots is not None else DynamicCache()
+    )
     ids = tok(prompt, return_tensors="pt").input_ids.to(next(model.parameters()).device)
     if ids.shape[1] == 0:
         raise InputError("--prompt: the prompt encodes to no tokens", "pass some text")
@@ -282,17 +284,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
             attention_mask=torch.ones_like(ids),
             past_key_values=cache,
             max_new_tokens=gen.max_new_tokens,
-            streamer=TextStreamer(tok, skip_prompt=True),
+            streamer=TextStreamer(tok, skip_prompt=True, skip_special_tokens=True),
             pad_token_id=getattr(tok, "pad_token_id", None) or 0,
             **gen.sampling_kwargs(),
         )
-    rep = cache.memory_report()
-    Console(stderr=True).print(
-        f"\n[dim]KV cache: {rep['total_bytes'] / 2**20:.1f} MiB for {rep['tokens_quantized']} quantized + "
-        f"{rep['tokens_hp']} 16-bit tokens ({rep['bits_per_element']:.2f} bits/element; "
-        f"{rep['bf16_bytes'] / 2**20:.1f} MiB in BF16)[/]"
-    )
+    Console(stderr=True).print(f"\n[dim]{_kv_line(cache, next(model.parameters()).dtype)}[/]")
     return 0
+
+
+def _kv_line(cache: Any, dtype: Any) -> str:
+    """One line on the KV memory ``cache`` holds, naming the dtype its unquantized rows are stored in
+    (fp32 where the model runs in fp32 on a CPU)."""
+    name = str(dtype).removeprefix("torch.").replace("float32", "fp32").replace("bfloat16", "bf16")
+    name = name.replace("float16", "fp16")
+    if not hasattr(cache, "memory_report"):  # transformers' DynamicCache: no rotations
+        n_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+                      if t is not None)  # fmt: skip
+        tokens = cache.get_seq_length()
+        return (
+            f"KV cache: {n_bytes / 2**20:.1f} MiB for {tokens} tokens in {name} (no rotations: uncompressed)"
+        )
+    rep = cache.memory_report()
+    line = (f"KV cache: {rep['total_bytes'] / 2**20:.1f} MiB for {rep['tokens_quantized']} quantized + "
+            f"{rep['tokens_hp']} {name} tokens ({rep['bits_per_element']:.2f} bits/element; "
+            f"{rep['bf16_bytes'] / 2**20:.1f} MiB in BF16)")  # fmt: skip
+    if rep["total_bytes"] > rep["bf16_bytes"]:
+        line += f"; more than BF16: a prompt this short stays in the {name} windows"
+    return line
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

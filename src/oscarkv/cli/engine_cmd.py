@@ -49,8 +49,6 @@ def check_engine_flags(args: argparse.Namespace) -> None:
             raise InputError(
                 "generate needs --prompt TEXT|@FILE", "or --engine --prompts FILE.jsonl for a batch"
             )
-        if args.rotations is None:
-            raise InputError("generate needs --rotations DIR (from `oscarkv calibrate`)")
     elif (args.prompt is None) == (args.prompts is None):
         raise InputError("--engine needs exactly one of --prompt TEXT|@FILE and --prompts FILE.jsonl")
 
