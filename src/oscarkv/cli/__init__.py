@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "demo",
         parents=common,
-        help="calibrate + evaluate the bundled demo model (offline, a few CPU minutes)",
+        help="calibrate + evaluate the bundled demo model (offline, about 30 s on two quiet CPU cores)",
     )
     p.add_argument("--out", default="oscarkv-demo", help="output directory (rotations, results, plots)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")

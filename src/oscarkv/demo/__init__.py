@@ -1,5 +1,5 @@
-"""`oscarkv demo`: what oscarkv is for, on the bundled demo model, offline, in about a minute on
-two CPU cores.
+"""`oscarkv demo`: what oscarkv is for, on the bundled demo model, offline, in about 30 s on two
+quiet CPU cores.
 
 1. Calibrate rotations for the tiny trained model shipped in ``oscarkv/assets/demo-model`` (a
    Qwen3-architecture code model: head dim 128, trained on 1K-token windows of the Python standard
