@@ -355,10 +355,15 @@ def test_nested_captures_of_two_models_route_to_their_own_callbacks():
     assert calls_b == [], "model B's callback received model A's layers"
 
 
-def test_calibrate_with_progress_bar(models, tok, corpus):
+def test_calibrate_with_progress_bar(models, tok, corpus, capsys):
+    """Every pass shows progress, the held-out passes of the choices too (they ran silently for
+    minutes on a real model): their line counts the forwards run."""
     cfg = CalibrationConfig(tokens=128, seq_len=128, holdout_tokens=128)
     rs = calibrate(models["llama"], tok, cfg, SPEC, data=corpus, progress=True)
     assert rs.layer_ids == [0, 1] and rs.provenance.recipe["tokens"] == 128
+    out = capsys.readouterr().out
+    assert "statistics" in out and "held-out passes" in out
+    assert int(out.split("held-out passes")[-1].split(" forwards")[0].split()[-1]) >= 3
 
 
 # ---- 2./3. K and V targets through calibrate -------------------------------------------------

@@ -86,6 +86,32 @@ def _batches(seqs: Sequence[torch.Tensor], batch_size: int) -> list[torch.Tensor
     return out
 
 
+class _HeldProgress:
+    """One live line for the held-out passes (the granularity, offset and key-width choices: most of
+    a calibration's time on a CPU), started at the first forward: a pulsing bar, the forwards run
+    and the time elapsed, refreshed while a forward runs."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.prog, self.task = enabled, None, None
+
+    def tick(self) -> None:
+        if not self.enabled:
+            return
+        if self.prog is None:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            cols = [TextColumn("held-out passes"), BarColumn(), TextColumn("{task.completed} forwards"),
+                    TimeElapsedColumn()]  # fmt: skip
+            self.prog = Progress(*cols)
+            self.task = self.prog.add_task("held-out", total=None)
+            self.prog.start()
+        self.prog.advance(self.task)
+
+    def close(self) -> None:
+        if self.prog is not None:
+            self.prog.stop()
+
+
 def calibrate(
     model: Any,
     tokenizer: Any,
@@ -102,10 +128,27 @@ def calibrate(
         config: the recipe (tokens, sequence length, granularity, method, value target, ...).
         spec: the storage format the rotations are tuned for (clip grid, windows, bits).
         data: text files / folders / JSONL; ``None`` uses the Python standard library sources.
-        progress: show a progress bar with tokens/s.
+        progress: show progress bars: tokens/s of each pass over the text, then the held-out
+            passes of the choices (granularity, offsets, key widths) as they run.
     Returns:
         A validated :class:`~oscarkv.rotation.RotationSet`.
     """
+    held_progress = _HeldProgress(progress)
+    try:
+        return _calibrate(model, tokenizer, config, spec, data, progress, held_progress.tick)
+    finally:
+        held_progress.close()
+
+
+def _calibrate(
+    model: Any,
+    tokenizer: Any,
+    config: CalibrationConfig | None,
+    spec: QuantSpec | None,
+    data: Sequence[str | Path] | None,
+    progress: bool,
+    tick: Callable[[], None],
+) -> RotationSet:
     cfg, spec = config or CalibrationConfig(), spec or QuantSpec()
     check_supported(model)
     geo = attention_geometry(model)
@@ -166,7 +209,7 @@ def calibrate(
     held: HeldOut | None = None  # the held-out NLL's exact pass, made once where first needed
     known: float | None = None  # the held-out NLL of `rots` as they stand, where a step measured it
     if compare:  # first: every later step tunes the kept rotations
-        held = HeldOut(model, _batches(hold, cfg.batch_size), spec, d)
+        held = HeldOut(model, _batches(hold, cfg.batch_size), spec, d, tick=tick)
         rots, gran, gran_choice = choose_granularity(held, rots, per_head, GRANULARITY_MARGIN)
         per_head, known = {}, gran_choice[f"nll_{gran}"]
     selection: dict[str, dict[str, Any]] = {}
@@ -187,7 +230,7 @@ def calibrate(
         picked, heads = osel.apply()
         # the per-head choice stands only if it also lowers the held-out NLL of the whole model
         bare = {i: dataclasses.replace(lr, k_offset=None, v_offset=None) for i, lr in rots.items()}
-        held = held or HeldOut(model, _batches(hold, cfg.batch_size), spec, d)
+        held = held or HeldOut(model, _batches(hold, cfg.batch_size), spec, d, tick=tick)
         nll = {"with": held.nll(picked), "without": held.nll(bare) if bare_nll is None else bare_nll}
         rots = picked if nll["with"] < nll["without"] else bare
         known = min(nll.values())
@@ -215,12 +258,12 @@ def calibrate(
 
     key_bits: dict[str, Any] = {}
     if cfg.bits_per_element is not None:  # last: it ranks the layers as they will be stored
-        held = held or HeldOut(model, _batches(hold, cfg.batch_size), spec, d)
+        held = held or HeldOut(model, _batches(hold, cfg.batch_size), spec, d, tick=tick)
         rots, key_bits = select_key_bits(
             held, rots, cfg.bits_per_element, cfg.budget_context, cfg.high_key_bits, known
         )
     elif cfg.max_ppl_increase is not None:
-        held = held or HeldOut(model, _batches(hold, cfg.batch_size), spec, d)
+        held = held or HeldOut(model, _batches(hold, cfg.batch_size), spec, d, tick=tick)
         rots, key_bits = select_key_bits_for_target(
             held, rots, cfg.max_ppl_increase, cfg.max_bits_per_element, cfg.budget_context,
             cfg.high_key_bits, known,

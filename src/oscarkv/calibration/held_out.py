@@ -18,7 +18,7 @@ One exact pass at construction keeps what every later pass shares:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -34,7 +34,8 @@ __all__ = ["HeldOut", "held_out_nll"]
 class HeldOut:
     """Held-out NLL for rotation sets: ``HeldOut(model, batches, spec, head_dim).nll(rotations)``.
 
-    ``batches``: token ids ``[B, T]`` (``T >= 2``); ``n_score``: targets scored per sequence.
+    ``batches``: token ids ``[B, T]`` (``T >= 2``); ``n_score``: targets scored per sequence;
+    ``tick``: called after every forward (a progress display).
     """
 
     @torch.inference_mode()
@@ -45,8 +46,10 @@ class HeldOut:
         spec: QuantSpec,
         head_dim: int,
         n_score: int = 1024,
+        tick: Callable[[], None] | None = None,
     ):
         self.model, self.spec, self.head_dim = model, spec, head_dim
+        self.tick = tick or (lambda: None)
         self.decoder = _decoder_layers(model)
         device = next(model.parameters()).device
         # per batch: (kept prefix cache or None, the ids a pass runs, targets, exact layer outputs)
@@ -66,6 +69,7 @@ class HeldOut:
             with self._recording(outputs):
                 logits = self._forward(cache, run)
             self._runs.append((cache, run, ids[:, -n:], outputs))
+            self.tick()
             total += _nll_sum(logits, ids[:, -n:])
             count += ids[:, -n:].numel()
         self.count = count
@@ -89,6 +93,7 @@ class HeldOut:
             with _patched(self.model, ls), self._replaying(outputs, first):
                 logits = self._forward(cache, run)
             total += _nll_sum(logits, targets)
+            self.tick()
         return total / max(self.count, 1)
 
     def _forward(self, cache: Any, run: torch.Tensor) -> torch.Tensor:
