@@ -130,6 +130,11 @@ def test_demo(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert held["bf16"] == 2 and held["int2"] >= 4 * held["bf16"], held  # measured 9 at 1K
     assert mib["int2"] < 0.25 * mib["bf16"] and serving["bits_per_element"]["int2"] <= 3.0, serving
     assert 0 <= serving["greedy_equal_prefix"] <= serving["generated"]
+    ex = serving["example"]  # one continuation from each side, shown beside each other
+    assert ex["bf16"] and ex["int2"] and 0 <= ex["same_tokens"] <= serving["generated"]
+    assert "One prompt's continuation" in out
+    # the layers that keep wider keys are recorded for layer_errors.png (the 3.0-bit budget raises one)
+    assert data["settings"]["wide_key_layers"] and set(data["settings"]["wide_key_layers"].values()) == {4}
     for f in ("layer_errors.png", "memory.png", "quality.png", "rotations/rotations.safetensors"):
         assert (tmp_path / f).exists(), f
 

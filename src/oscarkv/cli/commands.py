@@ -162,7 +162,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from ..calibration.data import check_sources
     from ..config import EvalConfig, SpecError
     from ..eval import run_eval, summary_markdown, write_report
-    from ..eval.report import REPORT_FILES
+    from ..eval.report import REPORT_FILES, high_key_layers
     from ..hf.loading import load_model
     from ..utils.files import check_output_dir
 
@@ -202,6 +202,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "model": args.model,
         "rotations": args.rotations,
         "recipes": recipe_dirs or None,
+        # layer -> key bits where the oscar rotations keep wider keys (shaded in layer_errors.png)
+        "wide_key_layers": high_key_layers(rots) if rots is not None else None,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         # the user's files (perplexity, per-layer errors), else this Python's standard library;
         # the needle filler is always the standard library

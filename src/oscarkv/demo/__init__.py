@@ -22,7 +22,7 @@ from importlib import resources
 from pathlib import Path
 
 from ..config import CalibrationConfig, EvalConfig, QuantSpec
-from .report import compare_serving, demo_plots, quality_table, serving_table
+from .report import compare_serving, demo_plots, example_table, quality_table, serving_table
 
 __all__ = ["DEMO_EVAL", "DEMO_OUTPUTS", "DEMO_SPEC", "demo_model_path", "run_demo"]
 
@@ -69,7 +69,7 @@ def run_demo(
 
     from ..calibration import calibrate, token_sequences
     from ..eval import run_eval, write_report
-    from ..eval.report import summary
+    from ..eval.report import high_key_layers, summary
     from ..hf.loading import load_model
     from ..rotation import save_rotations
     from ..utils.files import atomic_write_text, check_output_dir
@@ -102,12 +102,14 @@ def run_demo(
     serving = compare_serving(str(demo_model_path()), str(out / "rotations"), prompts, rots, context, gen,
                               DEMO_BF16_HELD)  # fmt: skip
     seconds = round(time.perf_counter() - t0, 1)
-    settings = {**dataclasses.asdict(cfg.effective()), "model": "oscarkv demo model", "seconds": seconds}
+    settings = {**dataclasses.asdict(cfg.effective()), "model": "oscarkv demo model", "seconds": seconds,
+                "wide_key_layers": high_key_layers(rots)}  # fmt: skip
     files = write_report(out, rows, settings)
     atomic_write_text(out / "serving.json", json.dumps(serving, indent=1))
     files += [out / "serving.json", *demo_plots(out, summ, serving, rots)]
     con.print(quality_table(summ, context))
     con.print(serving_table(serving))
+    con.print(example_table(serving))
     con.print(
         "[dim]Speed here is a 2.9M-parameter model on this CPU (the torch kernels); the speed-ups INT2 "
         "buys are measured on GPUs: see the README's results table.[/]"

@@ -19,13 +19,18 @@ def _pyplot() -> Any:
     return plt
 
 
-def plot_memory(lengths: list[int], mib: dict[str, list[float]], budget_mib: float, path: Path) -> Path:
-    """KV MiB of one request at each context length, one line per engine, the budget marked."""
+def plot_memory(
+    lengths: list[int], mib: dict[str, list[float]], budget_mib: float, path: Path, context: int
+) -> Path:
+    """KV MiB of one request at each context length, one line per engine, the budget and the
+    demo's ``context`` marked (longer contexts show the storage format, past what the model saw)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4))
     for name, ys in mib.items():
         ax.plot(lengths, ys, marker="o", ms=3, label=name)
     ax.axhline(budget_mib, color="grey", ls="--", lw=1, label=f"the KV budget ({budget_mib:.0f} MiB)")
+    ax.axvline(context, color="grey", ls=":", lw=1,
+               label=f"the demo's context ({context}); past it: the storage format alone")  # fmt: skip
     ax.set_xscale("log", base=2)
     ax.set_xticks(lengths, [f"{n // 1024}K" if n >= 1024 else str(n) for n in lengths])
     ax.set_xlabel("context (tokens)")

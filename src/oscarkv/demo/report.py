@@ -10,7 +10,7 @@ from rich.table import Table
 from .plots import plot_memory, plot_quality
 from .serving import serve_side
 
-__all__ = ["compare_serving", "demo_plots", "quality_table", "serving_table"]
+__all__ = ["compare_serving", "demo_plots", "example_table", "quality_table", "serving_table"]
 
 MIB = 1 << 20
 
@@ -38,12 +38,18 @@ def compare_serving(
     first = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
              for a, b in zip(bf16.tokens, int2.tokens, strict=True)]  # fmt: skip
     lengths = [256 << i for i in range(8)]  # 256 .. 32K: the storage format, past the demo's 1K
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    i = min(range(len(first)), key=lambda j: (first[j] == gen, first[j]))  # an example that differs, if any
     return {
         "context": context, "budget_mib": budget / MIB, "prompts": len(prompts), "generated": gen,
         "held": {"bf16": bf16.held, "int2": int2.held},
         "request_mib": {"bf16": bf16.plan.request_bytes(context) / MIB, "int2": int2.plan.request_bytes(context) / MIB},
         "bits_per_element": {"bf16": 16.0, "int2": rots.bits_per_element(context)},
         "greedy_identical": sum(same), "greedy_equal_prefix": sum(first) / len(first),
+        "example": {"prompt_tail": tok.decode(prompts[i][-48:]), "same_tokens": first[i],
+                    "bf16": tok.decode(bf16.tokens[i]), "int2": tok.decode(int2.tokens[i])},
         "tok_s": {"bf16": bf16.tok_s, "int2": int2.tok_s},
         "request_mib_by_length": {"lengths": lengths, "bf16": [bf16.plan.request_bytes(n) / MIB for n in lengths],
                                   "int2": [int2.plan.request_bytes(n) / MIB for n in lengths]},
@@ -84,16 +90,30 @@ def serving_table(r: dict[str, Any]) -> Table:
     return t
 
 
+def example_table(r: dict[str, Any]) -> Table:
+    """One prompt's greedy continuation from each engine, side by side (the first whose tokens differ)."""
+    ex = r["example"]
+    t = Table(title=f"One prompt's continuation ({r['generated']} greedy tokens; the first "
+              f"{ex['same_tokens']} equal)", title_justify="left")  # fmt: skip
+    t.add_column("prompt ends with", overflow="fold", ratio=1)
+    t.add_column("BF16", overflow="fold", ratio=1)
+    t.add_column("INT2", overflow="fold", ratio=1)
+    t.add_row(*(ex[k].replace("\n", "⏎") for k in ("prompt_tail", "bf16", "int2")))
+    return t
+
+
 def demo_plots(out: Path, summ: dict[str, dict[str, Any]], r: dict[str, Any], rots: Any) -> list[Path]:
     """``memory.png`` (KV MiB per request against context, the budget marked) and
     ``quality.png`` (perplexity ratio against bits per element)."""
     by = r["request_mib_by_length"]
+    ctx = r["context"]
     mib = {
         "BF16": by["bf16"],
-        f"INT2 ({rots.bits_per_element(None):.2f} bits beyond the 16-bit windows)": by["int2"],
+        f"INT2: {rots.bits_per_element(None):.2f} bits/element past the 16-bit windows "
+        f"({rots.bits_per_element(ctx):.2f} at {ctx} with them)": by["int2"],
     }
     points = {m: (s["bits_per_element"], s["ppl_ratio"]) for m, s in summ.items() if s.get("ppl_ratio")}
     return [
-        plot_memory(by["lengths"], mib, r["budget_mib"], out / "memory.png"),
+        plot_memory(by["lengths"], mib, r["budget_mib"], out / "memory.png", ctx),
         plot_quality(points, r["context"], out / "quality.png"),
     ]

@@ -263,7 +263,17 @@ def _plot_needles(rows: list[dict[str, Any]], task: str, path: Path) -> bool:
     return True
 
 
-def _plot_layers(rows: list[dict[str, Any]], path: Path) -> bool:
+def high_key_layers(rots: Any) -> dict[int, int]:
+    """Layers of a rotation set that store keys wider than its spec's, and their key bits."""
+    base = rots.spec.key_bits
+    return {
+        i: lr.key_bits for i, lr in rots.layers.items() if lr.key_bits is not None and lr.key_bits != base
+    }
+
+
+def _plot_layers(rows: list[dict[str, Any]], path: Path, wide_keys: dict[int, int] | None = None) -> bool:
+    """Per-layer errors of every method; ``wide_keys`` (layer -> key bits): the layers where the
+    ``oscar`` rotations keep wider keys, shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -290,6 +300,9 @@ def _plot_layers(rows: list[dict[str, Any]], path: Path) -> bool:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("KL (nats)" if metric == "attn_kl" else "relative error")
         ax.set_title(title, fontsize=10)
+        for n, (layer, kb) in enumerate(sorted((wide_keys or {}).items())):
+            label = f"oscar: {kb}-bit keys" if n == 0 else None
+            ax.axvspan(layer - 0.4, layer + 0.4, color="tab:orange", alpha=0.15, lw=0, label=label)
     axes[0].legend(fontsize=7)
     atomic_save(path, lambda name: fig.savefig(name, format="png", dpi=110, bbox_inches="tight"))
     plt.close(fig)
@@ -309,6 +322,7 @@ def write_report(out: str | Path, rows: list[dict[str, Any]], settings: dict[str
     for task in ("passkey", "niah"):
         if _plot_needles(rows, task, out / f"{task}_heatmap.png"):
             files.append(out / f"{task}_heatmap.png")
-    if _plot_layers(rows, out / "layer_errors.png"):
+    wide = {int(k): int(v) for k, v in (settings.get("wide_key_layers") or {}).items()}
+    if _plot_layers(rows, out / "layer_errors.png", wide):
         files.append(out / "layer_errors.png")
     return files
