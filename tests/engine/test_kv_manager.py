@@ -3,7 +3,10 @@ nothing growth, release, capacity errors), on tiny pools."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
+import torch
 
 from oscarkv import QuantSpec
 from oscarkv.engine.kv_manager import KVManager
@@ -60,3 +63,16 @@ def test_a_request_larger_than_a_pool_is_an_input_error() -> None:
     kv.fits(20, 4, 8)  # 23 tokens: 7 rows past the windows, 2 INT2 pages; 33 tokens: 17 rows, 5 pages
     with pytest.raises(InputError, match="needs 5 INT2 pages of 4 tokens; the pool has 3"):
         kv.fits(30, 4, 8)
+
+
+@pytest.mark.parametrize(
+    "dtype,named", [(torch.float32, "fp32 (4 bytes per element)"), (torch.bfloat16, "bf16 (2 bytes")]
+)
+def test_a_budget_error_names_the_dtype_the_rows_are_stored_in(dtype: torch.dtype, named: str) -> None:
+    """On a CPU the "16-bit" rows are the model's fp32: the error says so instead of calling them bf16."""
+    from oscarkv.config import EngineConfig
+    from oscarkv.engine.kv_pool import plan_pools
+
+    cfg = EngineConfig(kv_dtype="bf16", page_tokens=PS)
+    with pytest.raises(InputError, match=re.escape(f"its 16-bit rows stored as {named}")):
+        plan_pools(cfg, None, 2, 2, 64, dtype, 1 << 16, max_model_len=4096)

@@ -98,7 +98,9 @@ def plan_pools(
     shape, overhead = _shape(cfg, spec, layers, kv_heads, head_dim, dtype, layer_fmts)
     ps, mr, hp_page = cfg.page_tokens, cfg.max_running, shape.hp_page_bytes
     if mr is None:
-        mr = _slots(budget_bytes - overhead, shape.request_bytes(_length(max_model_len)), max_model_len)
+        mr = _slots(
+            budget_bytes - overhead, shape.request_bytes(_length(max_model_len)), max_model_len, dtype
+        )
     if not shape.int2:
         hp_pages = budget_bytes // hp_page
         _need(budget_bytes, 2 * hp_page, "two 16-bit pages (the dummy page and one usable page)")
@@ -136,7 +138,7 @@ def longest_request(
     if shape.request_bytes(max_model_len) <= room:
         return max_model_len
     short = min(max_model_len, MIN_AUTO_MODEL_LEN)
-    _slots(room, shape.request_bytes(short), short)
+    _slots(room, shape.request_bytes(short), short, dtype)
     lo, hi = short, max_model_len  # request_bytes grows with the length: lo fits, hi does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -150,14 +152,21 @@ def _length(max_model_len: int | None) -> int:
     return max_model_len
 
 
-def _slots(room: int, per_request: int, max_model_len: int | None) -> int:
+def stored_as(dtype: torch.dtype) -> str:
+    """How the unquantized KV rows are stored, e.g. "fp32 (4 bytes per element)": the model dtype,
+    which is fp32 where a model runs in fp32 on a CPU."""
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+    return f"{name} ({dtype.itemsize} bytes per element)"
+
+
+def _slots(room: int, per_request: int, max_model_len: int | None, dtype: torch.dtype) -> int:
     """Requests of ``per_request`` bytes that ``room`` holds, at most ``AUTO_MAX_RUNNING``."""
     n = min(AUTO_MAX_RUNNING, max(room, 0) // per_request)
     if n < 1:
         raise InputError(
             f"the KV budget is too small for one request of max_model_len={max_model_len} tokens: one "
-            f"needs {per_request} bytes ({per_request / GIB:.3g} GiB), the budget has {max(room, 0)} "
-            "left after the dummy pages",
+            f"needs {per_request} bytes ({per_request / GIB:.3g} GiB; its 16-bit rows stored as "
+            f"{stored_as(dtype)}), the budget has {max(room, 0)} left after the dummy pages",
             "raise kv_budget_gb (--kv-budget-gb), or lower max_model_len (--max-model-len)",
         )
     return n
