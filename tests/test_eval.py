@@ -89,6 +89,16 @@ def test_every_method_runs_through_its_cache(model, rotations, name):
     assert batched_nll(model, m, seqs, 100, 16, 1) == (pytest.approx(nll + second, rel=1e-4), 120)
 
 
+def test_bf16_continuation_nll_is_one_full_forward(model, rotations):
+    """Prefill (its last position's logits only) then chunks: the same NLL as one forward over the
+    whole sequence scoring the continuation, for the exact cache."""
+    seq = torch.randint(1, 256, (160,), generator=torch.Generator().manual_seed(4))
+    nll, n = continuation_nll(model, get_method("bf16", rotations, model.config), seq, context=100, chunk=16)
+    with torch.inference_mode():
+        lp = model(input_ids=seq[None]).logits[0, 99:-1].double().log_softmax(-1)
+    assert n == 60 and nll == pytest.approx(float(-lp.gather(-1, seq[100:, None]).sum()), rel=1e-5)
+
+
 def test_bits_per_element_of_the_baselines(model, rotations):
     bpe = {n: get_method(n, rotations, model.config).bits_per_element(131072, 128) for n in METHODS}
     assert bpe["bf16"] == 16.0

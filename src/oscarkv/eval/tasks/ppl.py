@@ -27,14 +27,21 @@ def sequence_nlls(
     device = next(model.parameters()).device
     seq = (seq[None] if seq.dim() == 1 else seq).to(device)
     cache = method.make_cache(model)
-    logits = [model(input_ids=seq[:, :context], past_key_values=cache, use_cache=True).logits[:, -1:]]
+    nll = torch.zeros(seq.shape[0], dtype=torch.float64, device=device)
+
+    def score(logits: torch.Tensor, targets: torch.Tensor) -> None:
+        lp = logits.float().log_softmax(-1)
+        nll.sub_(lp.gather(-1, targets[..., None])[..., 0].double().sum(-1))
+
+    # the prefill keeps only its last position's logits: [B, context, vocab] in fp32 is gigabytes
+    out = model(input_ids=seq[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    score(out.logits[:, -1:], seq[:, context : context + 1])
     for s in range(context, seq.shape[1] - 1, chunk):
-        ids = seq[:, s : min(s + chunk, seq.shape[1] - 1)]
-        logits.append(model(input_ids=ids, past_key_values=cache, use_cache=True).logits)
-    lp = torch.cat(logits, 1).float().log_softmax(-1)
-    target = seq[:, context:]
-    nll = -lp.gather(-1, target[..., None])[..., 0].double().sum(-1)
-    return [float(x) for x in nll], target.shape[1]
+        e = min(s + chunk, seq.shape[1] - 1)
+        score(
+            model(input_ids=seq[:, s:e], past_key_values=cache, use_cache=True).logits, seq[:, s + 1 : e + 1]
+        )
+    return [float(x) for x in nll], seq.shape[1] - context
 
 
 def continuation_nll(
