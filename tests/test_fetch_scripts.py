@@ -113,3 +113,13 @@ def test_convert_refuses_a_folder_that_holds_a_model(tmp_path: Path) -> None:
     assert [p.name for p in out.iterdir()] == ["config.json"] and (out / "config.json").read_text() == "{}"
     res = subprocess.run([sys.executable, str(CONVERT)], capture_output=True, text=True, timeout=120)
     assert res.returncode != 0 and "usage:" in res.stderr
+
+
+@pytest.mark.parametrize("name", sorted(FETCH))
+def test_an_interpreter_without_transformers_is_refused_before_any_download(name: str, tmp_path: Path) -> None:
+    py, log = stub_python(tmp_path)  # its `-c 'import torch, transformers'` fails like a bare python3
+    res = run_script(FETCH[name], str(tmp_path / "model"), py=py)
+    assert res.returncode != 0
+    assert "cannot import torch and transformers" in res.stderr and "PY=" in res.stderr
+    assert "download" not in log.read_text(), "a download started before the interpreter was checked"
+    assert not (tmp_path / "model").exists()
