@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from fp8_models import FP8_CONFIG, dequantize_hf, set_quantization_config, write_fp8_pair
+from fp8_models import FP8_CONFIG, block_config, dequantize_hf, set_quantization_config, write_fp8_pair
 from moe_models import VOCAB
 from safetensors.torch import load_file, save_file
 
@@ -27,7 +27,7 @@ from oscarkv.engine.models.fp8 import (
     quantize_activations,
     quantize_blocks,
 )
-from oscarkv.engine.models.linear import ColumnLinear, Linear
+from oscarkv.engine.models.linear import ColumnLinear, ConcatColumns, Linear
 from oscarkv.engine.models.loader import check_model_split
 from oscarkv.engine.models.quant import weight_method
 from oscarkv.errors import ModelError, OscarkvWarning
@@ -245,6 +245,21 @@ def _logits(model_dir: Path, dtype: torch.dtype, device: str, ops=None) -> tuple
     dec, _ = load_decoder(str(model_dir), dtype, device, ops=ops)
     with torch.no_grad():
         return dec(ids, torch.arange(len(ids), device=device), _attn), dec
+
+
+def test_a_dense_mlp_ending_inside_a_block_loads_unfused(tmp_path: Path) -> None:
+    """GLM-4.5-Air's dense layer has 10944 = 85.5 x 128 gate and up rows: each part's last scale
+    block is partial, so gate|up cannot share one block grid and run as two FP8 GEMMs."""
+    cfg = block_config("glm4_moe")
+    cfg.intermediate_size = 192  # 1.5 blocks, as 10944 is 85.5
+    fp8, twin = write_fp8_pair("glm4_moe", tmp_path, config=cfg)
+    got, dec = _logits(fp8, torch.float32, "cpu")
+    want, _ = _logits(twin, torch.float32, "cpu")
+    mlp = dec.layers[0].mlp
+    assert isinstance(mlp.gate_up_proj, ConcatColumns) and len(mlp.gate_up_proj.parts) == 2
+    assert rel(got, want) < 1e-5
+    with pytest.raises(ModelError, match="not a multiple of the weight block 128"):
+        check_model_split(str(fp8), 2)
 
 
 @pytest.mark.parametrize("kind", KINDS)

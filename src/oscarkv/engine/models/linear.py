@@ -23,7 +23,7 @@ from torch import nn
 from ...kernels import KernelOps
 from .parallel import Comm, Shard
 
-__all__ = ["ColumnLinear", "Linear", "LinearMethod", "RowLinear", "Target", "Unquantized", "blocks_of"]
+__all__ = ["ColumnLinear", "ConcatColumns", "Linear", "LinearMethod", "RowLinear", "Target", "Unquantized", "blocks_of"]
 
 
 class Target(NamedTuple):
@@ -39,6 +39,7 @@ class LinearMethod:
     """How one linear's weights are stored and applied. Subclasses override every method."""
 
     name = "base"
+    block = (1, 1)  # (rows, columns) one scale covers: a fused part must start on a whole block
 
     def create(self, layer: Linear, out_features: int, in_features: int, bias: bool) -> None:
         """Register ``layer``'s parameters for a ``[*layer.lead, out, in]`` weight (this rank's part;
@@ -181,7 +182,14 @@ class ColumnLinear(Linear):
     def shard(self, t: torch.Tensor, i: int, unit: int = 1) -> torch.Tensor:
         """Part ``i``'s rows of ``t`` (a weight, bias or scale with ``unit`` output rows per row)."""
         what = f"{self.names[i]} rows"
-        return t.narrow(0, blocks_of(sum(self.sizes[:i]), unit, what), blocks_of(self.sizes[i], unit, what))
+        return t.narrow(0, blocks_of(sum(self.sizes[:i]), unit, what), self._units(i, unit))
+
+    def _units(self, i: int, unit: int) -> int:
+        """Rows of ``t`` that part ``i`` owns: whole blocks, but an unsharded last part may end in
+        a partial block (its checkpoint has ``ceil(rows / unit)`` scale rows)."""
+        if self.world == 1 and i == len(self.sizes) - 1:
+            return -(-self.sizes[i] // unit)
+        return blocks_of(self.sizes[i], unit, f"{self.names[i]} rows")
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``[T, sum(sizes)]`` -> one ``[T, size]`` view per projection."""
@@ -195,10 +203,26 @@ class ColumnLinear(Linear):
         out = {}
         for i, name in enumerate(self.names):
             for kind, (t, unit, _) in tensors.items():
-                n = blocks_of(self.sizes[i], unit, f"{name} rows")
+                n = self._units(i, unit)
                 shard = None if self.world == 1 else Shard(0, self.rank * n, n, n * self.world)
                 out[f"{parent}.{name}.{kind}"] = Target(self.shard(t.detach(), i, unit), shard)
         return out
+
+
+class ConcatColumns(nn.Module):
+    """Column-parallel projections of one input run one after another, outputs concatenated: the
+    ``gate|up`` pair where the weight method cannot fuse them, because a part's rows end inside a
+    scale block (GLM-4.5-Air's FP8 dense MLP: 10944 rows, 85.5 blocks of 128)."""
+
+    def __init__(self, parts: Sequence[ColumnLinear]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    def checkpoint_targets(self, prefix: str) -> dict[str, Target]:
+        return {k: v for p in self.parts for k, v in p.checkpoint_targets(prefix).items()}
 
 
 class RowLinear(Linear):

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .linear import ColumnLinear, Linear, LinearMethod, RowLinear, Target, blocks_of
+from .linear import ColumnLinear, ConcatColumns, Linear, LinearMethod, RowLinear, Target, blocks_of
 from .parallel import Comm, Shard
 
 __all__ = ["Experts", "Routing", "SparseMoe", "grouped_experts", "looped_experts", "route"]
@@ -213,7 +213,12 @@ class DenseMLP(nn.Module):
         super().__init__()
         kw: dict[str, Any] = {"dtype": dtype, "device": device, "comm": comm}
         part = inter // (1 if comm is None else comm.world)
-        self.gate_up_proj = ColumnLinear(hidden, (part, part), bias, method, names=names[:2], **kw)
+        self.gate_up_proj: ColumnLinear | ConcatColumns
+        if part % method.block[0]:  # gate's scale blocks would end inside up's: two GEMMs
+            cols = [ColumnLinear(hidden, (part,), bias, method, names=(n,), **kw) for n in names[:2]]
+            self.gate_up_proj = ConcatColumns(cols)
+        else:
+            self.gate_up_proj = ColumnLinear(hidden, (part, part), bias, method, names=names[:2], **kw)
         self.down_proj = RowLinear(part, hidden, bias, method, **kw)
         self.down_name = names[2]
         self.act = act
