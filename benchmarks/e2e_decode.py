@@ -10,6 +10,8 @@ is the ``torch.cuda.max_memory_allocated`` growth over the prefill (and, for Osc
 ``memory_report()``). Run on the GPU machine:
 
     python benchmarks/e2e_decode.py [--shapes 16x32768,1x4096] [--caches bf16,oscar] [--new 32] [--repeats 3]
+    python benchmarks/e2e_decode.py --arch qwen3-30b-a3b --shapes 8x8192   # a bench_engine.py shape
+    python benchmarks/e2e_decode.py --arch glm-4.5-air-fp8 --layers 10       # fewer layers, bf16 weights
 
 and as a CPU smoke run (tests/test_benchmarks.py): ``--device cpu --tiny --shapes 2x300 --chunk 128``.
 """
@@ -190,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--arch", help="a bench_engine.py shape (e.g. qwen3-30b-a3b) instead of Qwen3-8B's config"
     )
+    ap.add_argument("--layers", type=int, help="with --arch: this many layers (a shape too big for the GPU in bf16)")
     args = ap.parse_args(argv)
     from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config
 
@@ -197,7 +200,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.arch:
         from bench_engine import SHAPES
 
-        spec = {k: v for k, v in SHAPES[args.arch].items() if k not in ("architectures", "model_type")}
+        # bf16 weights: transformers builds random FP8 weights only by loading a checkpoint
+        drop = ("architectures", "model_type", "quantization_config")
+        spec = {k: v for k, v in SHAPES[args.arch].items() if k not in drop}
+        if args.layers:
+            spec["num_hidden_layers"] = args.layers
         cfg = AutoConfig.for_model(SHAPES[args.arch]["model_type"], **spec)
     else:
         cfg = Qwen3Config(**(TINY if args.tiny else QWEN3_8B))
@@ -208,6 +215,8 @@ def main(argv: list[str] | None = None) -> None:
     rot = fixed_layer("hadamard", cfg.head_dim, cfg.num_key_value_heads, "layer")
     rots = RotationSet({i: rot for i in range(cfg.num_hidden_layers)})
     label = "tiny 2-layer model" if args.tiny else f"random-weight {args.arch or 'Qwen3-8B'} config"
+    if args.arch and args.layers:
+        label += f" with {args.layers} layers"
     results, md = {}, [f"End-to-end decode, {label} (bf16), eager model.generate", ""]
     for shape in args.shapes.split(","):
         batch, context = (int(v) for v in shape.split("x"))
