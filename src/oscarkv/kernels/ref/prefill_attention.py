@@ -1,12 +1,14 @@
 """Torch twin of the prefill path: new tokens attend to a cached prefix plus themselves.
 
 The prefix (16-bit rows and dequantized quantized rows of the same sequence) is fully visible;
-the new tokens are full precision and causal among themselves (spec §5.7). fp32 math.
+the new tokens are full precision and causal among themselves (spec §5.7). fp32 math, through torch's
+``scaled_dot_product_attention`` (the CPU engine's prefill runs this twin).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 __all__ = ["prefill_attention", "prefill_attention_varlen"]
 
@@ -27,21 +29,19 @@ def prefill_attention(
     Returns:
         ``[T, Hq, d]`` in ``q_rot.dtype``.
     """
-    t, hq, d = q_rot.shape
-    hkv = new_k.shape[1]
-    g = hq // hkv
-    k = torch.cat([prefix_k.float(), new_k.float()])  # [P+T, Hkv, d]
-    v = torch.cat([prefix_v.float(), new_v.float()])
-    p = prefix_k.shape[0]
-    qg = q_rot.float().view(t, hkv, g, d)
-    s = torch.einsum("thgd,nhd->hgtn", qg, k) * sm_scale
-    causal = (
-        torch.arange(p + t, device=q_rot.device)[None, :]
-        > (p + torch.arange(t, device=q_rot.device))[:, None]
+    t, p = q_rot.shape[0], prefix_k.shape[0]
+    k = torch.cat([prefix_k.float(), new_k.float()]).transpose(0, 1)  # [Hkv, P+T, d]
+    v = torch.cat([prefix_v.float(), new_v.float()]).transpose(0, 1)
+    q = q_rot.float().transpose(0, 1)  # [Hq, T, d]; query head h reads KV head h // (Hq / Hkv)
+    mask = None
+    if p:  # causal from the bottom right: new token i sees the prefix and new tokens 0..i
+        dev = q_rot.device
+        mask = torch.arange(p + t, device=dev)[None, :] <= (p + torch.arange(t, device=dev))[:, None]
+    # 4-D inputs: torch's CPU flash kernel (7x the 3-D math path at 1K tokens)
+    o = F.scaled_dot_product_attention(
+        q[None], k[None], v[None], attn_mask=mask, is_causal=not p, scale=sm_scale, enable_gqa=True
     )
-    s = s.masked_fill(causal, float("-inf"))
-    o = torch.einsum("hgtn,nhd->thgd", s.softmax(-1), v)
-    return o.reshape(t, hq, -1).to(q_rot.dtype)
+    return o[0].transpose(0, 1).to(q_rot.dtype)
 
 
 def per_sequence(attend, q_rot, k, v, cu_q, cu_k, sm_scale) -> torch.Tensor:
