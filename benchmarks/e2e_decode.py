@@ -192,7 +192,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--arch", help="a bench_engine.py shape (e.g. qwen3-30b-a3b) instead of Qwen3-8B's config"
     )
-    ap.add_argument("--layers", type=int, help="with --arch: this many layers (a shape too big for the GPU in bf16)")
+    ap.add_argument(
+        "--layers", type=int, help="with --arch: this many layers (a shape too big for the GPU in bf16)"
+    )
     args = ap.parse_args(argv)
     from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config
 

@@ -116,7 +116,9 @@ def test_convert_refuses_a_folder_that_holds_a_model(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(FETCH))
-def test_an_interpreter_without_transformers_is_refused_before_any_download(name: str, tmp_path: Path) -> None:
+def test_an_interpreter_without_transformers_is_refused_before_any_download(
+    name: str, tmp_path: Path
+) -> None:
     py, log = stub_python(tmp_path)  # its `-c 'import torch, transformers'` fails like a bare python3
     res = run_script(FETCH[name], str(tmp_path / "model"), py=py)
     assert res.returncode != 0

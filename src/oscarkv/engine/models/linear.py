@@ -23,7 +23,16 @@ from torch import nn
 from ...kernels import KernelOps
 from .parallel import Comm, Shard
 
-__all__ = ["ColumnLinear", "ConcatColumns", "Linear", "LinearMethod", "RowLinear", "Target", "Unquantized", "blocks_of"]
+__all__ = [
+    "ColumnLinear",
+    "ConcatColumns",
+    "Linear",
+    "LinearMethod",
+    "RowLinear",
+    "Target",
+    "Unquantized",
+    "blocks_of",
+]
 
 
 class Target(NamedTuple):
