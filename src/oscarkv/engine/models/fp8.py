@@ -27,6 +27,7 @@ from torch import nn
 
 from ...errors import OscarkvWarning
 from ...kernels import KernelOps
+from ...kernels.ref.fp8 import dequantize_fp8
 from .linear import Linear, LinearMethod
 
 __all__ = [
@@ -74,11 +75,10 @@ def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_blocks(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``scale_inv · q`` in fp32, then ``dtype``: ``q`` float8 ``[..., n, k]``, ``s`` fp32 with
-    at least ``[..., ceil(n/128), ceil(k/128)]`` (extra trailing columns are ignored)."""
-    n, k = q.shape[-2:]
-    s = s[..., : _cdiv(n, BLOCK), : _cdiv(k, BLOCK)]
-    return _unblock(_blocks(q.float()) * s[..., :, None, :, None], n, k).to(dtype)
+    """``scale_inv · q`` in fp32 (the kernels' reference, :func:`~oscarkv.kernels.ref.fp8.dequantize_fp8`),
+    then ``dtype``: ``q`` float8 ``[..., n, k]``, ``s`` fp32 with at least ``[..., ceil(n/128),
+    ceil(k/128)]`` (extra trailing columns are ignored)."""
+    return dequantize_fp8(q, s).to(dtype)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
