@@ -19,8 +19,8 @@ __all__ = [
 ]
 
 ALL_EVAL_METHODS = "bf16,oscar,naive-int2,quarot-int2,clip-only,hadamard-int2,kivi2,turboquant-k3v3,int4"
-EVAL_TASKS = ("ppl", "passkey", "niah", "attn-error", "chat-retrieval")
-#: the tasks run when --tasks is not given (chat-retrieval needs a chat template)
+EVAL_TASKS = ("ppl", "passkey", "niah", "attn-error", "chat-retrieval", "chat-agreement")
+#: the tasks run when --tasks is not given (the chat tasks need a chat template)
 DEFAULT_EVAL_TASKS = ("ppl", "passkey", "niah", "attn-error")
 #: ``EvalConfig.context`` when unset, without and with ``quick``
 DEFAULT_CONTEXT = 3072
@@ -58,6 +58,12 @@ class EvalConfig:
         "chat-retrieval prompts at the full context (accuracy n)", default=100
     )
     retrieval_keys: int = help_field("key/value needles per chat-retrieval prompt", default=4)
+    agreement_prompts: int = help_field(
+        "chat-agreement prompts (excerpts of the text with an instruction; the rates' n)", default=120
+    )
+    agreement_tokens: int = help_field(
+        "greedy tokens generated per chat-agreement prompt (prompts are context minus this)", default=128
+    )
     batch_size: int = help_field(
         "ppl sequences / needle prompts run together (equal lengths, no padding)", default=16
     )
@@ -102,7 +108,7 @@ class EvalConfig:
             )
         for f in ("ppl_sequences", "ppl_continuation", "ppl_chunk", "needle_trials", "needle_depths",
                   "needle_lengths", "niah_needles", "batch_size", "attn_sequences", "retrieval_prompts",
-                  "retrieval_keys"):  # fmt: skip
+                  "retrieval_keys", "agreement_prompts", "agreement_tokens"):  # fmt: skip
             v = getattr(self, f)
             if not is_int(v) or v < 1:
                 raise field_error(name, f, "a positive integer", v, True)
@@ -122,6 +128,11 @@ class EvalConfig:
             raise field_error(
                 name, "context", f"> ppl_continuation + 64 = {cont + 64}", ctx,
                 "raise --context or lower --ppl-continuation",
+            )  # fmt: skip
+        if "chat-agreement" in tasks and self.agreement_tokens * 2 > ctx:
+            raise field_error(
+                name, "agreement_tokens", f"at most half the context ({ctx // 2})", self.agreement_tokens,
+                "raise --context or lower --agreement-tokens",
             )  # fmt: skip
 
     def _context(self) -> int:
@@ -145,6 +156,7 @@ class EvalConfig:
             self, context=self._context(), ppl_sequences=1, ppl_continuation=QUICK_PPL_CONTINUATION,
             ppl_chunk=64, needle_trials=1, needle_depths=2, needle_lengths=1,
             passkey_at_context=min(self.passkey_at_context, 1), niah_needles=2, retrieval_prompts=2, attn_sequences=1, quick=False,
+            agreement_prompts=2, agreement_tokens=min(self.agreement_tokens, 32),
         )  # fmt: skip
 
     def check_model_positions(self, max_positions: int | None) -> None:

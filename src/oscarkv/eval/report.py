@@ -9,6 +9,7 @@ from typing import Any
 
 from ..utils.files import atomic_save, atomic_write_text
 from .methods import INT2_METHODS
+from .tasks.agreement import agreement_markdown, agreement_summary
 
 __all__ = [
     "REPORT_FILES",
@@ -116,6 +117,7 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if at:
             s["retrieval_at_context"], s["retrieval_n"] = at[0]["value"], at[0]["n"]
             _vs_bf16(s, "retrieval", m, hits_by["chat-retrieval"])
+        s.update(agreement_summary(rows, m))
         for metric in ("attn_kl", "attn_out_err", "hidden_err"):
             vals = [r["value"] for r in mine if r["task"] == "attn-error" and r["metric"] == metric]
             if vals:
@@ -154,6 +156,8 @@ COLUMNS: list[tuple[str, str, str | tuple[str, str]]] = [
     ("niah_grid", "multi-needle grid", "{:.2f}"),
     ("retrieval_at_context", "chat retrieval @ctx", "{:.2f}"),
     ("retrieval_vs_bf16", "Δ vs BF16 (± SE)", PAIRED),
+    ("exact_match", "chat agreement", "{:.2f}"),
+    ("loop_rate", "loop rate", "{:.3f}"),
     ("attn_kl", "attn KL", "{:.2e}"),
     ("attn_out_err", "attn out err", "{:.2e}"),
     ("hidden_err", "hidden err", "{:.2e}"),
@@ -216,9 +220,9 @@ def summary_markdown(rows: list[dict[str, Any]], settings: dict[str, Any] | None
             notes += f"; chat retrieval over n = {rn} prompts (Δ: paired difference on the same prompts)"
         lines.append("")
         lines.append(f"_{notes}; attn/hidden errors are means over layers (relative; KL in nats)._")
-    section = oscar_vs_baselines_markdown(summ)
-    if section:
-        lines += ["", section]
+    for section in (agreement_markdown(summ), oscar_vs_baselines_markdown(summ)):
+        if section:
+            lines += ["", section]
     return "\n".join(lines)
 
 

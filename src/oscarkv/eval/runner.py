@@ -13,6 +13,7 @@ from ..calibration.data import eval_sequences, iter_documents, token_sequences
 from ..config import EvalConfig
 from ..rotation import RotationSet, model_head_dim
 from .methods import get_method
+from .tasks.agreement import agreement_frame, build_agreement_cases, run_agreement
 from .tasks.attn_error import attention_metrics, hidden_state_errors
 from .tasks.needle import build_cases, filler_lines, run_cases
 from .tasks.ppl import batched_sequence_nlls, perplexity
@@ -83,6 +84,8 @@ def run_eval(
     tasks = cfg.task_list
     if "chat-retrieval" in tasks:
         chat_frame(tokenizer)  # a tokenizer without a chat template fails before any task runs
+    if "chat-agreement" in tasks:
+        agreement_frame(tokenizer)
     if "ppl" in tasks:
         seqs = text_sequences(tokenizer, data, cfg.ppl_sequences, cfg.context, cfg.seed)
         ctx = cfg.context - cfg.ppl_continuation
@@ -150,6 +153,18 @@ def run_eval(
             ok = run_retrieval(model, tokenizer, m, cases, cfg.batch_size)
             row(name, "chat-retrieval", "accuracy_at_context", sum(ok) / len(ok), context_len=cfg.context,
                 n=len(ok), needles=cfg.retrieval_keys, hits=[int(x) for x in ok])  # fmt: skip
+    if "chat-agreement" in tasks:
+        g = cfg.agreement_tokens
+        cases = build_agreement_cases(tokenizer, cfg.context - g, cfg.agreement_prompts, data, cfg.seed + 13)
+        ref = methods.get("bf16") or get_method("bf16", None, mcfg)
+        for name, r in run_agreement(model, tokenizer, methods, ref, cases, g, cfg.batch_size, say).items():
+            common = {"context_len": cfg.context, "n": len(cases), "new_tokens": g}
+            if "exact" in r:
+                row(name, "chat-agreement", "exact_match", r["exact_rate"], **common, exact=r["exact"],
+                    prefix=r["prefix"])  # fmt: skip
+            row(name, "chat-agreement", "loop_rate", r["loop_rate"], **common,
+                instruction=[c.instruction for c in cases],
+                **{k: r[k] for k in ("loops", "repeat", "distinct4", "lengths", "texts")})  # fmt: skip
     if "attn-error" in tasks:
         say("attn-error")
         seqs = text_sequences(tokenizer, data, cfg.attn_sequences, min(cfg.context, 2048), cfg.seed + 1)
