@@ -140,6 +140,21 @@ def calibrate(
         held_progress.close()
 
 
+def _with_offsets(
+    rots: dict[int, LayerRotation], means: dict[int, tuple[torch.Tensor, torch.Tensor]], v: bool
+) -> dict[int, LayerRotation]:
+    """``rots`` with every layer's calibrated means as offsets, each in its rotation's basis (V's
+    only where ``v``); new objects, ``rots`` untouched."""
+    return {
+        i: dataclasses.replace(
+            lr,
+            k_offset=rotated_offset(means[i][0], lr.k),
+            v_offset=rotated_offset(means[i][1], lr.v) if v else None,
+        )
+        for i, lr in rots.items()
+    }
+
+
 def _calibrate(
     model: Any,
     tokenizer: Any,
@@ -208,21 +223,26 @@ def _calibrate(
 
     held: HeldOut | None = None  # the held-out NLL's exact pass, made once where first needed
     known: float | None = None  # the held-out NLL of `rots` as they stand, where a step measured it
+    offsets_on = False  # whether `rots` carry every offset, in their own basis
     if compare:  # first: every later step tunes the kept rotations
         held = HeldOut(model, _batches(hold, cfg.batch_size), spec, d, tick=tick)
+        if means:  # compared as the artifact stores them: each set with its offsets, in its basis
+            rots, per_head = (_with_offsets(r, means, cfg.offsets != "k") for r in (rots, per_head))
+            offsets_on = True
         rots, gran, gran_choice = choose_granularity(held, rots, per_head, GRANULARITY_MARGIN)
         per_head, known = {}, gran_choice[f"nll_{gran}"]
     selection: dict[str, dict[str, Any]] = {}
     if cfg.rotation_select:  # before the clip search, which then tunes the chosen rotations
         sel = RotationSelect(rots, spec, d, gran)
         _run(model, _batches(hold, cfg.batch_size), _qkv(sel.update), layers, "rotation selection", progress)
-        rots, selection, known = *sel.apply(), None
+        rots, selection, known = *sel.apply(), None  # new matrices, no offsets
+        offsets_on = False
 
-    # the offsets in the basis of the final rotations (the clip searches below score rows without them)
-    bare_nll, known = known, None if means else known
-    for i, (mk, mv) in means.items():
-        rots[i].k_offset = rotated_offset(mk, rots[i].k)
-        rots[i].v_offset = rotated_offset(mv, rots[i].v) if cfg.offsets != "k" else None
+    # the offsets in the basis of the final rotations, where the granularity's comparison has not
+    # attached them (the clip searches below score rows without them). `known`, if any, is then the
+    # NLL with every offset on; the NLL without them is measured where a step needs it
+    if means and not offsets_on:
+        rots, known = _with_offsets(rots, means, cfg.offsets != "k"), None
     offset_choice: dict[str, dict[str, Any]] = {}
     if cfg.offsets == "auto":
         osel = OffsetSelect(rots, spec, d)
@@ -231,7 +251,8 @@ def _calibrate(
         # the per-head choice stands only if it also lowers the held-out NLL of the whole model
         bare = {i: dataclasses.replace(lr, k_offset=None, v_offset=None) for i, lr in rots.items()}
         held = held or HeldOut(model, _batches(hold, cfg.batch_size), spec, d, tick=tick)
-        nll = {"with": held.nll(picked), "without": held.nll(bare) if bare_nll is None else bare_nll}
+        every = all(all(h["k"]) and all(h["v"]) for h in heads.values())  # picked is `rots` as they stand
+        nll = {"with": known if every and known is not None else held.nll(picked), "without": held.nll(bare)}
         rots = picked if nll["with"] < nll["without"] else bare
         known = min(nll.values())
         offset_choice = {"heads": heads, "nll_with": nll["with"], "nll_without": nll["without"],

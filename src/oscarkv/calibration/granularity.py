@@ -2,7 +2,9 @@
 prefers (ours).
 
 Both sets come from the same statistics (the per-layer target is the heads' average). They are
-compared as the later steps receive them: the spec's clips and widths, no offsets. Per KV head is
+compared as the later steps receive them and the artifact stores them: the spec's clips and widths,
+and, unless offsets are off, each set with the calibrated channel offsets in its own basis (the
+caller attaches them; the recorded NLLs include them). Per KV head is
 kept only where it beats per layer by more than a margin (``GRANULARITY_MARGIN``): it stores
 ``H_kv`` times the matrices (artifact bytes, ``R_K`` on the device) for a gain the held-out text
 must show clearly.
