@@ -14,9 +14,10 @@ the whole continuation when they match). For every method, BF16 included, the lo
 
 **A continuation loops** when it has at least :data:`LOOP_MIN_TOKENS` tokens (end token left out)
 and at least :data:`LOOP_THRESHOLD` of the 4-grams starting in its last :data:`LOOP_WINDOW`
-tokens already started at an earlier position of the continuation. An exact cycle of any period up
-to ~30 tokens scores near 1; a repeated phrase whose numbers change (``a 500 (a bug) for a 404
-(not found) for a 400 …``) scores ~0.55–0.65 on SmolLM2's tokenizer; fluent text scores under 0.1.
+tokens already started at an earlier position of the continuation. A cycle that began at least
+one period before the last 64 tokens scores 1, whatever its period; a repeated phrase whose
+numbers change (``a 500 (a bug) for a 404 (not found) for a 400 …``) ~0.55–0.65 on SmolLM2's
+tokenizer; fluent prose under 0.1.
 
 The distinct-4-gram ratio (distinct 4-grams over 4-grams in the whole continuation) is averaged
 per method as a softer measure of repetition.
