@@ -106,6 +106,25 @@ def random_rotation_set(layers: int, head_dim: int, spec=None, seed: int = 5):
     return RotationSet({i: layer() for i in range(layers)}, spec=spec or QuantSpec())
 
 
+def oscar_decode_scores(model_dir, ids: list[int], rotations, spec) -> list[float]:
+    """``log p(ids[p] | ids[:p])`` for ``p >= 1`` as decoding reads the history: ``OscarCache``
+    prefilled with the first ``sink + recent`` tokens (all 16-bit), then fed one token at a
+    time (the oracle of ``prompt_scoring="decode"``; fp32 on the CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    from oscarkv import OscarCache
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    cache = OscarCache.from_rotations(model, rotations, spec=spec, backend="torch")
+    n0 = min(len(ids), spec.sink_tokens + spec.recent_tokens)
+    with torch.no_grad():
+        rows = list(model(torch.tensor([ids[:n0]]), past_key_values=cache).logits[0].float().log_softmax(-1))
+        for t in range(n0, len(ids) - 1):
+            logits = model(torch.tensor([[ids[t]]]), past_key_values=cache).logits[0, -1]
+            rows.append(logits.float().log_softmax(-1))
+    return [float(rows[p - 1][ids[p]]) for p in range(1, len(ids))]
+
+
 def tiny_lm_config(kind: str = "qwen3", *, vocab: int, layers: int, heads: int, kv_heads: int, head_dim: int,
                    positions: int = 1024, bias: bool = False):  # fmt: skip
     """A small Qwen3 (q/k norms) or Llama config, hidden 64 and MLP 128, for random-weight models."""

@@ -168,6 +168,7 @@ def test_echo_returns_the_prompt_scored_as_lm_eval_reads_it(srv: RunningServer, 
     assert lp.token_logprobs[n] == pytest.approx(ref.logprobs[0][0], abs=1e-6)
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[n] == len(PROMPTS[0])
     assert all(len(d) == 1 for d in lp.top_logprobs[1:])
+    assert lp.model_extra["prompt_scoring"] == "bf16"  # what the scores attended to
     batch = c.completions.create(model=MODEL, prompt=[ref.prompt_token_ids] * 2, max_tokens=1, temperature=0,
                                  logprobs=1, echo=True)  # fmt: skip
     for b in batch.choices:  # batched with another prompt: fp32 sums in another order
@@ -176,6 +177,7 @@ def test_echo_returns_the_prompt_scored_as_lm_eval_reads_it(srv: RunningServer, 
     chunks = list(c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0, logprobs=1,
                                        echo=True, stream=True))  # fmt: skip
     assert chunks[0].choices[0].text == PROMPTS[0]
+    assert chunks[0].choices[0].logprobs.model_extra["prompt_scoring"] == "bf16"
     streamed = [
         v
         for k in chunks

@@ -8,11 +8,12 @@ from dataclasses import dataclass, field
 from .base import field_error, help_field, is_int, is_num
 from .spec import QuantSpec
 
-__all__ = ["KV_DTYPES", "LOAD_FORMATS", "PREFILL_ATTENTION", "EngineConfig"]
+__all__ = ["KV_DTYPES", "LOAD_FORMATS", "PREFILL_ATTENTION", "PROMPT_SCORING", "EngineConfig"]
 
 KV_DTYPES = ("int2", "bf16")
 LOAD_FORMATS = ("safetensors", "dummy")
 PREFILL_ATTENTION = ("fresh", "invariant")
+PROMPT_SCORING = ("decode", "prefill")
 #: the KV budget on CPU when ``kv_budget_gb`` is unset: this share of the host's available memory
 #: (on CUDA: ``memory_fraction`` of the device's free memory) ...
 CPU_BUDGET_FRACTION = 0.25
@@ -70,6 +71,13 @@ class EngineConfig:
         "a block)",
         default="fresh",
     )
+    prompt_scoring: str = help_field(
+        "what a scored prompt (prompt log-probabilities: echo + logprobs) attends to with int2: "
+        "decode (what decoding reads: 16-bit K/V in the sink and in the recent window as the ring "
+        "keeps it, INT2 before; such requests skip the prefix cache) | prefill (the "
+        "prefill_attention rule: fresh scores a one-chunk prompt in 16 bits)",
+        default="decode",
+    )
     absorb_v: bool = help_field("fold R_V into v_proj and R_V^T into o_proj at load (int2)", default=True)
     decode_reserve_pages: int = help_field("pages kept free per running request at admission", default=1)
     tensor_parallel: int = help_field(
@@ -124,6 +132,8 @@ class EngineConfig:
                 n, "prefill_attention", "fresh with kv_dtype bf16 (invariant needs int2)",
                 self.prefill_attention, "drop --prefill-attention invariant, or use --kv-dtype int2",
             )  # fmt: skip
+        if self.prompt_scoring not in PROMPT_SCORING:
+            raise field_error(n, "prompt_scoring", " | ".join(PROMPT_SCORING), self.prompt_scoring, True)
         if self.backend not in ("auto", "torch", "triton"):
             raise field_error(n, "backend", "auto | torch | triton", self.backend, True)
         b = self.kv_budget_gb

@@ -268,7 +268,18 @@ class Engine:
             e2e_s=None if t.finished is None else t.finished - t.arrival,
             logprobs=None if seq.params.logprobs is None else list(seq.out_logprobs),
             prompt_logprobs=None if seq.params.prompt_logprobs is None else list(seq.prompt_lps),
+            prompt_scoring=None if seq.params.prompt_logprobs is None else self.prompt_scoring,
         )
+
+    @property
+    def prompt_scoring(self) -> str:
+        """What scored prompts attend to: ``"bf16"`` (a 16-bit store), ``"int2-decode"`` (the
+        history as decoding reads it), ``"int2-fresh"`` or ``"int2-invariant"`` (the prefill rule;
+        ``fresh`` scores a one-chunk prompt in 16 bits)."""
+        if self.cfg.kv_dtype != "int2":
+            return "bf16"
+        rule = "decode" if self.cfg.prompt_scoring == "decode" else self.cfg.prefill_attention
+        return f"int2-{rule}"
 
     def memory_report(self) -> dict[str, Any]:
         """Bytes of every KV pool as allocated, plus the page counts of each tier."""

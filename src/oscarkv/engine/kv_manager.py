@@ -12,6 +12,7 @@ from __future__ import annotations
 from ..config import QuantSpec
 from ..errors import InputError
 from ..quant.tiers import Moves, TierState, plan_moves
+from ..store.windows import decode_chunk_ok
 from .pages import OutOfPages, PagePool
 from .prefix_cache import UNBOUNDED_SINK, PrefixCache
 from .request import Sequence
@@ -26,14 +27,23 @@ def _ceil(a: int, b: int) -> int:
 class KVManager:
     """Pages of ``page_tokens`` tokens in ``hp`` (16-bit) and ``q`` (INT2; a 1-page dummy in bf16
     mode); ``decode_reserve`` pages per running request are kept free at admission on the tier
-    decodes grow (INT2 in int2 mode, 16-bit in bf16 mode)."""
+    decodes grow (INT2 in int2 mode, 16-bit in bf16 mode). ``decode_scoring``: scored prompts
+    follow the decode rule (``prompt_scoring="decode"``, int2; :mod:`oscarkv.store.windows`)."""
 
     def __init__(self, spec: QuantSpec, int2: bool, page_tokens: int, hp: PagePool, q: PagePool | None = None,
-                 prefix: PrefixCache | None = None, decode_reserve: int = 0) -> None:  # fmt: skip
+                 prefix: PrefixCache | None = None, decode_reserve: int = 0,
+                 decode_scoring: bool = False) -> None:  # fmt: skip
         self.spec, self.int2, self.ps = spec, int2, page_tokens
         self.hp, self.q = hp, q if q is not None else PagePool(1)
         self.prefix = prefix
         self.decode_reserve = decode_reserve
+        self.decode_scoring = decode_scoring and int2
+
+    def decode_scored(self, seq: Sequence) -> bool:
+        """Whether ``seq`` is a scored prompt under the decode rule: its chunks end where
+        :meth:`chunk` allows and its pages are never offered to the prefix cache (their K/V
+        were computed under another rule than the prefills that would reuse them)."""
+        return self.decode_scoring and seq.params.prompt_logprobs is not None
 
     def sink_target(self, seq: Sequence) -> int:
         """The sink ``seq`` fills: its ``sink_len`` in INT2 mode; every row in bf16 mode."""
@@ -47,6 +57,25 @@ class KVManager:
             TierState(), n, False, self.spec, sink_target=sink_len if self.int2 else UNBOUNDED_SINK
         )
         return _ceil(m.to_sink, self.ps), _ceil(m.to_int2, self.ps)
+
+    def chunk(self, seq: Sequence, n: int, prompt_end: int, whole_budget: bool = False) -> int:
+        """The tokens of ``seq``'s next prefill chunk given at most ``n``: ``n`` itself, except
+        that a decode-rule chunk that does not end the prompt ends where the ring holds every
+        16-bit key the next chunk's queries read (such ends come at least every
+        ``demote_block`` tokens). None fits in ``n``: 0, or with ``whole_budget`` (``n`` is
+        the step's whole budget, below ``demote_block``) the next end beyond ``n``."""
+        start = seq.n_computed
+        if not self.decode_scored(seq) or start + n >= prompt_end:
+            return n
+        sink, r, db = self.sink_target(seq), self.spec.recent_tokens, self.spec.demote_block
+        c = start + n
+        while c > start and not decode_chunk_ok(c, sink, r, db):
+            c -= 1
+        if c == start and whole_budget:
+            c = start + n
+            while c < prompt_end and not decode_chunk_ok(c, sink, r, db):
+                c += 1
+        return c - start
 
     def fits(self, n_prompt: int, max_tokens: int, sink_len: int) -> None:
         """Raise :class:`InputError` if a request of ``n_prompt + max_tokens`` tokens needs more
@@ -98,8 +127,9 @@ class KVManager:
         seq.hp_pages, seq.q_pages = [], []
 
     def publish_ready(self, seq: Sequence) -> None:
-        """Publish ``seq``'s full pages to the prefix cache (none without one)."""
-        if self.prefix is not None:
+        """Publish ``seq``'s full pages to the prefix cache (none without one, or for a
+        decode-rule scored prompt)."""
+        if self.prefix is not None and not self.decode_scored(seq):
             self.prefix.publish_ready(seq)
 
     @property

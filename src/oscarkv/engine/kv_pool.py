@@ -69,7 +69,8 @@ def _shape(
     ring = window_limit(spec)
     cap = -(-ring // ps) * ps
     block = window_block(spec.recent_tokens, ps) if cfg.prefill_attention == "invariant" else 0
-    shape = PoolPlan(True, ps, 0, spec.sink_tokens // ps, 0, 0, ring, cap, q_page, hp_page, 0, block)
+    score = (spec.recent_tokens, spec.demote_block) if cfg.prompt_scoring == "decode" else (0, 0)
+    shape = PoolPlan(True, ps, 0, spec.sink_tokens // ps, 0, 0, ring, cap, q_page, hp_page, 0, block, score)
     return shape, hp_page + q_page
 
 

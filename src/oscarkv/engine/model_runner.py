@@ -190,10 +190,14 @@ class ModelRunner:
         """Bytes the largest prefill step allocates beyond what is resident: ``max_batched_tokens``
         new tokens of one sequence whose prefix fills ``max_model_len``, with that prefix gathered
         and dequantized (in fp32, then the model dtype) as the varlen prefill gathers it (under
-        ``prefill_attention="invariant"`` also its key bank and one call's gather), then the LM
+        ``prefill_attention="invariant"`` or ``prompt_scoring="decode"`` also its key bank and one
+        call's gather), then the LM
         head over ``score_rows`` rows (prompt scoring)."""
         dev, s = self.device, self.shape
-        inv = self.cfg.prefill_attention == "invariant" and self.cfg.kv_dtype == "int2"
+        # the invariant and decode rules (store/windows.py) gather a key bank
+        inv = self.cfg.kv_dtype == "int2" and (
+            self.cfg.prefill_attention == "invariant" or self.cfg.prompt_scoring == "decode"
+        )
         t = min(self.cfg.max_batched_tokens, self.max_model_len)
         p = self.max_model_len - t
         torch.cuda.synchronize(dev)
@@ -259,6 +263,8 @@ class ModelRunner:
                 f"; prefill attention invariant (16-bit in the sink and {plan.window_block}-token window "
                 "blocks, INT2 before; key lists gathered per block; prefix hits end on a block)"
             )
+        if plan.score_window[1]:
+            tiers += "; prompt scores read the INT2 history as decoding does (--prompt-scoring)"
         return (
             f"KV pools {plan.total_bytes / gib:.2f} GiB ({self.cfg.kv_dtype}; budget: {self.budget.source}): "
             f"{tiers}; max_running "

@@ -35,7 +35,7 @@ from ..store.windows import SeqWindow, window_tensors
 from .decode_buffers import Alloc, DecodeLayout, HostDecode, fresh_buffers
 from .request import Batch, Sequence, StepSeq
 
-__all__ = ["fill_lists", "plan_decode", "plan_decode_host", "plan_prefill"]
+__all__ = ["decode_scored", "fill_lists", "plan_decode", "plan_decode_host", "plan_prefill"]
 
 _LONG = torch.long
 
@@ -90,7 +90,7 @@ def plan_prefill(batch: Batch, plan: PoolPlan, device: torch.device | str) -> Pr
     positions = (first + torch.arange(cu[-1])).to(device, non_blocking=True)
     q_dst, q_tok = t["q"].expand(pages)
     hp_dst, hp_tok = t["hp"].expand(pages)
-    win = _windows(batch, plan, device) if plan.window_block else {}
+    win = _windows(batch, plan, device)
     return PrefillTensors(
         positions=positions,
         cu_seqlens=torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True),
@@ -111,13 +111,22 @@ def plan_prefill(batch: Batch, plan: PoolPlan, device: torch.device | str) -> Pr
     )
 
 
+def decode_scored(seq: Sequence, plan: PoolPlan) -> bool:
+    """Whether ``seq``'s prompt is scored under the decode rule (``prompt_scoring="decode"``, int2)."""
+    return plan.score_window[1] > 0 and seq.params.prompt_logprobs is not None
+
+
 def _windows(batch: Batch, plan: PoolPlan, device: torch.device) -> dict:
-    """The key lists of ``prefill_attention="invariant"`` (:func:`~oscarkv.store.windows.window_tensors`)."""
+    """The key lists of the invariant and decode rules (:func:`~oscarkv.store.windows.window_tensors`);
+    none when no sequence of the step follows either."""
+    dec = [decode_scored(it.seq, plan) for it in batch.items]
+    if not plan.window_block and not any(dec):
+        return {}
     seqs = [
-        SeqWindow(it.pre.n_sink, it.pre.n_q, it.pre.n_recent, it.start, it.n_new, it.seq.sink_len or 0)
-        for it in batch.items
+        SeqWindow(it.pre.n_sink, it.pre.n_q, it.pre.n_recent, it.start, it.n_new, it.seq.sink_len or 0, d)
+        for it, d in zip(batch.items, dec, strict=True)
     ]
-    return window_tensors(seqs, plan.window_block, device)
+    return window_tensors(seqs, plan.window_block, device, plan.score_window)
 
 
 def _token(seq: Sequence, pos: int) -> int:

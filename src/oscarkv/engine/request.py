@@ -233,3 +233,5 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # one per token id, with params.logprobs set
     #: one per prompt token (the first None), with params.prompt_logprobs set
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    #: what ``prompt_logprobs`` were scored against (``Engine.prompt_scoring``); None without them
+    prompt_scoring: str | None = None

@@ -49,7 +49,8 @@ class Scheduler:
         if self.int2:
             cfg.check_spec(spec)
         self.cfg, self.spec, self.ps = cfg, spec, cfg.page_tokens
-        self.kv = KVManager(spec, self.int2, cfg.page_tokens, hp, q, prefix, cfg.decode_reserve_pages)
+        self.kv = KVManager(spec, self.int2, cfg.page_tokens, hp, q, prefix, cfg.decode_reserve_pages,
+                            decode_scoring=cfg.prompt_scoring == "decode")  # fmt: skip
         self.ring = window_limit(spec)  # ring modulus of every request slot
         self.max_model_len = max_model_len if max_model_len is not None else cfg.max_model_len
         self.eos_ids = frozenset(eos_ids)
@@ -223,17 +224,22 @@ class Scheduler:
         return seq.n_computed < self.prompt_end[seq.rid]
 
     def _prefill(self) -> Batch | None:
-        """A partial chunk uses up the budget, so it is the last of its batch (at most one)."""
+        """A partial chunk uses up the budget (a decode-rule chunk may end a few tokens short of
+        it, or beyond a budget below ``demote_block``: ``KVManager.chunk``), so it is the last of
+        its batch (at most one)."""
         budget, items = self.cfg.max_batched_tokens, []
         for seq in [s for s in self.running if self._prefilling(s)]:
-            item = self._step(seq, min(self.prompt_end[seq.rid] - seq.n_computed, budget), False)
+            end = self.prompt_end[seq.rid]
+            full = budget == self.cfg.max_batched_tokens
+            n = self.kv.chunk(seq, min(end - seq.n_computed, budget), end, whole_budget=full)
+            item = self._step(seq, n, False) if n else None
             if item is None:  # no pages (rare): wait for decodes to free some, admit nobody
                 return Batch("prefill", tuple(items)) if items else None
             items.append(item)
-            budget -= item.n_new
+            budget = budget - n if item.ends_prompt else 0
         while budget > 0 and self.waiting and (item := self._admit(self.waiting[0], budget)):
             items.append(item)
-            budget -= item.n_new
+            budget = budget - item.n_new if item.ends_prompt else 0
         return Batch("prefill", tuple(items)) if items else None
 
     def _decode(self) -> Batch | None:
@@ -247,6 +253,9 @@ class Scheduler:
         if seq.sink_len is None:
             seq.sink_len = min(len(seq.prompt), self.spec.sink_tokens)
         n = seq.num_tokens
+        full = budget == self.cfg.max_batched_tokens
+        if self.kv.chunk(seq, min(n - seq.n_computed, budget), n, whole_budget=full) == 0:
+            return None  # a decode-rule chunk that needs a larger budget: the next step's
         self.kv.match(seq)
         if not self.kv.can_allocate(seq, len(self.running)):
             self._release(seq, reset=True)  # undo the match
@@ -258,7 +267,8 @@ class Scheduler:
         seq.times.first_scheduled = seq.times.first_scheduled or time.perf_counter()
         if self.trace is not None:
             self.trace[seq.rid] = [("admit", n)] + [("hit", seq.n_computed)] * (seq.n_computed > 0)
-        item = self._step(seq, min(n - seq.n_computed, budget), False)
+        take = self.kv.chunk(seq, min(n - seq.n_computed, budget), n, whole_budget=full)  # after the hit
+        item = self._step(seq, take, False)
         assert item is not None, "admission checked the pages of the whole prompt"
         return item
 

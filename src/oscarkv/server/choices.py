@@ -94,10 +94,12 @@ def _logprobs(
 
 
 def _echoed(decode: Callable[[list[int]], str], out: RequestOutput) -> dict | None:
-    """The logprobs object of ``out``'s prompt tokens (the first unscored), if any were asked."""
+    """The logprobs object of ``out``'s prompt tokens (the first unscored), if any were asked,
+    with ``prompt_scoring``: what the scores attended to (``Engine.prompt_scoring``)."""
     if out.prompt_logprobs is None:
         return None
-    return logprobs_object(decode, out.prompt_token_ids, out.prompt_logprobs, False)
+    lp = logprobs_object(decode, out.prompt_token_ids, out.prompt_logprobs, False)
+    return {**lp, "prompt_scoring": out.prompt_scoring}
 
 
 def _body(decode: Callable[[list[int]], str], c: Choice, out: RequestOutput, chat: bool) -> ChoiceBody:
@@ -107,7 +109,7 @@ def _body(decode: Callable[[list[int]], str], c: Choice, out: RequestOutput, cha
     lp = _logprobs(decode, out, chat, offset=len(c.echo))
     head = _echoed(decode, out)
     if lp is not None and head is not None:
-        lp = {k: head[k] + lp[k] for k in lp}
+        lp = {**{k: head[k] + lp[k] for k in lp}, "prompt_scoring": head["prompt_scoring"]}
     return c.echo + out.text, out.finish_reason, lp
 
 

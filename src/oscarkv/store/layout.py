@@ -36,6 +36,9 @@ class PoolPlan:
     total_bytes: int
     #: ``prefill_attention="invariant"``: the window block ``G`` (:mod:`.windows`); 0: fresh
     window_block: int = 0
+    #: ``(recent_tokens, demote_block)`` of the decode rule that scored prompts follow
+    #: (:mod:`.windows`; ``EngineConfig.prompt_scoring="decode"``); ``(0, 0)``: the prefill rule
+    score_window: tuple[int, int] = (0, 0)
 
     @property
     def ring0(self) -> int:

@@ -1,14 +1,16 @@
-"""Prefill attention that does not depend on cache state: ``EngineConfig.prefill_attention="invariant"``.
+"""Prefill attention over a mix of 16-bit and INT2 keys chosen per query: the rules under which a
+prompt token does not see its own prefix in 16 bits.
 
-A fresh prefill lets the step's tokens attend each other in 16 bits, while a prefix hit or a later
-chunk attends to earlier tokens as stored (INT2 beyond the sink and the recent window), so the
-same prompt gives different hidden states, and different stored K/V, depending on what was cached
-and how the prompt was chunked or batched. Under the invariant rule a query at position ``t``
-sees a key ``s <= t`` in 16 bits iff ``s`` is in its sequence's sink (``s < sink_len``) or in
-``t``'s own **window block** (``s >= align_down(t, G)``, ``G`` = :func:`window_block`: the recent
-window rounded down to whole pages); every other key is its INT2 value, exactly what the store
-holds or will hold for it (the stored rows dequantized; 16-bit rows quantized and dequantized by
-the store's own write op, :func:`quantize_dequantize`).
+**Invariant** (``EngineConfig.prefill_attention="invariant"``). A fresh prefill lets the step's
+tokens attend each other in 16 bits, while a prefix hit or a later chunk attends to earlier tokens
+as stored (INT2 beyond the sink and the recent window), so the same prompt gives different hidden
+states, and different stored K/V, depending on what was cached and how the prompt was chunked or
+batched. Under the invariant rule a query at position ``t`` sees a key ``s <= t`` in 16 bits iff
+``s`` is in its sequence's sink (``s < sink_len``) or in ``t``'s own **window block**
+(``s >= align_down(t, G)``, ``G`` = :func:`window_block`: the recent window rounded down to whole
+pages); every other key is its INT2 value, exactly what the store holds or will hold for it (the
+stored rows dequantized; 16-bit rows quantized and dequantized by the store's own write op,
+:func:`quantize_dequantize`).
 
 Why blocks and not the last ``R`` positions: a prefix hit of ``m`` tokens serves positions
 ``< m`` in INT2 only (rings are never shared), so no query ``t >= m`` may want one of them in 16
@@ -17,10 +19,20 @@ bits; with windows that start at a multiple of ``G`` and hits that end at one (t
 so every 16-bit key a later query wants is still held. Hence a token's hidden states and stored
 K/V are a function of the request's tokens alone, whatever the chunking, prefix hits or batch.
 
-The keys of each (sequence, window block) are gathered into one varlen list: the sink in 16 bits,
-INT2 values up to the block, then 16-bit rows from the block start; ``ops.prefill_attention_varlen``
-(any backend) attends each block's queries to its list. The gather costs ``O(blocks x prefix)``
-memory traffic per layer (the price of the option).
+**Decode** (``EngineConfig.prompt_scoring="decode"``: scored prompts, int2). Position ``t`` is
+scored against its prefix as a decode step at ``t`` reads it: 16 bits in the sink and from
+:func:`decode_window_start` (the recent window as the ring keeps it, ``R`` to ``R + db - 1``
+tokens: demotions come in blocks of ``db``), INT2 between. The reference is ``OscarCache``
+prefilled with the first ``min(L, sink + R)`` tokens (all of them 16-bit for every rule) and fed
+the rest one token at a time. Such requests take no prefix hit, and their chunks end where
+:func:`decode_chunk_ok` allows, so every 16-bit key a later chunk wants is still in the ring.
+
+The keys of each (sequence, query run with one window start) are gathered into one varlen list:
+the sink in 16 bits, INT2 values up to the window, then 16-bit rows from the window start;
+``ops.prefill_attention_varlen`` (any backend) attends each run's queries to its list. Sequences
+under neither rule (fresh, in a step that has some) are one run over their keys as stored. The
+gather costs ``O(runs x prefix)`` memory traffic per layer: ``L / G`` runs under the invariant
+rule, ``L / db`` under the decode rule (the price of the options).
 """
 
 from __future__ import annotations
@@ -35,12 +47,45 @@ from ..kernels import KernelOps
 from ..quant import RowFormat
 from ..quant.quantizer import META_TORCH_DTYPES
 
-__all__ = ["SeqWindow", "invariant_prefill", "quantize_dequantize", "window_block", "window_tensors"]
+__all__ = [
+    "SeqWindow",
+    "decode_chunk_ok",
+    "decode_window_start",
+    "invariant_prefill",
+    "quantize_dequantize",
+    "window_block",
+    "window_tensors",
+]
 
 
 def window_block(recent_tokens: int, page_tokens: int) -> int:
     """``G``: the recent window rounded down to whole pages (0 when it holds no whole page)."""
     return recent_tokens // page_tokens * page_tokens
+
+
+def decode_window_start(t: int, sink: int, recent: int, demote_block: int) -> int:
+    """The first 16-bit position after the sink that a decode step at position ``t`` reads, for a
+    sequence with ``sink`` sink tokens whose first ``min(t, sink + recent)`` tokens were prefilled
+    and the rest decoded one at a time (the tier rules of :mod:`oscarkv.quant.tiers`: the ring
+    holds ``recent`` tokens after the prefill and demotes the ``demote_block`` oldest when it holds
+    ``max(recent + demote_block - 1, 1)``). Keys ``sink <= s < start`` are INT2."""
+    db = demote_block
+    if recent >= 1:
+        a = sink + recent - 1  # the last prefilled position: the window is [sink, a] there
+        return sink if t <= a else sink + db * ((t - a) // db)
+    # no recent window: the ring restarts from the new token whenever it holds max(db - 1, 1)
+    m, j = max(db - 1, 1), t - sink
+    if j <= 0:
+        return max(t, sink)
+    n = 1 + (j - 1) % m  # ring entries before the step
+    return t if n == m else t - n
+
+
+def decode_chunk_ok(c: int, sink: int, recent: int, demote_block: int) -> bool:
+    """Whether a prefill chunk of a decode-rule sequence may end at ``c``: the ring then holds
+    positions ``[max(sink, c - recent), c)``, which must cover every 16-bit key a query ``t >= c``
+    reads (true at least every ``demote_block`` positions)."""
+    return c <= sink + recent or decode_window_start(c, sink, recent, demote_block) >= c - recent
 
 
 def quantize_dequantize(rows: torch.Tensor, fmt: RowFormat, ops: KernelOps) -> torch.Tensor:
@@ -59,7 +104,7 @@ def quantize_dequantize(rows: torch.Tensor, fmt: RowFormat, ops: KernelOps) -> t
 
 class SeqWindow(NamedTuple):
     """One sequence of a prefill step: its tier counts before the step, its first position, its
-    new tokens and its pinned sink length."""
+    new tokens, its pinned sink length, and whether it is a scored prompt under the decode rule."""
 
     n_sink: int
     n_q: int
@@ -67,18 +112,48 @@ class SeqWindow(NamedTuple):
     start: int
     n_new: int
     sink_len: int
+    decode: bool = False
 
 
-def window_tensors(seqs: Sequence[SeqWindow], block: int, device: torch.device | str) -> dict:
-    """The ``PrefillTensors`` fields of the invariant rule for one step: ``win_idx`` (long, the
-    rows of each (sequence, window block)'s key list in the layer's key bank, see
-    :func:`invariant_prefill`), ``win_cu`` (int32 ``[2, pieces+1]``: query and key offsets) and
-    ``win_max`` (host ``(longest query run, longest key list)``).
+def _runs(w: SeqWindow, block: int, score: tuple[int, int]):
+    """``(t, e, lo)``: the sequence's new positions ``[t, e)`` in runs whose queries read 16-bit
+    keys from ``lo`` on (and in the sink), INT2 before; ``lo = -1``: every key as stored."""
+    end = w.start + w.n_new
+    if w.decode:
+        t = w.start
+        while t < end:
+            lo = decode_window_start(t, w.sink_len, *score)
+            e = t + 1
+            while e < end and decode_window_start(e, w.sink_len, *score) == lo:
+                e += 1
+            yield t, e, lo
+            t = e
+    elif block:
+        t = w.start
+        while t < end:
+            lo = t // block * block
+            e = min(lo + block, end)
+            yield t, e, lo
+            t = e
+    else:
+        yield w.start, end, -1
 
-    Raises ``AssertionError`` when a stored INT2 row falls inside a query's window block (a prefix
-    hit not on a block boundary: the prefix cache's ``hit_block`` was not set)."""
-    if block <= 0:
-        raise ValueError(f"prefill_attention=invariant needs a window block of >= 1 page; got {block}")
+
+def window_tensors(
+    seqs: Sequence[SeqWindow], block: int, device: torch.device | str, score: tuple[int, int] = (0, 0)
+) -> dict:
+    """The ``PrefillTensors`` fields of one step under the invariant rule (window block ``block``;
+    0: none) and the decode rule (``score = (recent_tokens, demote_block)`` for the sequences
+    marked ``decode``): ``win_idx`` (long, the rows of each run's key list in the layer's key
+    bank, see :func:`invariant_prefill`), ``win_cu`` (int32 ``[2, pieces+1]``: query and key
+    offsets), ``win_max`` (host ``(longest query run, longest key list)``) and ``win_groups``.
+
+    Raises ``AssertionError`` when a stored INT2 row falls where a query wants 16 bits (a prefix
+    hit not on a block boundary, or a decode-rule chunk that :func:`decode_chunk_ok` refuses)."""
+    if block <= 0 and not any(w.decode for w in seqs):
+        raise ValueError(f"the invariant rule needs a window block of >= 1 page; got {block}")
+    if any(w.decode for w in seqs) and score[1] < 1:
+        raise ValueError(f"the decode rule needs (recent_tokens, demote_block >= 1); got {score}")
     n_hp = sum(s[0] + s[2] for s in seqs)
     n_q = sum(s[1] for s in seqs)
     n_t = sum(s[4] for s in seqs)
@@ -88,10 +163,10 @@ def window_tensors(seqs: Sequence[SeqWindow], block: int, device: torch.device |
     idx: list[torch.Tensor] = []
     cu_q, cu_k = [0], [0]
     h, q, a = 0, 0, 0
-    for ns, nq, nr, start, n_new, sink in seqs:
+    for w in seqs:
+        ns, nq, nr, start, n_new, sink = w[:6]
         if ns + nq + nr != start:
             raise AssertionError(f"tier counts {ns}+{nq}+{nr} != the step's start {start}")
-        end = start + n_new
         ar = torch.arange
         # 16-bit and INT2 version of positions 0 .. end-1, in position order
         pos16 = torch.cat(
@@ -105,14 +180,12 @@ def window_tensors(seqs: Sequence[SeqWindow], block: int, device: torch.device |
                 ar(t2 + a, t2 + a + n_new),
             ]
         )
-        t = start
-        while t < end:
-            lo = t // block * block
-            e = min(lo + block, end)
-            if nq and ns + nq > lo:
+        for t, e, lo in _runs(w, block, score):
+            if lo >= 0 and nq and ns + nq > lo:
                 raise AssertionError(
-                    f"stored INT2 rows up to position {ns + nq} fall in the window block from {lo} "
-                    "(a prefix hit must end on a window block: PrefixCache(hit_block=...))"
+                    f"stored INT2 rows up to position {ns + nq} fall in the 16-bit window from {lo} "
+                    "(a prefix hit must end on a window block: PrefixCache(hit_block=...); a "
+                    "decode-rule chunk must end where decode_chunk_ok allows)"
                 )
             if lo > sink:
                 idx += [pos16[:sink], pos2[sink:lo], pos16[lo:e]]
@@ -120,7 +193,6 @@ def window_tensors(seqs: Sequence[SeqWindow], block: int, device: torch.device |
                 idx.append(pos16[:e])
             cu_q.append(cu_q[-1] + e - t)
             cu_k.append(cu_k[-1] + e)
-            t = e
         h, q, a = h + ns + nr, q + nq, a + n_new
     lens_q = [y - x for x, y in itertools.pairwise(cu_q)]
     lens_k = [y - x for x, y in itertools.pairwise(cu_k)]
@@ -168,7 +240,7 @@ def invariant_prefill(
     win_groups: tuple[Group, ...] = (),
 ) -> torch.Tensor:
     """Attention of a prefill step's queries ``q_rot [T, Hq, d]`` (rotated) under the invariant
-    rule; ``k_rot, v_rot [T, Hkv, d]`` the step's new rows, ``pre_hp``/``pre_q`` the stored rows'
+    and decode rules; ``k_rot, v_rot [T, Hkv, d]`` the step's new rows, ``pre_hp``/``pre_q`` the stored rows'
     ids (the step's pre-step lists, flat), ``win_*`` from :func:`window_tensors`: each group of
     pieces gathers its key lists and attends in one call (all pieces in one call without groups)."""
     dt = pools.hp_k.dtype
