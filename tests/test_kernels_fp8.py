@@ -94,9 +94,10 @@ def test_align_pairs_groups_every_pair_once_by_expert(tokens: int, experts: int,
 
 # several tiles and steps, both tile heights; the second splits every small launch's reduction
 TUNINGS = {
-    "tiles": dict(bn_small=32, bn_large=64, bm_large=32, bk=64, small_rows=16),
+    "tiles": dict(bn_small=32, bn_large=64, bm_large=32, bk=64, small_rows=16, small_pairs_per_expert=0),
     "split": dict(bn_small=32, bn_large=64, bm_large=32, bk=64, small_rows=16, programs_per_sm=1 << 20,
-                  min_split_steps=1, max_split=4),
+                  min_split_steps=1, max_split=4, small_pairs_per_expert=0),
+    "thin": dict(bn_small=32, bk=64, small_rows=4, small_pairs_per_expert=64),  # experts: small tiles
 }  # fmt: skip
 
 

@@ -31,14 +31,18 @@ SCALE_BLOCK = 128
 
 @dataclass(frozen=True)
 class Fp8Tuning:
-    """Tiles and launch shape. Up to ``small_rows`` activation rows (pairs, for experts) a launch
-    uses ``bm_small`` x ``bn_small`` tiles (memory-bound GEMV shapes), above it ``bm_large`` x
-    ``bn_large`` (compute-bound). ``BN`` and ``BK`` divide 128, so a tile's step has one block
+    """Tiles and launch shape. Up to ``small_rows`` activation rows a launch uses ``bm_small`` x
+    ``bn_small`` tiles (memory-bound GEMV shapes), above it ``bm_large`` x ``bn_large``
+    (compute-bound). Routed experts use the small tiles up to ``small_rows`` pairs or
+    ``small_pairs_per_expert`` pairs per expert on average: a decode batch spreads its pairs
+    thinly (43 tokens x top-8 over 128 experts: 2.7 per expert), and a 128-row block per touched
+    expert would be almost all padding, computed at full cost. ``BN`` and ``BK`` divide 128, so a tile's step has one block
     scale. Small launches split the reduction over ``K`` into up to ``max_split`` parts (fp32
     partials, summed after) until they have ``programs_per_sm`` programs per SM, each part keeping
     at least ``min_split_steps`` steps of ``BK`` columns."""
 
     small_rows: int = 64
+    small_pairs_per_expert: int = 16
     bm_small: int = 16
     bn_small: int = 64
     bm_large: int = 128
@@ -58,10 +62,15 @@ class Fp8Tuning:
                 f"Fp8Tuning: bn_small {self.bn_small}, bn_large {self.bn_large} and bk {self.bk} must divide {SCALE_BLOCK}"
             )
 
-    def launch(self, rows: int, tiles: int, k: int, sms: int) -> tuple[int, int, int, int, int]:
-        """``(BM, BN, split, num_warps, num_stages)`` for ``rows`` activation rows; ``tiles(bm, bn)``
-        is the number of output tiles of the launch; ``k`` the reduction length."""
-        if rows > self.small_rows:
+    def small(self, rows: int, experts: int = 0) -> bool:
+        """Whether a launch over ``rows`` activation rows (pairs over ``experts`` routed experts)
+        takes the small tiles."""
+        return rows <= max(self.small_rows, self.small_pairs_per_expert * experts)
+
+    def launch(self, small: bool, tiles: int, k: int, sms: int) -> tuple[int, int, int, int, int]:
+        """``(BM, BN, split, num_warps, num_stages)`` with the small or the large tiles; ``tiles``
+        is the number of output tiles of the launch with the small ones; ``k`` the reduction length."""
+        if not small:
             return self.bm_large, self.bn_large, 1, self.warps_large, self.stages_large
         split, steps = 1, triton.cdiv(k, self.bk)
         while (
@@ -111,16 +120,18 @@ def _fp8_mm(X, W, S, Y, ROWS, BLOCK_E, M, N, K, K_PART, s_xm, s_we, s_wn, s_se, 
 _MM = Launcher(_fp8_mm)
 
 
-def _mm(x, w, s, rows, blocks, m: int, n: int, k: int, row_div: int, tu: Fp8Tuning) -> torch.Tensor:
+def _mm(
+    x, w, s, rows, blocks, m: int, n: int, k: int, row_div: int, tu: Fp8Tuning, small: bool
+) -> torch.Tensor:
     """``[m, n]`` in ``x``'s dtype: the products of ``m`` rows (pairs, when ``rows`` lists them by
-    expert block) with ``w``'s rows."""
+    expert block) with ``w``'s rows, with the small or the large tiles."""
     gather = rows is not None
     sms = device_facts(x.device)[0] or 1
 
     def tiles(bm: int, bn: int) -> int:
         return (blocks.shape[0] if gather else triton.cdiv(m, bm)) * triton.cdiv(n, bn)
 
-    bm, bn, split, warps, stages = tu.launch(m, tiles(tu.bm_small, tu.bn_small), k, sms)
+    bm, bn, split, warps, stages = tu.launch(small, tiles(tu.bm_small, tu.bn_small), k, sms)
     if gather and bm != rows.shape[0] // blocks.shape[0]:
         raise ValueError("fp8 experts: the pair blocks were aligned for another tile height")
     k_part = triton.cdiv(triton.cdiv(k, tu.bk), split) * tu.bk
@@ -158,7 +169,7 @@ def fp8_linear(
     _check_scales(w, s, "fp8_linear")
     if not m:
         return x.new_empty(0, w.shape[0])
-    return _mm(x, w, s, None, None, m, w.shape[0], k, 1, tuning)
+    return _mm(x, w, s, None, None, m, w.shape[0], k, 1, tuning, tuning.small(m))
 
 
 def align_pairs(ids: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,10 +219,11 @@ def fp8_moe_experts(
     if t == 0:
         return torch.empty_like(x)
     p, dt = t * k, x.dtype
-    rows, blocks = align_pairs(ids, e, tuning.bm_small if p <= tuning.small_rows else tuning.bm_large)
-    h13 = _mm(x, w13, s13, rows, blocks, p, two_i, h, k, tuning)
+    small = tuning.small(p, e)
+    rows, blocks = align_pairs(ids, e, tuning.bm_small if small else tuning.bm_large)
+    h13 = _mm(x, w13, s13, rows, blocks, p, two_i, h, k, tuning, small)
     g, u = h13[:, :inter].float(), h13[:, inter:].float()
     a = (torch.nn.functional.silu(g).to(dt).float() * u).to(dt)
-    y = _mm(a, w2, s2, rows, blocks, p, h, inter, 1, tuning)
+    y = _mm(a, w2, s2, rows, blocks, p, h, inter, 1, tuning, small)
     y = (y.float() * weights.reshape(p, 1).float()).to(dt)
     return y.view(t, k, h).float().sum(dim=1).to(dt)
