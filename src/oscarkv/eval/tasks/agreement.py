@@ -282,7 +282,7 @@ def agreement_markdown(summ: Sequence[Mapping[str, Any]]) -> str:
     ]
     for s in got:
         em = f"{s['exact_match']:.3f} ({s['exact_count']}/{n})" if "exact_match" in s else "(reference)"
-        pre = f"{s['prefix_mean']:.1f} / {s['prefix_median']:.0f}" if "prefix_mean" in s else "-"
+        pre = f"{s['prefix_mean']:.1f} / {s['prefix_median']:.1f}" if "prefix_mean" in s else "-"
         lines.append(
             f"| {s['method']} | {s['bits_per_element']:.2f} | {em} | {pre} | {s['loop_rate']:.3f} "
             f"({s['loop_count']}/{n}) | {s.get('loops_not_bf16', '-')} | {s.get('bf16_loops_not_this', '-')} "
