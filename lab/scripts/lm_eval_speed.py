@@ -2,9 +2,9 @@
 task of long contexts (``--docs`` documents x ``--choices`` choices, ~``--context`` tokens each,
 from local text), lm-eval ``local-completions`` against a live ``oscarkv serve`` (int2 with the
 given rotations, and/or bf16), then lm-eval's ``hf`` backend on the same task, wall time each,
-in one process on the CPU.
+each side in its own process (one model in memory at a time), on the CPU.
 
-    python lab/scripts/lm_eval_speed.py --model M --rotations R --data FILE [--kv int2,bf16]
+    python lab/scripts/lm_eval_speed.py --model M --rotations R --data FILE [--sides int2,bf16,hf]
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -48,30 +50,17 @@ def run(model: str, args: str, task: str, d: Path) -> tuple[float, dict]:
     return time.perf_counter() - t0, res
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--rotations")
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--kv", default="int2,bf16")
-    ap.add_argument("--docs", type=int, default=20)
-    ap.add_argument("--choices", type=int, default=4)
-    ap.add_argument("--context", type=int, default=1100)
-    ap.add_argument("--out", default="")
-    args = ap.parse_args()
-    from transformers import AutoTokenizer
+def side(args, task: str, d: Path) -> dict:
+    """One side's wall time, accuracy and per-request log-likelihoods."""
+    if args.side == "hf":
+        s, res = run("hf", f"pretrained={args.model},dtype=float32,device=cpu", task, d)
+    else:
+        from oscarkv.config import EngineConfig, ServerConfig
+        from oscarkv.server.launch import start_server
 
-    from oscarkv.config import EngineConfig, ServerConfig
-    from oscarkv.server.launch import start_server
-
-    tok = AutoTokenizer.from_pretrained(args.model)
-    d = Path(tempfile.mkdtemp())
-    task = build_task(d, tok, Path(args.data).read_text(), args.docs, args.choices, args.context, 0)
-    name = Path(args.model).name
-    rows, lls = [], {}
-    for kv in args.kv.split(","):
-        cfg = EngineConfig(model=args.model, kv_dtype=kv, device="cpu",
-                           rotations=args.rotations if kv == "int2" else None)  # fmt: skip
+        name = Path(args.model).name
+        cfg = EngineConfig(model=args.model, kv_dtype=args.side, device="cpu",
+                           rotations=args.rotations if args.side == "int2" else None)  # fmt: skip
         srv = start_server(cfg, ServerConfig(port=0, served_model_name=name))
         try:
             margs = (f"base_url={srv.url}/v1/completions,model={name},tokenizer={args.model},"
@@ -79,22 +68,47 @@ def main() -> None:
             s, res = run("local-completions", margs, task, d)
         finally:
             srv.stop()
-        lls[kv] = [r[0][0] for x in res["samples"][task] for r in x["resps"]]
-        rows.append((f"server {kv}", s, res["results"][task]["acc,none"]))
-    s, res = run("hf", f"pretrained={args.model},dtype=float32,device=cpu", task, d)
-    lls["hf"] = [r[0][0] for x in res["samples"][task] for r in x["resps"]]
-    rows.append(("hf backend", s, res["results"][task]["acc,none"]))
+    lls = [r[0][0] for x in res["samples"][task] for r in x["resps"]]
+    return {"side": args.side, "wall_s": s, "acc": res["results"][task]["acc,none"], "lls": lls}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--rotations")
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--sides", default="int2,bf16,hf")
+    ap.add_argument("--side", help=argparse.SUPPRESS)  # one side, in a child process
+    ap.add_argument("--docs", type=int, default=20)
+    ap.add_argument("--choices", type=int, default=4)
+    ap.add_argument("--context", type=int, default=1100)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    d = Path(tempfile.mkdtemp())
+    task = build_task(d, tok, Path(args.data).read_text(), args.docs, args.choices, args.context, 0)
+    if args.side:
+        Path(args.out).write_text(json.dumps(side(args, task, d)))
+        return
+    rows = []
+    for sd in args.sides.split(","):
+        out = d / f"{sd}.json"
+        argv = [a for a in sys.argv[1:]]
+        subprocess.run([sys.executable, __file__, *argv, "--side", sd, "--out", str(out)], check=True)
+        rows.append(json.loads(out.read_text()))
+    ref = next((r for r in rows if r["side"] == "hf"), rows[-1])
     n = args.docs * args.choices
     print(f"{n} requests of ~{args.context} tokens, {torch.get_num_threads()} threads")
-    print("| run | wall s | / hf | acc |\n|---|---|---|---|")
-    for r, s, acc in rows:
-        print(f"| {r} | {s:.1f} | {s / rows[-1][1]:.2f} | {acc:.3f} |")
-    for kv in lls:
-        if kv != "hf":
-            diff = max(abs(a - b) for a, b in zip(lls[kv], lls["hf"], strict=True))
-            print(f"{kv}: largest |loglikelihood - hf| {diff:.4f}")
+    print(f"| run | wall s | / {ref['side']} | acc | largest |ll - {ref['side']}| |\n|---|---|---|---|---|")
+    for r in rows:
+        diff = max(abs(a - b) for a, b in zip(r["lls"], ref["lls"], strict=True))
+        print(
+            f"| {r['side']} | {r['wall_s']:.1f} | {r['wall_s'] / ref['wall_s']:.2f} | {r['acc']:.3f} | {diff:.4f} |"
+        )
     if args.out:
-        Path(args.out).write_text(json.dumps({"rows": rows, "lls": lls}, indent=1))
+        Path(args.out).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
