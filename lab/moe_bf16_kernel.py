@@ -53,7 +53,9 @@ def main() -> None:
             if path == "kernel":
                 bf16_through_fp8_kernel(moe)
             nbytes = {n: p.numel() * p.element_size() for n, p in moe.named_parameters()}
-            per_expert = sum(v for n, v in nbytes.items() if n.startswith("experts.")) / moe.experts.w13.lead[0]
+            per_expert = (
+                sum(v for n, v in nbytes.items() if n.startswith("experts.")) / moe.experts.w13.lead[0]
+            )
             fixed = sum(v for n, v in nbytes.items() if not n.startswith("experts."))
             for t in [int(v) for v in args.tokens.split(",")]:
                 x = torch.randn(t, h, generator=g, device="cuda", dtype=torch.bfloat16)
