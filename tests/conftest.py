@@ -253,3 +253,22 @@ def run_under_the_interpreter(test_file: str, *args: str, timeout: float = 1200)
     out = res.stdout + res.stderr
     last = out.strip().splitlines()[-1] if out.strip() else ""
     assert res.returncode == 0 and " passed" in last and "skipped" not in last, out[-4000:]
+
+
+#: a minimal chat template for the demo tokenizer (it ships none): the chat-prompt tasks' tests
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_tok():
+    """The demo model's tokenizer with :data:`CHAT_TEMPLATE`."""
+    from transformers import AutoTokenizer
+
+    from oscarkv.demo import demo_model_path
+
+    tok = AutoTokenizer.from_pretrained(str(demo_model_path()))
+    tok.chat_template = CHAT_TEMPLATE
+    return tok

@@ -22,20 +22,6 @@ from oscarkv.eval.tasks.agreement import (
     tail_repeat_fraction,
 )
 
-TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-
-
-@pytest.fixture(scope="module")
-def chat_tok():
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(demo_model_path()))
-    tok.chat_template = TEMPLATE
-    return tok
-
 
 @pytest.fixture(scope="module")
 def demo_model():

@@ -11,20 +11,6 @@ from oscarkv.eval.tasks import retrieval
 from oscarkv.eval.tasks.needle import filler_lines
 from oscarkv.eval.tasks.retrieval import QUESTION, build_retrieval_cases, chat_frame, run_retrieval
 
-TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-
-
-@pytest.fixture(scope="module")
-def chat_tok():
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(demo_model_path()))
-    tok.chat_template = TEMPLATE
-    return tok
-
 
 @pytest.mark.parametrize("n_tok,keys", [(600, 1), (1500, 4)])
 def test_cases_are_exact_length_chat_prompts_holding_their_needles(chat_tok, n_tok: int, keys: int) -> None:

@@ -8,22 +8,19 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from tier_steps import check_against_masks, run_steps, signed_perm
 
 from conftest import random_rotation_set
 from oscarkv import LLM, QuantSpec, SamplingParams
 from oscarkv.config import EngineConfig
 from oscarkv.demo import demo_model_path
 from oscarkv.engine.kv_pool import KVPool, plan_pools
-from oscarkv.engine.planner import plan_prefill
-from oscarkv.engine.request import Batch, Sequence, StepSeq
 from oscarkv.kernels import pool_ops, resolve
 from oscarkv.quant import RowFormat
-from oscarkv.quant.tiers import apply_moves, plan_moves
 from oscarkv.rotation import save_rotations
 from oscarkv.store import TierAttention, windows
 from oscarkv.store.windows import quantize_dequantize
@@ -36,12 +33,6 @@ OPS = resolve("torch", "cpu")
 L_SPEC = QuantSpec(sink_tokens=8, recent_tokens=14, demote_block=4)  # window block G = 12 < R
 PS, HQ, HKV, D = 4, 4, 2, 32
 G = 12
-
-
-def _signed_perm(gen: torch.Generator) -> torch.Tensor:
-    """Orthogonal with exact products (one term per output): rotated rows are bit-stable."""
-    sign = torch.randint(0, 2, (D,), generator=gen).float() * 2 - 1
-    return torch.eye(D)[torch.randperm(D, generator=gen)] * sign
 
 
 def _setup():
@@ -71,22 +62,6 @@ def test_quantize_dequantize_equals_what_the_store_keeps():
         assert torch.equal(got_v, quantize_dequantize(v, vf, OPS))
 
 
-def _reference(q, k, v, sink: int, scale: float) -> torch.Tensor:
-    """Per query ``t``, explicit masks: key ``s <= t`` 16-bit iff ``s < sink`` or
-    ``s >= align_down(t, G)``, else its INT2 value (rows already rotated)."""
-    kf, vf = RowFormat.from_spec(L_SPEC, D, "k"), RowFormat.from_spec(L_SPEC, D, "v")
-    k2, v2 = quantize_dequantize(k, kf, OPS), quantize_dequantize(v, vf, OPS)
-    out = torch.empty_like(q)
-    for t in range(q.shape[0]):
-        s = torch.arange(t + 1)
-        hi = ((s < sink) | (s >= t // G * G))[:, None, None]
-        kk, vv = torch.where(hi, k[: t + 1], k2[: t + 1]), torch.where(hi, v[: t + 1], v2[: t + 1])
-        for h in range(HQ):
-            w = torch.softmax((kk[:, h * HKV // HQ] @ q[t, h]) * scale, 0)
-            out[t, h] = w @ vv[:, h * HKV // HQ]
-    return out
-
-
 @pytest.mark.parametrize("rows_per_token", [2, 0])
 def test_invariant_attention_equals_explicit_masks(rows_per_token: int, monkeypatch: pytest.MonkeyPatch):
     """Three prompts prefilled together in ragged chunks (sink-only starts, chunk ends inside and
@@ -100,52 +75,15 @@ def test_invariant_attention_equals_explicit_masks(rows_per_token: int, monkeypa
     plan, pool, kf, vf = _setup()
     views = pool.layer(0)
     gen = torch.Generator().manual_seed(3)
-    r_k, r_v = _signed_perm(gen), _signed_perm(gen)
+    r_k, r_v = signed_perm(D, gen), signed_perm(D, gen)
     scale = 1 / math.sqrt(D)
     attn = TierAttention(0, r_k, r_v, kf, vf, OPS, scale)
-    prompts = {"A": 61, "B": 9, "C": 40}
+    prompts = {"A": (61, None), "B": (9, None), "C": (40, None)}
     schedule = [[("A", 5), ("B", 9), ("C", 13)], [("A", 19), ("C", 11)], [("A", 24), ("C", 16)], [("A", 13)]]
-    rng = random.Random(1)
-    free_h, free_q, slots = list(range(1, plan.hp_pages)), list(range(1, plan.q_pages)), [0, 1, 2, 3]
-    for free in (free_h, free_q, slots):
-        rng.shuffle(free)
-    seqs, data, outs = {}, {}, {}
-    for i, (rid, n) in enumerate(prompts.items()):
-        seq = Sequence(rid, list(range(n)), SamplingParams(max_tokens=4))
-        seq.sink_len, seq.slot = min(n, L_SPEC.sink_tokens), slots.pop()
-        seqs[rid] = seq
-        g = torch.Generator().manual_seed(10 + i)
-        q, k, v = torch.randn(n, HQ, D, generator=g), torch.randn(n, HKV, D, generator=g), torch.randn(n, HKV, D, generator=g)  # fmt: skip
-        k[..., :3] *= 6
-        data[rid], outs[rid] = (q, k, v), []
-    ceil = lambda x: -(-x // PS)  # noqa: E731
-    demoted = 0
-    for work in schedule:
-        items = []
-        for rid, n in work:
-            seq = seqs[rid]
-            m = plan_moves(seq.tiers, n, False, L_SPEC, sink_target=seq.sink_len)
-            pre, post = replace(seq.tiers), replace(seq.tiers)
-            apply_moves(post, m, plan.ring)
-            seq.hp_pages += [free_h.pop() for _ in range(ceil(post.n_sink) - len(seq.hp_pages))]
-            seq.q_pages += [free_q.pop() for _ in range(ceil(post.n_q) - len(seq.q_pages))]
-            items.append(StepSeq(seq, seq.n_computed, n, pre, m))
-            seq.tiers, seq.n_computed = post, seq.n_computed + n
-            demoted += m.demote
-        rows = [tuple(x[it.start : it.start + it.n_new] for x in data[it.seq.rid]) for it in items]
-        q, k, v = (torch.cat([r[j] for r in rows]) for j in range(3))
-        p = plan_prefill(Batch("prefill", tuple(items)), plan, "cpu")
-        assert p.win_idx is not None
-        out = attn.prefill(q, k, v, views, p)
-        for it, a, b in zip(items, p.cu_host, p.cu_host[1:], strict=False):
-            outs[it.seq.rid].append(out[a:b])
-    assert demoted > 0
+    res = run_steps(attn, plan, views, L_SPEC, prompts, schedule, (HQ, HKV, D), random.Random(1))
+    assert res["demoted"] > 0
     assert max(calls) > 1 if rows_per_token == 0 else max(calls) == 1, calls  # groups per call
-    for rid, (q, k, v) in data.items():
-        rot = lambda x, r: attn._rotate(x, r)  # noqa: E731
-        want = _reference(rot(q, attn.r_k), rot(k, attn.r_k), rot(v, attn.r_v), seqs[rid].sink_len, scale)
-        want = attn._rotate(want, attn.r_out, inverse=True)
-        torch.testing.assert_close(torch.cat(outs[rid]), want, atol=1e-5, rtol=1e-5)
+    check_against_masks(attn, res, dict.fromkeys(prompts, lambda t: t // G * G), L_SPEC, scale)
 
 
 # ---- engine level (demo model) -------------------------------------------------------------

@@ -7,24 +7,22 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import replace
 
 import pytest
 import torch
+from tier_steps import check_against_masks, run_steps, signed_perm
 
 from conftest import oscar_decode_scores, random_rotation_set
 from oscarkv import LLM, QuantSpec, SamplingParams
 from oscarkv.config import EngineConfig
 from oscarkv.demo import demo_model_path
 from oscarkv.engine.kv_pool import KVPool, plan_pools
-from oscarkv.engine.planner import plan_prefill
-from oscarkv.engine.request import Batch, Sequence, StepSeq
 from oscarkv.kernels import resolve
 from oscarkv.quant import RowFormat
 from oscarkv.quant.tiers import TierState, apply_moves, plan_moves, window_limit
 from oscarkv.rotation import save_rotations
 from oscarkv.store import TierAttention
-from oscarkv.store.windows import decode_chunk_ok, decode_window_start, quantize_dequantize
+from oscarkv.store.windows import decode_chunk_ok, decode_window_start
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SPEC = QuantSpec(sink_tokens=16, recent_tokens=32, demote_block=8)
@@ -137,29 +135,6 @@ L_SPEC = QuantSpec(sink_tokens=8, recent_tokens=14, demote_block=4)
 PS, HQ, HKV, D = 4, 4, 2, 32
 
 
-def _signed_perm(gen: torch.Generator) -> torch.Tensor:
-    """Orthogonal with exact products (one term per output): rotated rows are bit-stable."""
-    sign = torch.randint(0, 2, (D,), generator=gen).float() * 2 - 1
-    return torch.eye(D)[torch.randperm(D, generator=gen)] * sign
-
-
-def _reference(q, k, v, sink: int, start16, scale: float) -> torch.Tensor:
-    """Per query ``t``: key ``s <= t`` in 16 bits iff ``s < sink`` or ``s >= start16(t)``, else its
-    INT2 value (rows already rotated)."""
-    kf, vf = RowFormat.from_spec(L_SPEC, D, "k"), RowFormat.from_spec(L_SPEC, D, "v")
-    ops = resolve("torch", "cpu")
-    k2, v2 = quantize_dequantize(k, kf, ops), quantize_dequantize(v, vf, ops)
-    out = torch.empty_like(q)
-    for t in range(q.shape[0]):
-        s = torch.arange(t + 1)
-        hi = ((s < sink) | (s >= start16(t)))[:, None, None]
-        kk, vv = torch.where(hi, k[: t + 1], k2[: t + 1]), torch.where(hi, v[: t + 1], v2[: t + 1])
-        for h in range(HQ):
-            w = torch.softmax((kk[:, h * HKV // HQ] @ q[t, h]) * scale, 0)
-            out[t, h] = w @ vv[:, h * HKV // HQ]
-    return out
-
-
 def test_decode_rule_attention_equals_explicit_masks() -> None:
     """Two scored prompts (one past the windows, chunked where the scheduler may end a chunk;
     one inside them) and a plain prompt prefilled in chunks beside them (the fresh rule: earlier
@@ -171,7 +146,7 @@ def test_decode_rule_attention_equals_explicit_masks() -> None:
     views = KVPool(plan, 1, HKV, D, torch.float32, [(kf, vf)], "cpu").layer(0)
     gen = torch.Generator().manual_seed(3)
     scale = 1 / math.sqrt(D)
-    attn = TierAttention(0, _signed_perm(gen), _signed_perm(gen), kf, vf, resolve("torch", "cpu"), scale)
+    attn = TierAttention(0, signed_perm(D, gen), signed_perm(D, gen), kf, vf, resolve("torch", "cpu"), scale)
     sink, r, db = L_SPEC.sink_tokens, L_SPEC.recent_tokens, L_SPEC.demote_block
     ok = [c for c in range(1, 70) if decode_chunk_ok(c, sink, r, db)]
     a1, a2 = max(c for c in ok if c <= 33), max(c for c in ok if c <= 50)
@@ -179,45 +154,10 @@ def test_decode_rule_attention_equals_explicit_masks() -> None:
     prompts = {"A": (61, 0), "B": (9, 0), "C": (40, None)}  # prompt_logprobs: scored or not
     schedule = [[("A", 5), ("B", 9), ("C", 13)], [("A", a1 - 5), ("C", 11)], [("A", a2 - a1), ("C", 16)],
                 [("A", 61 - a2)]]  # fmt: skip
-    free_h, free_q = list(range(1, plan.hp_pages)), list(range(1, plan.q_pages))
-    seqs, data, outs, starts = {}, {}, {}, {"C": []}
-    for i, (rid, (n, lp)) in enumerate(prompts.items()):
-        seq = Sequence(rid, list(range(n)), SamplingParams(max_tokens=4, prompt_logprobs=lp))
-        seq.sink_len, seq.slot = min(n, sink), i
-        seqs[rid] = seq
-        g = torch.Generator().manual_seed(10 + i)
-        q, k, v = (torch.randn(n, h, D, generator=g) for h in (HQ, HKV, HKV))
-        k[..., :3] *= 6
-        data[rid], outs[rid] = (q, k, v), []
-    ceil = lambda x: -(-x // PS)  # noqa: E731
-    for work in schedule:
-        items = []
-        for rid, n in work:
-            seq = seqs[rid]
-            m = plan_moves(seq.tiers, n, False, L_SPEC, sink_target=seq.sink_len)
-            pre, post = replace(seq.tiers), replace(seq.tiers)
-            apply_moves(post, m, plan.ring)
-            seq.hp_pages += [free_h.pop() for _ in range(ceil(post.n_sink) - len(seq.hp_pages))]
-            seq.q_pages += [free_q.pop() for _ in range(ceil(post.n_q) - len(seq.q_pages))]
-            items.append(StepSeq(seq, seq.n_computed, n, pre, m))
-            if rid == "C":
-                starts["C"] += [seq.n_computed] * n
-            seq.tiers, seq.n_computed = post, seq.n_computed + n
-        rows = [tuple(x[it.start : it.start + it.n_new] for x in data[it.seq.rid]) for it in items]
-        q, k, v = (torch.cat([r[j] for r in rows]) for j in range(3))
-        p = plan_prefill(Batch("prefill", tuple(items)), plan, "cpu")
-        assert p.win_idx is not None
-        out = attn.prefill(q, k, v, views, p)
-        for it, a, b in zip(items, p.cu_host, p.cu_host[1:], strict=False):
-            outs[it.seq.rid].append(out[a:b])
+    res = run_steps(attn, plan, views, L_SPEC, prompts, schedule, (HQ, HKV, D))
     rules = {
         "A": lambda t: decode_window_start(t, sink, r, db),
         "B": lambda t: 0,
-        "C": lambda t: max(starts["C"][t] - r, 0),  # fresh: earlier chunks as stored (ring: last R)
+        "C": lambda t: max(res["starts"]["C"][t] - r, 0),  # fresh: earlier chunks as stored (ring: last R)
     }
-    for rid, (q, k, v) in data.items():
-        rot = lambda x, m: attn._rotate(x, m)  # noqa: E731
-        want = _reference(rot(q, attn.r_k), rot(k, attn.r_k), rot(v, attn.r_v), seqs[rid].sink_len, rules[rid],
-                          scale)  # fmt: skip
-        want = attn._rotate(want, attn.r_out, inverse=True)
-        torch.testing.assert_close(torch.cat(outs[rid]), want, atol=1e-5, rtol=1e-5, msg=rid)
+    check_against_masks(attn, res, rules, L_SPEC, scale)
