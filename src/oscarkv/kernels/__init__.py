@@ -19,6 +19,7 @@ from ..errors import OscarkvError
 from .ref import moe as _ref_moe
 from .ref import norm as _ref_norm
 from .ref import rope as _ref_rope
+from .ref import router as _ref_router
 from .ref.quantize_pack import quantize_pack_into as _ref_quantize_into
 
 __all__ = ["Backend", "BackendError", "KernelOps", "resolve", "triton_unavailable_reason"]
@@ -58,6 +59,8 @@ class KernelOps:
     #: steps of at most ``moe_small_tokens`` tokens (0: never; the CPU runs the reference loop)
     moe_experts: Callable[..., torch.Tensor] = _ref_moe.moe_experts
     moe_small_tokens: int = 0
+    #: a MoE router (``kernels.ref.router.route_topk``), used for the same few-token steps
+    route_topk: Callable[..., tuple[torch.Tensor, torch.Tensor]] = _ref_router.route_topk
     #: FP8 block-scaled weights kept as FP8 (``kernels.ref.fp8`` contracts): dense projections and
     #: routed experts; ``None`` where the backend has no such kernels (the weights are then
     #: dequantized at load, or run by cuBLAS's block-scaled GEMM where it can)

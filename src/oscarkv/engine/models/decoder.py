@@ -21,7 +21,7 @@ from .attention import Attention, AttentionFn
 from .family import Build, Family
 from .layers import RMSNorm, RotaryEmbedding, head_dim_of, rotary_dim_of, text_config
 from .linear import Linear, LinearMethod, Target, Unquantized
-from .moe import Experts
+from .moe import Experts, SparseMoe
 from .parallel import Comm, Shard, VocabParallelEmbedding, vocab_shard
 from .registry import family_of
 
@@ -179,7 +179,8 @@ class Decoder(nn.Module):
         """After loading: each linear's method finishes its tensors; stacked experts take grouped
         GEMMs on CUDA in bf16 (capturable in CUDA graphs), with the backend's fused kernel for
         steps of a few tokens, else the reference loop; experts kept FP8 take the backend's FP8
-        experts kernel."""
+        experts kernel. Routers without group-limited selection take the backend's fused router
+        for the same few-token steps."""
         for mod in self.modules():
             if isinstance(mod, Linear):
                 mod.finish(self.ops)
@@ -191,6 +192,8 @@ class Decoder(nn.Module):
                     mod.small, mod.small_tokens = self.ops.moe_experts, self.ops.moe_small_tokens
                 if mod.w13.weight.dtype == torch.float8_e4m3fn:  # kept FP8 by its method's finish
                     mod.fp8 = self.ops.fp8_moe_experts
+            if isinstance(mod, SparseMoe) and mod.routing.n_group == 1 and self.ops.moe_small_tokens:
+                mod.fast_route, mod.fast_route_tokens = self.ops.route_topk, self.ops.moe_small_tokens
 
     def checkpoint_targets(self) -> dict[str, Target]:
         """Every checkpoint tensor name this decoder reads -> where it goes (this rank's part)."""

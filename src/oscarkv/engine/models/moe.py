@@ -13,12 +13,14 @@ outputs, and one all-reduce sums the routed and the shared experts' partial outp
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from ...kernels.ref.router import route_topk
 from .linear import ColumnLinear, ConcatColumns, Linear, LinearMethod, RowLinear, Target, blocks_of
 from .parallel import Comm, Shard
 
@@ -27,16 +29,10 @@ __all__ = ["Experts", "Routing", "SparseMoe", "grouped_experts", "looped_experts
 
 @dataclass(frozen=True)
 class Routing:
-    """How a router turns logits into ``top_k`` experts and weights (transformers' three kinds).
-
-    - ``softmax`` (Qwen3-MoE): softmax over the model-dtype logits in fp32, top-k, renormalized
-      when ``renormalize``; the weights are rounded to the model dtype.
-    - ``sigmoid`` (GLM-4 MoE, MiniMax-M2): sigmoid scores in fp32; experts chosen by score +
-      ``e_score_correction_bias`` (selection only), first within the ``topk_group`` best of
-      ``n_group`` groups (a group scores the sum of its two best) when ``n_group > 1``; weights are
-      the plain scores, renormalized when ``renormalize`` (GLM adds 1e-20 to the sum), times ``scale``.
-      ``fp32_logits``: the logits are an fp32 product of fp32 casts (GLM).
-    """
+    """How a router turns logits into ``top_k`` experts and weights (transformers' three kinds; the
+    fields are the keyword arguments of ``kernels.ref.router.route_topk``, which documents them):
+    ``softmax`` (Qwen3-MoE) or ``sigmoid`` (GLM-4 MoE, MiniMax-M2) with a selection-only correction
+    bias, group-limited top-k (``n_group``, ``topk_group``), renormalization and a scale."""
 
     kind: str
     top_k: int
@@ -53,36 +49,12 @@ class Routing:
 
 
 def route(
-    routing: Routing, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    routing: Routing, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fn: Any = route_topk
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [T, H]`` (model dtype), router ``weight [E, H]``, correction ``bias`` fp32 ``[E]`` or None
-    -> ``(weights [T, k]`` (model dtype for softmax, fp32 for sigmoid), ``ids`` int64 ``[T, k])``."""
-    r = routing
-    if r.kind == "softmax":
-        logits = nn.functional.linear(x, weight)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-        top, ids = torch.topk(probs, r.top_k, dim=-1)
-        if r.renormalize:
-            top = top / top.sum(dim=-1, keepdim=True)
-        return top.to(logits.dtype), ids
-    logits = (
-        nn.functional.linear(x.float(), weight.float()) if r.fp32_logits else nn.functional.linear(x, weight)
-    )
-    scores = logits.float().sigmoid()
-    choice = scores if bias is None else scores + bias
-    if r.n_group > 1:
-        t, e = choice.shape
-        groups = choice.view(t, r.n_group, e // r.n_group).topk(2, dim=-1)[0].sum(dim=-1)
-        keep = torch.zeros_like(groups).scatter_(
-            1, torch.topk(groups, r.topk_group, dim=-1, sorted=False)[1], 1
-        )
-        keep = keep.unsqueeze(-1).expand(t, r.n_group, e // r.n_group).reshape(t, e)
-        choice = choice.masked_fill(~keep.bool(), float("-inf"))
-    ids = torch.topk(choice, r.top_k, dim=-1, sorted=False)[1]
-    top = scores.gather(1, ids)
-    if r.renormalize:
-        top = top / (top.sum(dim=-1, keepdim=True) + r.renorm_eps)
-    return top * r.scale if r.scale != 1.0 else top, ids
+    -> ``(weights [T, k]`` (model dtype for softmax, fp32 for sigmoid), ``ids`` int64 ``[T, k])``,
+    by ``fn`` (the reference router, or a backend's fused one with its contract)."""
+    return fn(x, weight, bias, **dataclasses.asdict(routing))
 
 
 def _silu_mul(h: torch.Tensor) -> torch.Tensor:
@@ -260,9 +232,16 @@ class SparseMoe(nn.Module):
             nn.Parameter(torch.zeros(e, dtype=torch.float32, device=device)) if bias_name else None
         )
         self.experts, self.shared = experts, shared
+        self.route_kw = dataclasses.asdict(routing)
+        # set by the decoder: the backend's fused router for steps of at most ``fast_route_tokens``
+        self.fast_route: Any = None
+        self.fast_route_tokens = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.routing, x, self.gate, self.correction)
+        fast = self.fast_route is not None and x.shape[0] <= self.fast_route_tokens
+        weights, ids = (self.fast_route if fast else route_topk)(
+            x, self.gate, self.correction, **self.route_kw
+        )
         y = self.experts(x, weights, ids)
         if self.shared is not None:
             y = y + self.shared(x, reduce=False)

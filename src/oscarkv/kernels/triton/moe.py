@@ -33,9 +33,9 @@ class MoeTuning:
 
     small_tokens: int = 8
     up_bn: int = 16
-    down_bn: int = 16
-    bk: int = 128
-    num_warps: int = 4
+    down_bn: int = 4
+    bk: int = 256
+    num_warps: int = 2
 
 
 @triton.jit

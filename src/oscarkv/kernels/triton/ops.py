@@ -24,6 +24,7 @@ from .quantize_pack import _check as _quantize_check
 from .quantize_pack import quantize_pack, quantize_pack_into
 from .rope import qk_norm_rope
 from .rotate import rotate_heads, rotate_new_rows
+from .router import route_topk
 
 __all__ = ["KERNEL_OPS", "prefill_attention", "prefill_attention_varlen"]
 
@@ -110,6 +111,7 @@ KERNEL_OPS = KernelOps(
     quantize_pack_into=quantize_pack_into,
     moe_experts=moe_experts,
     moe_small_tokens=MoeTuning().small_tokens,
+    route_topk=route_topk,
     fp8_linear=fp8_linear,
     fp8_moe_experts=fp8_moe_experts,
 )
