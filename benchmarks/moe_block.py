@@ -1,7 +1,8 @@
 """One mixture-of-experts block of the engine (``engine/models/moe.py``) against its rooflines.
 
 Random weights of each model's real MoE layer (bf16, or FP8 128x128 block-scaled with path
-``fp8``), random inputs, the engine's router and experts. Decode sizes (``T`` tokens, each routed to ``k`` experts) run as CUDA-graph replays; the
+``fp8``), random inputs, the engine's router and experts (paths ``fused`` and ``fp8`` take the
+fused router up to the backend's ``moe_small_tokens``, as the engine does; ``grouped`` the eager one). Decode sizes (``T`` tokens, each routed to ``k`` experts) run as CUDA-graph replays; the
 memory roofline is the bytes of the distinct experts the step's tokens chose (counted from the
 routing of that very input), the router and the shared experts, read once, over the device's copy
 bandwidth measured in the same run. Prefill sizes run eagerly against the FLOP bound: ``2·T·k·3·H·I``
@@ -56,12 +57,13 @@ def build(shape: str, path: str) -> SparseMoe:
                 mod.method.fill_dummy(mod, g)
                 mod.finish(resolve("triton", "cuda"))
     ex.grouped = True
+    ops = resolve("triton", "cuda")
     if path == "fused":  # the fused small-batch kernel at every size
-        from oscarkv.kernels.triton.moe import moe_experts
-
-        ex.small, ex.small_tokens = moe_experts, 1 << 30
+        ex.small, ex.small_tokens = ops.moe_experts, 1 << 30
     if path == "fp8":
-        ex.fp8 = resolve("triton", "cuda").fp8_moe_experts
+        ex.fp8 = ops.fp8_moe_experts
+    if path != "grouped":  # the fused router where the engine takes it
+        moe.fast_route, moe.fast_route_tokens = ops.route_topk, ops.moe_small_tokens
     return moe.eval().requires_grad_(False)
 
 

@@ -37,15 +37,17 @@ def graph_of(fn, reps: int) -> float:
 
 def tunings(args: argparse.Namespace) -> list[MoeTuning]:
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
-    grid = itertools.product(ints(args.up_bn), ints(args.down_bn), ints(args.bk), ints(args.warps))
-    return [MoeTuning(up_bn=ub, down_bn=db, bk=bk, num_warps=nw) for ub, db, bk, nw in grid]
+    grid = itertools.product(
+        ints(args.up_bn), ints(args.down_bn), ints(args.bk), ints(args.down_bk), ints(args.warps)
+    )
+    return [MoeTuning(up_bn=ub, down_bn=db, bk=bk, down_bk=dk, num_warps=nw) for ub, db, bk, dk, nw in grid]
 
 
 def measure(moe, w13, w2, routing, x, bw: float, per_expert: int, router: int, args) -> None:
     wts, ids = route(routing, x, moe.gate, moe.correction)
     touched = int(ids.unique().numel())
     r_ms = graph_of(lambda: route(routing, x, moe.gate, moe.correction), args.reps)
-    b_ms = graph_of(lambda: moe(x), args.reps)
+    b_ms = graph_of(lambda: moe(x), args.reps)  # the engine's router and experts (moe_block.build)
     roof_e = touched * per_expert / bw * 1e3
     print(f"\n## {x.shape[0]} tokens, {touched} experts: block {b_ms * 1e3:.0f} µs "
           f"(roofline {(roof_e + router / bw * 1e3) * 1e3:.0f}), router {r_ms * 1e3:.0f} µs "
@@ -63,7 +65,7 @@ def measure(moe, w13, w2, routing, x, bw: float, per_expert: int, router: int, a
     print(f"experts, default tiles: {default * 1e3:.0f} µs ({roof_e / default:.0%})")
     for ms, tu in res[:6]:
         print(f"  {ms * 1e3:6.1f} µs {roof_e / ms:4.0%}  up_bn {tu.up_bn} down_bn {tu.down_bn} "
-              f"bk {tu.bk} warps {tu.num_warps}")  # fmt: skip
+              f"bk {tu.bk} down_bk {tu.down_bk} warps {tu.num_warps}")  # fmt: skip
 
 
 def main() -> None:
@@ -73,6 +75,7 @@ def main() -> None:
     ap.add_argument("--up-bn", default="8,16,32")
     ap.add_argument("--down-bn", default="4,8,16,32")
     ap.add_argument("--bk", default="64,128,256")
+    ap.add_argument("--down-bk", default="32,64,128")
     ap.add_argument("--warps", default="2,4,8")
     ap.add_argument("--reps", type=int, default=100)
     args = ap.parse_args()

@@ -60,7 +60,9 @@ def test_triton_vs_twin_moe_experts(shape, dtype: torch.dtype) -> None:
     from oscarkv.kernels.triton.moe import MoeTuning, moe_experts
 
     args = case(*shape, dtype)
-    tuning = MoeTuning(up_bn=16, down_bn=16, bk=32)  # several tiles and reduction steps at these sizes
+    tuning = MoeTuning(
+        up_bn=16, down_bn=16, bk=32, down_bk=16
+    )  # several tiles and reduction steps at these sizes
     close(moe_experts(*args, tuning=tuning), ref.moe_experts(*args), dtype)
 
 

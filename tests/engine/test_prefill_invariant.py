@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tier_steps import check_against_masks, run_steps, signed_perm
+from tier_steps import check_against_masks, run_steps, signed_perm, use_form
 
 from conftest import random_rotation_set
 from oscarkv import LLM, QuantSpec, SamplingParams
@@ -62,11 +62,15 @@ def test_quantize_dequantize_equals_what_the_store_keeps():
         assert torch.equal(got_v, quantize_dequantize(v, vf, OPS))
 
 
-@pytest.mark.parametrize("rows_per_token", [2, 0])
-def test_invariant_attention_equals_explicit_masks(rows_per_token: int, monkeypatch: pytest.MonkeyPatch):
+@pytest.mark.parametrize(("form", "rows_per_token"), [("varlen", 2), ("varlen", 0), ("masked", 2)])
+def test_invariant_attention_equals_explicit_masks(
+    form: str, rows_per_token: int, monkeypatch: pytest.MonkeyPatch
+):
     """Three prompts prefilled together in ragged chunks (sink-only starts, chunk ends inside and
     on window blocks, INT2 demotions): every query row equals the per-query mask reference, with
-    the key lists gathered in one call or one piece per call (``GATHER_ROWS_PER_TOKEN = 0``)."""
+    the varlen key lists gathered in one call or one piece per call (``GATHER_ROWS_PER_TOKEN =
+    0``), and in the masked form (the CPU's: one call per piece)."""
+    use_form(monkeypatch, form)
     monkeypatch.setattr(windows, "GATHER_ROWS_PER_TOKEN", rows_per_token)
     calls = []
     real = windows.invariant_prefill
@@ -82,7 +86,7 @@ def test_invariant_attention_equals_explicit_masks(rows_per_token: int, monkeypa
     schedule = [[("A", 5), ("B", 9), ("C", 13)], [("A", 19), ("C", 11)], [("A", 24), ("C", 16)], [("A", 13)]]
     res = run_steps(attn, plan, views, L_SPEC, prompts, schedule, (HQ, HKV, D), random.Random(1))
     assert res["demoted"] > 0
-    assert max(calls) > 1 if rows_per_token == 0 else max(calls) == 1, calls  # groups per call
+    assert max(calls) > 1 if rows_per_token == 0 or form == "masked" else max(calls) == 1, calls  # groups
     check_against_masks(attn, res, dict.fromkeys(prompts, lambda t: t // G * G), L_SPEC, scale)
 
 

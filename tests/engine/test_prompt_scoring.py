@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from tier_steps import check_against_masks, run_steps, signed_perm
+from tier_steps import FORMS, check_against_masks, run_steps, signed_perm, use_form
 
 from conftest import oscar_decode_scores, random_rotation_set
 from oscarkv import LLM, QuantSpec, SamplingParams
@@ -135,10 +135,13 @@ L_SPEC = QuantSpec(sink_tokens=8, recent_tokens=14, demote_block=4)
 PS, HQ, HKV, D = 4, 4, 2, 32
 
 
-def test_decode_rule_attention_equals_explicit_masks() -> None:
+@pytest.mark.parametrize("form", FORMS)
+def test_decode_rule_attention_equals_explicit_masks(form: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two scored prompts (one past the windows, chunked where the scheduler may end a chunk;
     one inside them) and a plain prompt prefilled in chunks beside them (the fresh rule: earlier
-    chunks as stored): every query row equals the per-query mask reference."""
+    chunks as stored): every query row equals the per-query mask reference, in each form of the
+    key lists."""
+    use_form(monkeypatch, form)
     cfg = EngineConfig(kv_dtype="int2", page_tokens=PS, max_running=4)
     plan = plan_pools(cfg, L_SPEC, 1, HKV, D, torch.float32, 1 << 20)
     assert plan.score_window == (14, 4)

@@ -11,12 +11,28 @@ from dataclasses import replace
 import torch
 
 from oscarkv import QuantSpec
+from oscarkv.engine import planner
 from oscarkv.engine.planner import plan_prefill
 from oscarkv.engine.request import Batch, SamplingParams, Sequence, StepSeq
 from oscarkv.kernels import resolve
 from oscarkv.quant import RowFormat
 from oscarkv.quant.tiers import apply_moves, plan_moves
+from oscarkv.store import windows
 from oscarkv.store.windows import quantize_dequantize
+
+#: the forms of the rules' key lists a layer test runs: the planner's on the CPU (masked pieces of
+#: up to ``PIECE_QUERIES`` queries), masked pieces of at most 10 queries (several runs each, queries
+#: in and past the windows together), one varlen piece per run (the device kernels' form)
+FORMS = ("masked", "masked-10", "varlen")
+
+
+def use_form(monkeypatch, form: str) -> None:
+    """Make ``plan_prefill`` build the key lists in ``form`` (one of :data:`FORMS`)."""
+    if form == "masked-10":
+        monkeypatch.setattr(windows, "PIECE_QUERIES", 10)
+    real = windows.window_tensors
+    masked = form != "varlen"
+    monkeypatch.setattr(planner, "window_tensors", lambda *a, **k: real(*a, **{**k, "masked": masked}))
 
 
 def signed_perm(d: int, gen: torch.Generator) -> torch.Tensor:

@@ -117,8 +117,9 @@ def decode_scored(seq: Sequence, plan: PoolPlan) -> bool:
 
 
 def _windows(batch: Batch, plan: PoolPlan, device: torch.device) -> dict:
-    """The key lists of the invariant and decode rules (:func:`~oscarkv.store.windows.window_tensors`);
-    none when no sequence of the step follows either."""
+    """The key lists of the invariant and decode rules (:func:`~oscarkv.store.windows.window_tensors`:
+    masked pieces on the CPU, varlen runs for the device kernels); none when no sequence of the
+    step follows either."""
     dec = [decode_scored(it.seq, plan) for it in batch.items]
     if not plan.window_block and not any(dec):
         return {}
@@ -126,7 +127,7 @@ def _windows(batch: Batch, plan: PoolPlan, device: torch.device) -> dict:
         SeqWindow(it.pre.n_sink, it.pre.n_q, it.pre.n_recent, it.start, it.n_new, it.seq.sink_len or 0, d)
         for it, d in zip(batch.items, dec, strict=True)
     ]
-    return window_tensors(seqs, plan.window_block, device, plan.score_window)
+    return window_tensors(seqs, plan.window_block, device, plan.score_window, masked=device.type == "cpu")
 
 
 def _token(seq: Sequence, pos: int) -> int:

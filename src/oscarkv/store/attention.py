@@ -98,7 +98,7 @@ class TierAttention:
         if run and p.win_idx is not None:  # prefill_attention="invariant" (windows.py)
             out = invariant_prefill(
                 q_rot, k_rot, v_rot, pools, p.pre_hp.indices, p.pre_q.indices, p.win_idx, p.win_cu,
-                p.win_max, ops, self.sm_scale, p.win_groups,
+                p.win_max, ops, self.sm_scale, p.win_groups, win_mask=p.win_mask,
             )  # fmt: skip
         elif run:
             k_all, v_all, cu_k, max_k = self._keys(k_rot, v_rot, pools, p, run)

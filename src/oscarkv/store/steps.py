@@ -51,6 +51,9 @@ class PrefillTensors:
     win_max: tuple[int, int] = (0, 0)
     #: host runs of pieces attended by one call each (bounding the gathered key rows)
     win_groups: tuple[tuple[int, int, int, int, int, int], ...] = ()
+    #: the masked form (CPU, :mod:`.masked_pieces`): each piece's bool ``[queries, keys]`` mask,
+    #: flat in piece order (one group per piece); None: the varlen form (bottom-right causal)
+    win_mask: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ import torch
 from ..kernels import KernelOps
 from ..quant import RowFormat
 from ..quant.quantizer import META_TORCH_DTYPES
+from .masked_pieces import PIECE_QUERIES, masked_attention, merge_runs, piece_keys, piece_mask
 
 __all__ = [
     "SeqWindow",
@@ -140,13 +141,20 @@ def _runs(w: SeqWindow, block: int, score: tuple[int, int]):
 
 
 def window_tensors(
-    seqs: Sequence[SeqWindow], block: int, device: torch.device | str, score: tuple[int, int] = (0, 0)
+    seqs: Sequence[SeqWindow],
+    block: int,
+    device: torch.device | str,
+    score: tuple[int, int] = (0, 0),
+    masked: bool = False,
 ) -> dict:
     """The ``PrefillTensors`` fields of one step under the invariant rule (window block ``block``;
     0: none) and the decode rule (``score = (recent_tokens, demote_block)`` for the sequences
-    marked ``decode``): ``win_idx`` (long, the rows of each run's key list in the layer's key
+    marked ``decode``): ``win_idx`` (long, the rows of each piece's key list in the layer's key
     bank, see :func:`invariant_prefill`), ``win_cu`` (int32 ``[2, pieces+1]``: query and key
-    offsets), ``win_max`` (host ``(longest query run, longest key list)``) and ``win_groups``.
+    offsets), ``win_max`` (host ``(longest query piece, longest key list)``) and ``win_groups``.
+    A piece is one run (varlen form), or with ``masked`` runs merged as
+    :mod:`.masked_pieces` says, with ``win_mask`` (bool, each piece's ``[queries, keys]`` mask
+    flat, in piece order) and one group per piece.
 
     Raises ``AssertionError`` when a stored INT2 row falls where a query wants 16 bits (a prefix
     hit not on a block boundary, or a decode-rule chunk that :func:`decode_chunk_ok` refuses)."""
@@ -161,6 +169,7 @@ def window_tensors(
     q0, t0 = n_hp, n_hp + n_q
     h2, t2 = n_hp + n_q + n_t, 2 * n_hp + n_q + n_t
     idx: list[torch.Tensor] = []
+    masks: list[torch.Tensor] = []
     cu_q, cu_k = [0], [0]
     h, q, a = 0, 0, 0
     for w in seqs:
@@ -180,30 +189,35 @@ def window_tensors(
                 ar(t2 + a, t2 + a + n_new),
             ]
         )
-        for t, e, lo in _runs(w, block, score):
+        runs = list(_runs(w, block, score))
+        for _, _, lo in runs:
             if lo >= 0 and nq and ns + nq > lo:
                 raise AssertionError(
                     f"stored INT2 rows up to position {ns + nq} fall in the 16-bit window from {lo} "
                     "(a prefix hit must end on a window block: PrefixCache(hit_block=...); a "
                     "decode-rule chunk must end where decode_chunk_ok allows)"
                 )
-            if lo > sink:
-                idx += [pos16[:sink], pos2[sink:lo], pos16[lo:e]]
-            else:
-                idx.append(pos16[:e])
-            cu_q.append(cu_q[-1] + e - t)
-            cu_k.append(cu_k[-1] + e)
+        for piece in merge_runs(runs, PIECE_QUERIES if masked and w.decode else 0):
+            idx.append(piece_keys(pos16, pos2, sink, piece))
+            if masked:
+                masks.append(piece_mask(sink, piece).reshape(-1))
+            cu_q.append(cu_q[-1] + piece[-1][1] - piece[0][0])
+            cu_k.append(cu_k[-1] + len(idx[-1]))
         h, q, a = h + ns + nr, q + nq, a + n_new
     lens_q = [y - x for x, y in itertools.pairwise(cu_q)]
     lens_k = [y - x for x, y in itertools.pairwise(cu_k)]
     cu = torch.tensor([cu_q, cu_k], dtype=torch.int32)
     flat = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long)
-    return {
+    out = {
         "win_idx": flat.to(device, non_blocking=True),
         "win_cu": cu.to(device, non_blocking=True),
         "win_max": (max(lens_q, default=0), max(lens_k, default=0)),
-        "win_groups": _groups(cu_q, cu_k, GATHER_ROWS_PER_TOKEN * (n_hp + n_q + n_t)),
+        "win_groups": _groups(cu_q, cu_k, 0 if masked else GATHER_ROWS_PER_TOKEN * (n_hp + n_q + n_t)),
     }
+    if masked:
+        mask = torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool)
+        out["win_mask"] = mask.to(device, non_blocking=True)
+    return out
 
 
 #: the key rows one attention call of the invariant rule gathers, per stored or new token of the
@@ -238,11 +252,13 @@ def invariant_prefill(
     ops: KernelOps,
     sm_scale: float,
     win_groups: tuple[Group, ...] = (),
+    win_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a prefill step's queries ``q_rot [T, Hq, d]`` (rotated) under the invariant
     and decode rules; ``k_rot, v_rot [T, Hkv, d]`` the step's new rows, ``pre_hp``/``pre_q`` the stored rows'
     ids (the step's pre-step lists, flat), ``win_*`` from :func:`window_tensors`: each group of
-    pieces gathers its key lists and attends in one call (all pieces in one call without groups)."""
+    pieces gathers its key lists and attends in one call (all pieces in one call without groups;
+    with ``win_mask``, one masked call per piece)."""
     dt = pools.hp_k.dtype
     hi, qi = pre_hp.long(), pre_q.long()
 
@@ -257,6 +273,14 @@ def invariant_prefill(
 
     bank_k = bank(pools.hp_k, pools.k_codes, pools.k_meta, pools.k_fmt, k_rot)
     bank_v = bank(pools.hp_v, pools.v_codes, pools.v_meta, pools.v_fmt, v_rot)
+    if win_mask is not None:
+        out, m0 = torch.empty_like(q_rot), 0
+        for _, _, q0, q1, k0, k1 in win_groups:
+            rows, m1 = win_idx[k0:k1], m0 + (q1 - q0) * (k1 - k0)
+            mask = win_mask[m0:m1].view(q1 - q0, k1 - k0)
+            out[q0:q1] = masked_attention(q_rot[q0:q1], bank_k[rows], bank_v[rows], mask, sm_scale)
+            m0 = m1
+        return out
     if len(win_groups) <= 1:
         k_all, v_all = bank_k[win_idx], bank_v[win_idx]
         return ops.prefill_attention_varlen(

@@ -6,8 +6,9 @@ launches read each chosen expert's rows in place, with no gather and no sort:
 
 - ``_gate_up``: program ``(pair, tile)`` multiplies token ``pair // k`` by ``BN`` gate rows and the
   matching ``BN`` up rows of expert ``ids[pair]``, and writes ``silu(g) · u``;
-- ``_down``: program ``(token, tile)`` runs its ``k`` pairs through ``BN`` down rows each, weights
-  and sums them in a fixed order (deterministic), and writes the token's output tile.
+- ``_down``: program ``(token, tile)`` runs its ``k`` pairs through ``BN`` down rows each, all ``k``
+  experts' rows loaded together, weights them and sums them (a fixed reduction tree:
+  deterministic), and writes the token's output tile.
 
 Products accumulate in fp32 over ``[BN, BK]`` tiles reduced once; values are rounded to the model
 dtype where the twin rounds them.
@@ -28,13 +29,15 @@ __all__ = ["MoeTuning", "moe_experts"]
 
 @dataclass(frozen=True)
 class MoeTuning:
-    """Tiles of the fused experts: ``BN`` output rows per program, ``BK`` reduction columns per step;
+    """Tiles of the fused experts: ``BN`` output rows per program, ``BK`` reduction columns per step
+    (the down kernel holds a ``[k, BN, BK]`` tile: every chosen expert's rows at once);
     ``small_tokens``: the largest step the engine sends here rather than to the grouped GEMMs."""
 
-    small_tokens: int = 8
+    small_tokens: int = 16
     up_bn: int = 16
     down_bn: int = 4
     bk: int = 256
+    down_bk: int = 64
     num_warps: int = 2
 
 
@@ -65,28 +68,28 @@ def _gate_up(X, W13, IDS, A, H, I, s_we, s_wn, K_TOP: tl.constexpr, BN: tl.const
 
 
 @triton.jit
-def _down(A, W2, IDS, WTS, OUT, H, I, s_we, s_wn, K_TOP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _down(A, W2, IDS, WTS, OUT, H, I, s_we, s_wn, K_TOP: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr,
+          BK: tl.constexpr):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BN + tl.arange(0, BN)
     hm = h < H
+    j = tl.arange(0, KP)
+    jm = j < K_TOP
+    p = t * K_TOP + j
+    e = tl.load(IDS + p, mask=jm, other=0).to(tl.int64)
+    rows = W2 + e[:, None, None] * s_we + h[None, :, None].to(tl.int64) * s_wn
+    acc = tl.zeros([KP, BN, BK], dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        kk = k0 + tl.arange(0, BK)
+        km = kk < I
+        av = tl.load(A + p[:, None] * I + kk[None, :], mask=jm[:, None] & km[None, :], other=0.0)
+        m = (jm[:, None] & hm[None, :])[:, :, None] & km[None, None, :]
+        w = tl.load(rows + kk[None, None, :], mask=m, other=0.0)
+        acc += w.to(tl.float32) * av.to(tl.float32)[:, None, :]
     dt = OUT.dtype.element_ty
-    out = tl.zeros([BN], dtype=tl.float32)
-    for j in range(K_TOP):
-        p = t * K_TOP + j
-        e = tl.load(IDS + p).to(tl.int64)
-        base = W2 + e * s_we
-        acc = tl.zeros([BN, BK], dtype=tl.float32)
-        for k0 in range(0, I, BK):
-            kk = k0 + tl.arange(0, BK)
-            km = kk < I
-            av = tl.load(A + p * I + kk, mask=km, other=0.0).to(tl.float32)[None, :]
-            w = tl.load(
-                base + h[:, None].to(tl.int64) * s_wn + kk[None, :], mask=hm[:, None] & km[None, :], other=0.0
-            )
-            acc += w.to(tl.float32) * av
-        y = tl.sum(acc, axis=1).to(dt).to(tl.float32)
-        wt = tl.load(WTS + p).to(tl.float32)
-        out += (y * wt).to(dt).to(tl.float32)
+    y = tl.sum(acc, axis=2).to(dt).to(tl.float32)
+    wt = tl.load(WTS + p, mask=jm, other=0.0).to(tl.float32)
+    out = tl.sum((y * wt[:, None]).to(dt).to(tl.float32), axis=0)
     tl.store(OUT + t * H + h, out.to(dt), mask=hm)
 
 
@@ -124,5 +127,5 @@ def moe_experts(
     _GATE_UP((t * k, triton.cdiv(inter, tu.up_bn)), x, w13, ids_c, a, h, inter, w13.stride(0), w13.stride(1),
              K_TOP=k, BN=tu.up_bn, BK=tu.bk, num_warps=tu.num_warps)  # fmt: skip
     _DOWN((t, triton.cdiv(h, tu.down_bn)), a, w2, ids_c, wts, out, h, inter, w2.stride(0), w2.stride(1),
-          K_TOP=k, BN=tu.down_bn, BK=tu.bk, num_warps=tu.num_warps)  # fmt: skip
+          K_TOP=k, KP=triton.next_power_of_2(k), BN=tu.down_bn, BK=tu.down_bk, num_warps=tu.num_warps)  # fmt: skip
     return out
