@@ -27,12 +27,15 @@ prefilled with the first ``min(L, sink + R)`` tokens (all of them 16-bit for eve
 the rest one token at a time. Such requests take no prefix hit, and their chunks end where
 :func:`decode_chunk_ok` allows, so every 16-bit key a later chunk wants is still in the ring.
 
-The keys of each (sequence, query run with one window start) are gathered into one varlen list:
-the sink in 16 bits, INT2 values up to the window, then 16-bit rows from the window start;
-``ops.prefill_attention_varlen`` (any backend) attends each run's queries to its list. Sequences
-under neither rule (fresh, in a step that has some) are one run over their keys as stored. The
-gather costs ``O(runs x prefix)`` memory traffic per layer: ``L / G`` runs under the invariant
-rule, ``L / db`` under the decode rule (the price of the options).
+Two forms of the key lists. **Varlen** (the device kernels): the keys of each (sequence, query
+run with one window start) are gathered into one list, the sink in 16 bits, INT2 values up to the
+window, then 16-bit rows from the window start, and ``ops.prefill_attention_varlen`` attends each
+run's queries to its list; the gather costs ``O(runs x prefix)`` memory traffic per layer:
+``L / G`` runs under the invariant rule, ``L / db`` under the decode rule. **Masked** (the CPU):
+a decode-rule sequence's runs are merged into pieces of up to ``PIECE_QUERIES`` queries, each one
+key list holding both forms of what its queries read and one masked attention call
+(:mod:`.masked_pieces`); invariant-rule pieces stay one window block each. Sequences under
+neither rule (fresh, in a step that has some) are one run over their keys as stored.
 """
 
 from __future__ import annotations

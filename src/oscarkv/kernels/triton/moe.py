@@ -35,9 +35,9 @@ class MoeTuning:
 
     small_tokens: int = 16
     up_bn: int = 16
-    down_bn: int = 4
+    down_bn: int = 8
     bk: int = 256
-    down_bk: int = 64
+    down_bk: int = 128
     num_warps: int = 2
 
 
