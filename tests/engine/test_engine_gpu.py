@@ -174,27 +174,31 @@ def _teacher_forced(rot: Path, backend: str, forced: list[torch.Tensor] | None, 
     return logs, picks
 
 
-def _gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[float, float]:
-    """Median over steps of max |Δlogit| / std, and the argmax agreement."""
+def _gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[float, int]:
+    """Median over steps of max |Δlogit| / std, and the number of rows whose argmax differs."""
     errs = torch.tensor(
         [((x - y).abs().amax(-1) / x.std(-1)).max().item() for x, y in zip(a, b, strict=True)]
     )
-    agree = sum((x.argmax(-1) == y.argmax(-1)).float().mean().item() for x, y in zip(a, b, strict=True))
-    return errs.median().item(), agree / len(a)
+    flips = sum(int((x.argmax(-1) != y.argmax(-1)).sum().item()) for x, y in zip(a, b, strict=True))
+    return errs.median().item(), flips
 
 
 def test_triton_logits_track_torch(rot: Path) -> None:
     """Teacher-forced on the torch engine's tokens, the Triton engine's logits differ from the torch
     engine's no more than the torch engine's own differ when every stored row moves by about one
-    bf16 ulp (2-bit codes near a threshold flip either way; that is the noise floor to beat)."""
+    bf16 ulp (2-bit codes near a threshold flip either way; that is the noise floor to beat).
+
+    Argmax flips happen only at near-ties, a handful in 240 rows, so their count is held to the
+    same 1.5x of the floor's plus three Poisson standard deviations, not to a fixed fraction."""
     ref, picks = _teacher_forced(rot, "torch", None)
     tri, _ = _teacher_forced(rot, "triton", picks)
     floor, _ = _teacher_forced(rot, "torch", picks, eps=2**-8)
-    (gap, agree), (gap0, agree0) = _gap(ref, tri), _gap(ref, floor)
-    print(f"median max|Δlogit|/std: triton {gap:.4f}, 1-ulp floor {gap0:.4f}; argmax agreement "
-          f"{agree:.4f} / {agree0:.4f}")  # fmt: skip
+    (gap, flips), (gap0, flips0) = _gap(ref, tri), _gap(ref, floor)
+    rows = sum(x.shape[0] for x in ref)
+    print(f"median max|Δlogit|/std: triton {gap:.4f}, 1-ulp floor {gap0:.4f}; argmax flips {flips} / "
+          f"{flips0} of {rows} rows")  # fmt: skip
     assert gap0 > 0  # the perturbation reached the stored rows
-    assert gap <= 1.5 * gap0 + 0.02 and agree >= agree0 - 0.02
+    assert gap <= 1.5 * gap0 + 0.02 and flips <= 1.5 * flips0 + 3 * (flips0 + 1) ** 0.5
 
 
 @pytest.mark.parametrize("d", [64, 128])
