@@ -208,9 +208,10 @@ def test_passthrough_matches_vllm_greedy(model: Path, work: Path) -> None:
         [long, long + "def g("],  # the second hits the first's cached prefix
         [long],  # a full repeat
     ]
-    # the random stand-in's logits are near-flat: in bf16 a different summation order flips near-ties
-    dtype = "bfloat16" if SHARED_DIR.is_dir() else "float32"
-    job = {"model": str(model), "llm": {"dtype": dtype}, "max_tokens": 32, "batches": batches}
+    # fp32: in bf16 a different summation order flips near-ties, and vLLM's CPU attention sums in
+    # an order that depends on the instruction set (the trained model diverged at token 8 on an
+    # AVX-512 EPYC and not elsewhere)
+    job = {"model": str(model), "llm": {"dtype": "float32"}, "max_tokens": 32, "batches": batches}
     plain, plain_log = _run_vllm(work, "plain", job)
     job["llm"] |= {"max_num_batched_tokens": 64, "additional_config": {"oscarkv": {"kv_dtype": "bf16"}}}
     ours, log = _run_vllm(work, "bf16", job)
