@@ -49,12 +49,12 @@ class Routing:
 
 
 def route(
-    routing: Routing, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fn: Any = route_topk
+    routing: Routing, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [T, H]`` (model dtype), router ``weight [E, H]``, correction ``bias`` fp32 ``[E]`` or None
-    -> ``(weights [T, k]`` (model dtype for softmax, fp32 for sigmoid), ``ids`` int64 ``[T, k])``,
-    by ``fn`` (the reference router, or a backend's fused one with its contract)."""
-    return fn(x, weight, bias, **dataclasses.asdict(routing))
+    -> ``(weights [T, k]`` (model dtype for softmax, fp32 for sigmoid), ``ids`` int64 ``[T, k])``:
+    the reference router (``kernels.ref.router.route_topk``) with ``routing``'s fields."""
+    return route_topk(x, weight, bias, **dataclasses.asdict(routing))
 
 
 def _silu_mul(h: torch.Tensor) -> torch.Tensor:
