@@ -306,3 +306,24 @@ def test_missing_model_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFi
     assert rc == 2
     err = capsys.readouterr().err
     assert "no such directory" in err and "nope" in err and "Traceback" not in err
+
+
+def test_serve_with_random_weights_needs_no_weight_files(tmp_path, monkeypatch, capsys):
+    """``--load-format dummy`` (random weights, speed runs) serves a directory that holds only the
+    config and the tokenizer; without it the same directory is refused, naming the weights."""
+    import shutil
+
+    import oscarkv.server.launch as launch
+
+    demo = Path(__file__).resolve().parents[1] / "src" / "oscarkv" / "assets" / "demo-model"
+    d = tmp_path / "shape"
+    d.mkdir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo / f, d / f)
+    served = []
+    monkeypatch.setattr(launch, "serve", lambda eng, srv: served.append(eng))
+    common = ["serve", "--model", str(d), "--kv-dtype", "bf16", "--device", "cpu", "--insecure-no-api-key"]
+    assert main(common) == 2 and not served  # a user error: no weights
+    assert "no weights" in capsys.readouterr().err
+    assert main([*common, "--load-format", "dummy"]) == 0
+    assert served[0].load_format == "dummy"

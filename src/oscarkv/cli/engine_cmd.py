@@ -105,7 +105,7 @@ def generate_engine(args: argparse.Namespace, gen: Any) -> int:
     eng = {f.name: getattr(args, f.name) for f in _engine_flags()}
     cfg = EngineConfig(model=args.model, rotations=args.rotations, dtype=args.dtype, device=args.device,
                        backend=args.backend, **eng)  # fmt: skip
-    check_model(args.model, args.device)
+    check_model(args.model, args.device, weights=cfg.load_format != "dummy")
     from ..engine.llm import LLM
     from ..engine.tokenizer import apply_chat
 

@@ -45,13 +45,14 @@ def read_json_file(path: str, flag: str) -> Any:
         raise InputError(f"{flag} {path}: not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
-def check_model(path: str, device: str) -> tuple[Any, str]:
-    """The checked model source (config read, no weights) and the resolved device."""
+def check_model(path: str, device: str, weights: bool = True) -> tuple[Any, str]:
+    """The checked model source (config read, no weights loaded) and the resolved device;
+    ``weights=False`` accepts a directory without weight files (random-weight engine runs)."""
     from ..hf.loading import resolve_device
     from ..hf.validate import check_model_source
 
     dev = resolve_device(device)
-    return check_model_source(path), dev
+    return check_model_source(path, weights), dev
 
 
 def load_checked_rotations(path: str, model_config: Any, strict: bool) -> Any:

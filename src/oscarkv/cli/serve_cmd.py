@@ -42,7 +42,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for path, what in ((srv.chat_template, "--chat-template"), (srv.api_key_file, "--api-key-file")):
         if path is not None:
             read_text(path, what)
-    check_model(args.model, eng.device)
+    check_model(args.model, eng.device, weights=eng.load_format != "dummy")
     from ..server.launch import serve
 
     serve(eng, srv)

@@ -84,11 +84,13 @@ def _check_files(d: Path) -> None:
             ) from None
 
 
-def check_model_source(path: str) -> ModelInfo:
+def check_model_source(path: str, weights: bool = True) -> ModelInfo:
     """Check that ``path`` (a local directory, or a hub id) is a model oscarkv can load and cache.
 
     Local directories are checked file by file (config.json parses, weights and a tokenizer are
-    present) before the config is read; then :func:`check_model_config`. Raises ModelError.
+    present) before the config is read; then :func:`check_model_config`. ``weights=False``: a
+    directory without weight files passes (the engine's ``load_format="dummy"``). Raises
+    ModelError.
     """
     p = Path(path).expanduser()
     if not p.exists():
@@ -109,7 +111,7 @@ def check_model_source(path: str) -> ModelInfo:
             raise ModelError(f"model {path}: config.json is not valid JSON ({e})") from None
         if not isinstance(raw, dict) or "model_type" not in raw:
             raise ModelError(f"model {path}: config.json has no model_type; expected a transformers config")
-        if not any(next(p.glob(g), None) for g in _WEIGHTS):
+        if weights and not any(next(p.glob(g), None) for g in _WEIGHTS):
             raise ModelError(
                 f"model {path}: no weights (no *.safetensors or pytorch_model*.bin; it holds {_listing(p)})",
                 "copy the weights next to config.json",
