@@ -17,7 +17,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 # the benchmark modules the tests import, dropped after each (each test patches _harness anew)
-MODULES = ("e2e_decode", "_harness", "calibration_speed", "gpu_check", "gpu_lane", "roofline", "bench_engine")
+MODULES = (
+    "e2e_decode",
+    "_harness",
+    "calibration_speed",
+    "gpu_check",
+    "gpu_lane",
+    "roofline",
+    "bench_engine",
+    "bench_prefix",
+)
 
 
 @pytest.fixture
@@ -265,3 +274,29 @@ def test_roofline_counts_each_weight_once_and_the_kv_bytes_per_tier(bench):
         4 * (1 - 0.5**3)
     )
     assert mrf.step_bytes(snap) == rf.step_bytes(snap) + round(4 * (1 - 0.5**2) * 192)
+
+
+def test_bench_prefix_runs_sessions_turn_by_turn_and_reports_the_cache_hits(bench):
+    """Prefix reuse: every session's turns run one after another, each turn's prompt is the
+    session's history (so later turns hit the cache), and the sweep writes its plot."""
+    import bench_prefix
+
+    pts = bench_prefix.main(["--shape", "demo", "--device", "cpu", "--system", "48", "--turns", "3", "--user", "16",
+                             "--gen", "8", "--sessions", "4", "--concurrency", "1,2", "--kv-budget-gb", "0.02",
+                             "--name", "prefix"])  # fmt: skip
+    saved = json.loads((bench / "prefix.json").read_text())
+    for kv in ("int2", "bf16"):
+        one, two = sorted(pts[kv], key=lambda r: r["concurrency"])
+        assert (one["concurrency"], one["sessions"], one["jobs"]) == (1, 2, 6)
+        assert (two["concurrency"], two["sessions"], two["jobs"]) == (2, 4, 12)
+        for r in (one, two):
+            assert r["preemptions"] == 0 and r["output_tok_s"] > 0
+            # the system prompt (3 of its pages) and the earlier turns are there to be served
+            assert 0 < r["hit_ratio"] <= r["reusable_ratio"] < 1
+            check_roofline(r, saved["copy_bytes_per_s"])
+    # one session alone: its second and third turns find the whole history but the newest partial page
+    one = min(pts["bf16"], key=lambda r: r["concurrency"])
+    assert one["hit_ratio"] > 0.5
+    assert (bench / "prefix.png").stat().st_size > 0
+    md = (bench / "prefix.md").read_text()
+    assert "prefix hit ratio" in md and "int2 / bf16" in md and "% of roofline" in md
