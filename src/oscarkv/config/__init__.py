@@ -10,7 +10,14 @@ from .calibration import CLIP_GRID_K, CLIP_GRID_V, CalibrationConfig
 from .engine import EngineConfig
 from .run import ALL_EVAL_METHODS, EVAL_TASKS, EvalConfig, GenerateConfig
 from .server import ServerConfig
-from .spec import MAX_DEMOTE_BLOCK, MAX_GROUP_SIZE, MAX_WINDOW_TOKENS, META_DTYPE_BYTES, QuantSpec
+from .spec import (
+    MAX_DEMOTE_BLOCK,
+    MAX_GROUP_SIZE,
+    MAX_WINDOW_TOKENS,
+    META_DTYPE_BYTES,
+    WINDOW_DTYPES,
+    QuantSpec,
+)
 
 __all__ = [
     "ALL_EVAL_METHODS",
@@ -21,6 +28,7 @@ __all__ = [
     "MAX_GROUP_SIZE",
     "MAX_WINDOW_TOKENS",
     "META_DTYPE_BYTES",
+    "WINDOW_DTYPES",
     "CalibrationConfig",
     "EngineConfig",
     "EvalConfig",

@@ -16,6 +16,8 @@ __all__ = [
     "MAX_GROUP_SIZE",
     "MAX_WINDOW_TOKENS",
     "META_DTYPE_BYTES",
+    "WINDOW_DTYPES",
+    "WINDOW_DTYPE_BITS",
     "QuantSpec",
 ]
 
@@ -23,11 +25,16 @@ __all__ = [
 META_DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 SUPPORTED_BITS = (2, 3, 4)
 CODEBOOKS = ("uniform", "lloyd_max")
+#: storage of the sink and recent ring (``QuantSpec.window_dtype``): "model" = the model's dtype,
+#: "fp8_e4m3" = float8_e4m3fn without a scale (writes saturate to ±448)
+WINDOW_DTYPES = ("model", "fp8_e4m3")
+#: nominal bits per window element (the model dtype counts as 16, as OSCAR's formula does)
+WINDOW_DTYPE_BITS = {"model": 16, "fp8_e4m3": 8}
 #: upper bounds that keep a spec (possibly read from an artifact) from asking for absurd memory
 MAX_WINDOW_TOKENS = 1 << 20
 MAX_DEMOTE_BLOCK = 4096
 MAX_GROUP_SIZE = 4096
-_WHY_WINDOWS = "(the 16-bit windows are allocated up front for every layer)"
+_WHY_WINDOWS = "(the unquantized windows are allocated up front for every layer)"
 
 
 @dataclass(frozen=True)
@@ -43,8 +50,10 @@ class QuantSpec:
         "elements per (scale, zero) pair along the rotated head dim; default: the head dim",
         default=None,
     )
-    sink_tokens: int = help_field("first prompt tokens kept in 16 bits (attention sink)", default=64)
-    recent_tokens: int = help_field("most recent tokens kept in 16 bits", default=256)
+    sink_tokens: int = help_field(
+        "first prompt tokens kept unquantized, in --window-dtype (attention sink)", default=64
+    )
+    recent_tokens: int = help_field("most recent tokens kept unquantized, in --window-dtype", default=256)
     demote_block: int = help_field(
         "recent tokens are demoted to the quantized tier in blocks of this many", default=8
     )
@@ -52,6 +61,11 @@ class QuantSpec:
     v_clip: float = help_field("per-row value clip ratio in [0, 1] (0 = off)", default=0.92)
     codebook: str = help_field("uniform (min-max) or lloyd_max (OSCAR's hybrid)", default="uniform")
     meta_dtype: str = help_field("dtype of the stored scale and zero: fp16, bf16 or fp32", default="fp16")
+    window_dtype: str = help_field(
+        "storage of the sink and recent window: model (the model's dtype) or fp8_e4m3 "
+        "(float8_e4m3fn, no scale, saturating at ±448: 1 byte per element)",
+        default="model",
+    )
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -89,6 +103,10 @@ class QuantSpec:
             )
         if not isinstance(self.meta_dtype, str) or self.meta_dtype not in META_DTYPE_BYTES:
             raise field_error(name, "meta_dtype", "one of fp16, bf16, fp32", self.meta_dtype, True)
+        if not isinstance(self.window_dtype, str) or self.window_dtype not in WINDOW_DTYPES:
+            raise field_error(
+                name, "window_dtype", "one of " + ", ".join(WINDOW_DTYPES), self.window_dtype, True
+            )
 
     # ---- derived quantities -------------------------------------------------------------
     def group_for(self, head_dim: int) -> int:
@@ -112,23 +130,30 @@ class QuantSpec:
         total = self.row_bytes(head_dim, self.key_bits) + self.row_bytes(head_dim, self.value_bits)
         return total * 8 / (2 * head_dim)
 
+    @property
+    def window_bits(self) -> int:
+        """Nominal bits per sink/recent-window element: 16 for the model dtype, 8 for fp8_e4m3."""
+        return WINDOW_DTYPE_BITS[self.window_dtype]
+
     def bits_per_element(
-        self, context_len: int | None = None, head_dim: int = 128, hp_bits: int = 16
+        self, context_len: int | None = None, head_dim: int = 128, hp_bits: int | None = None
     ) -> float:
         """Effective bits per cached K/V element at ``context_len`` tokens (spec §4.4).
 
         ``None`` gives the quantized tier alone. Otherwise the first ``sink_tokens`` and last
-        ``recent_tokens`` tokens count at ``hp_bits`` and the rest at the quantized tier's cost
-        measured from its storage sizes. Like OSCAR's formula, it ignores the up to
-        ``demote_block - 1`` extra recent tokens between demotions.
+        ``recent_tokens`` tokens count at ``hp_bits`` (default :attr:`window_bits`: 16, or 8 with
+        fp8 windows) and the rest at the quantized tier's cost measured from its storage sizes.
+        Like OSCAR's formula, it ignores the up to ``demote_block - 1`` extra recent tokens
+        between demotions.
         """
         q = self.quantized_bits_per_element(head_dim)
         if context_len is None:
             return q
         if context_len <= 0:
             raise field_error("bits_per_element", "context_len", "a positive integer", context_len)
+        bits = self.window_bits if hp_bits is None else hp_bits
         hp = min(context_len, self.sink_tokens + self.recent_tokens)
-        return (hp * hp_bits + (context_len - hp) * q) / context_len
+        return (hp * bits + (context_len - hp) * q) / context_len
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,6 +1,7 @@
 """Quantization math: clipping, quantizers, bit packing, the stored row format (pure torch).
 
-:mod:`oscarkv.quant.tiers` holds the tier rules (sink, INT2, recent window) over plain ints.
+:mod:`oscarkv.quant.tiers` holds the tier rules (sink, INT2, recent window) over plain ints,
+:mod:`oscarkv.quant.window` the windows' storage dtype (the model's, or fp8).
 """
 
 from .format import QUANTIZERS, RowFormat, dequantize_rows, fake_quantize_rows, quantize_rows

@@ -124,6 +124,9 @@ def build_metadata(rs: RotationSet) -> dict[str, Any]:
         lr = rs.layers[i]
         clips[str(i)] = [None if c is None else float(c) for c in (lr.k_clip, lr.v_clip)]
     key_bits = {str(i): int(rs.layers[i].key_bits) for i in rs.layer_ids if rs.layers[i].key_bits is not None}
+    spec = rs.spec.to_dict()
+    if spec["window_dtype"] == "model":  # the default is left out: older readers note unknown keys
+        del spec["window_dtype"]
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION if key_bits else 1,
@@ -132,7 +135,7 @@ def build_metadata(rs: RotationSet) -> dict[str, Any]:
         "head_dim": rs.head_dim,
         "clips": clips,
         **({"key_bits": key_bits} if key_bits else {}),
-        "spec": rs.spec.to_dict(),
+        "spec": spec,
         "provenance": dataclasses.asdict(rs.provenance),
     }
 
