@@ -4,6 +4,7 @@ chunked prefill, the prefix cache and preemption; sampling, stops, aborts and ba
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -116,13 +117,15 @@ def demo_rotations(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Rota
     return d, rs
 
 
-def hf_chunked_greedy(path: Path, ids: list[int], n: int, rs: RotationSet, chunks: list[int]) -> list[int]:
+def hf_chunked_greedy(
+    path: Path, ids: list[int], n: int, rs: RotationSet, chunks: list[int], spec: QuantSpec = SPEC
+) -> list[int]:
     """OscarCache greedy with the prompt fed in ``chunks`` (a chunked prefill attends to the
     earlier chunks as stored, INT2 included: the engine's oracle for chunking and prefix hits)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    cache = OscarCache.from_rotations(model, rs, spec=SPEC, backend="torch")
+    cache = OscarCache.from_rotations(model, rs, spec=spec, backend="torch")
     out, pos = [], 0
     with torch.no_grad():
         for c in chunks:
@@ -152,6 +155,29 @@ def test_int2_engine_equals_oscarcache_greedy(models, demo_rotations, absorb: bo
     # the start-up line states what the artifact costs at the spec the engine stores
     bits = rs.with_spec(llm.engine.runner.spec).bits_per_element(131072)
     assert f"{bits:.2f} bits per K/V element at 128K" in llm.engine.startup_report()
+
+
+FP8_SPEC = replace(SPEC, window_dtype="fp8_e4m3")
+
+
+def test_int2_engine_with_fp8_windows_equals_oscarcache_greedy(models, demo_rotations) -> None:
+    """Sink and ring in fp8 (``window_dtype="fp8_e4m3"`` over an artifact of 16-bit windows): the
+    engine's greedy tokens equal ``OscarCache``'s with the same fp8 windows, in one prefill chunk
+    and in chunks; they are not the 16-bit windows' tokens."""
+    path, rs = demo_rotations
+    ps = prompts((7, 30, 60, 120), seed=6)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    llm = int2_llm(models, path, window_dtype="fp8_e4m3")
+    assert llm.engine.runner.pool.hp_k.dtype == torch.float8_e4m3fn
+    assert "fp8 sinks and rings" in llm.engine.startup_report()
+    outs = [o.token_ids for o in llm.generate(ps, params)]
+    for p, o in zip(ps, outs, strict=True):
+        ref = hf_greedy(models["demo"], p, params.max_tokens, rs, FP8_SPEC)
+        assert o == ref, (len(p), first_diff(o, ref))
+    assert outs != [o.token_ids for o in int2_llm(models, path).generate(ps, params)]
+    p = prompts((130,), seed=13)[0]
+    out = int2_llm(models, path, window_dtype="fp8_e4m3", max_batched_tokens=48).generate([p], params)[0]
+    assert out.token_ids == hf_chunked_greedy(models["demo"], p, 40, rs, [48, 48, 34], FP8_SPEC)
 
 
 def test_padded_decode_steps_equal_unpadded(models, demo_rotations) -> None:

@@ -74,5 +74,18 @@ def test_a_budget_error_names_the_dtype_the_rows_are_stored_in(dtype: torch.dtyp
     from oscarkv.engine.kv_pool import plan_pools
 
     cfg = EngineConfig(kv_dtype="bf16", page_tokens=PS)
-    with pytest.raises(InputError, match=re.escape(f"its 16-bit rows stored as {named}")):
+    with pytest.raises(InputError, match=re.escape(f"its unquantized rows stored as {named}")):
         plan_pools(cfg, None, 2, 2, 64, dtype, 1 << 16, max_model_len=4096)
+
+
+def test_a_budget_error_names_fp8_windows() -> None:
+    """With fp8 windows the unquantized rows are fp8 e4m3 whatever the model dtype."""
+    from dataclasses import replace
+
+    from oscarkv.config import EngineConfig
+    from oscarkv.engine.kv_pool import plan_pools
+
+    cfg = EngineConfig(page_tokens=PS)
+    spec = replace(SPEC, window_dtype="fp8_e4m3")
+    with pytest.raises(InputError, match=re.escape("its unquantized rows stored as fp8 e4m3 (1 bytes per")):
+        plan_pools(cfg, spec, 2, 2, 64, torch.float32, 1 << 12, max_model_len=4096)

@@ -35,12 +35,12 @@ PS, HQ, HKV, D = 4, 4, 2, 32
 G = 12
 
 
-def _setup():
+def _setup(window: torch.dtype | None = None):
     cfg = EngineConfig(kv_dtype="int2", page_tokens=PS, max_running=4, prefill_attention="invariant")
     plan = plan_pools(cfg, L_SPEC, 1, HKV, D, torch.float32, 1 << 20)
     assert plan.window_block == G
     kf, vf = RowFormat.from_spec(L_SPEC, D, "k"), RowFormat.from_spec(L_SPEC, D, "v")
-    return plan, KVPool(plan, 1, HKV, D, torch.float32, [(kf, vf)], "cpu"), kf, vf
+    return plan, KVPool(plan, 1, HKV, D, torch.float32, [(kf, vf)], "cpu", window), kf, vf
 
 
 def test_quantize_dequantize_equals_what_the_store_keeps():
@@ -63,20 +63,22 @@ def test_quantize_dequantize_equals_what_the_store_keeps():
 
 
 @pytest.mark.parametrize(("form", "rows_per_token"), [("varlen", 2), ("varlen", 0), ("masked", 2)])
+@pytest.mark.parametrize("window", [None, torch.float8_e4m3fn], ids=["16-bit", "fp8"])
 def test_invariant_attention_equals_explicit_masks(
-    form: str, rows_per_token: int, monkeypatch: pytest.MonkeyPatch
+    form: str, rows_per_token: int, window: torch.dtype | None, monkeypatch: pytest.MonkeyPatch
 ):
     """Three prompts prefilled together in ragged chunks (sink-only starts, chunk ends inside and
     on window blocks, INT2 demotions): every query row equals the per-query mask reference, with
     the varlen key lists gathered in one call or one piece per call (``GATHER_ROWS_PER_TOKEN =
-    0``), and in the masked form (the CPU's: one call per piece)."""
+    0``), and in the masked form (the CPU's: one call per piece); with fp8 windows every 16-bit
+    key as fp8 holds it and every INT2 key quantized from that."""
     use_form(monkeypatch, form)
     monkeypatch.setattr(windows, "GATHER_ROWS_PER_TOKEN", rows_per_token)
     calls = []
     real = windows.invariant_prefill
     monkeypatch.setattr("oscarkv.store.attention.invariant_prefill",
                         lambda *a, **k: calls.append(len(a[-1])) or real(*a, **k))  # fmt: skip
-    plan, pool, kf, vf = _setup()
+    plan, pool, kf, vf = _setup(window)
     views = pool.layer(0)
     gen = torch.Generator().manual_seed(3)
     r_k, r_v = signed_perm(D, gen), signed_perm(D, gen)
@@ -87,7 +89,7 @@ def test_invariant_attention_equals_explicit_masks(
     res = run_steps(attn, plan, views, L_SPEC, prompts, schedule, (HQ, HKV, D), random.Random(1))
     assert res["demoted"] > 0
     assert max(calls) > 1 if rows_per_token == 0 or form == "masked" else max(calls) == 1, calls  # groups
-    check_against_masks(attn, res, dict.fromkeys(prompts, lambda t: t // G * G), L_SPEC, scale)
+    check_against_masks(attn, res, dict.fromkeys(prompts, lambda t: t // G * G), L_SPEC, scale, window)
 
 
 # ---- engine level (demo model) -------------------------------------------------------------

@@ -136,17 +136,21 @@ PS, HQ, HKV, D = 4, 4, 2, 32
 
 
 @pytest.mark.parametrize("form", FORMS)
-def test_decode_rule_attention_equals_explicit_masks(form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("window", [None, torch.float8_e4m3fn], ids=["16-bit", "fp8"])
+def test_decode_rule_attention_equals_explicit_masks(
+    form: str, window: torch.dtype | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Two scored prompts (one past the windows, chunked where the scheduler may end a chunk;
     one inside them) and a plain prompt prefilled in chunks beside them (the fresh rule: earlier
     chunks as stored): every query row equals the per-query mask reference, in each form of the
-    key lists."""
+    key lists. With fp8 windows the scored prompts read every window key as fp8 holds it, the
+    plain one its own chunk as computed."""
     use_form(monkeypatch, form)
     cfg = EngineConfig(kv_dtype="int2", page_tokens=PS, max_running=4)
     plan = plan_pools(cfg, L_SPEC, 1, HKV, D, torch.float32, 1 << 20)
     assert plan.score_window == (14, 4)
     kf, vf = RowFormat.from_spec(L_SPEC, D, "k"), RowFormat.from_spec(L_SPEC, D, "v")
-    views = KVPool(plan, 1, HKV, D, torch.float32, [(kf, vf)], "cpu").layer(0)
+    views = KVPool(plan, 1, HKV, D, torch.float32, [(kf, vf)], "cpu", window).layer(0)
     gen = torch.Generator().manual_seed(3)
     scale = 1 / math.sqrt(D)
     attn = TierAttention(0, signed_perm(D, gen), signed_perm(D, gen), kf, vf, resolve("torch", "cpu"), scale)
@@ -163,4 +167,5 @@ def test_decode_rule_attention_equals_explicit_masks(form: str, monkeypatch: pyt
         "B": lambda t: 0,
         "C": lambda t: max(res["starts"]["C"][t] - r, 0),  # fresh: earlier chunks as stored (ring: last R)
     }
-    check_against_masks(attn, res, rules, L_SPEC, scale)
+    raw = {"C": lambda t: res["starts"]["C"][t]}  # its own chunk as computed
+    check_against_masks(attn, res, rules, L_SPEC, scale, window, raw if window else None)

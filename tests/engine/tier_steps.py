@@ -17,6 +17,7 @@ from oscarkv.engine.request import Batch, SamplingParams, Sequence, StepSeq
 from oscarkv.kernels import resolve
 from oscarkv.quant import RowFormat
 from oscarkv.quant.tiers import apply_moves, plan_moves
+from oscarkv.quant.window import through_window
 from oscarkv.store import windows
 from oscarkv.store.windows import quantize_dequantize
 
@@ -41,11 +42,17 @@ def signed_perm(d: int, gen: torch.Generator) -> torch.Tensor:
     return torch.eye(d)[torch.randperm(d, generator=gen)] * sign
 
 
-def masked_reference(q, k, v, sink: int, start16: Callable[[int], int], scale: float, spec: QuantSpec):
+def masked_reference(q, k, v, sink: int, start16: Callable[[int], int], scale: float, spec: QuantSpec,
+                     window: torch.dtype | None = None, raw_from: Callable[[int], int] | None = None):  # fmt: skip
     """Per query ``t``: key ``s <= t`` in 16 bits iff ``s < sink`` or ``s >= start16(t)``, else its
-    INT2 value under ``spec`` (rows already rotated; ``q [T, Hq, d]``, ``k, v [T, Hkv, d]``)."""
+    INT2 value under ``spec`` (rows already rotated; ``q [T, Hq, d]``, ``k, v [T, Hkv, d]``). With
+    fp8 windows (``window``) a 16-bit key is the row as fp8 holds it and an INT2 key that row
+    quantized, except keys ``s >= raw_from(t)`` (a fresh prefill's own chunk), read as computed."""
     d, hq, hkv = q.shape[-1], q.shape[1], k.shape[1]
     ops = resolve("torch", "cpu")
+    raw_k, raw_v = k, v
+    if window is not None:
+        k, v = through_window(k, window), through_window(v, window)
     k2 = quantize_dequantize(k, RowFormat.from_spec(spec, d, "k"), ops)
     v2 = quantize_dequantize(v, RowFormat.from_spec(spec, d, "v"), ops)
     out = torch.empty_like(q)
@@ -53,6 +60,9 @@ def masked_reference(q, k, v, sink: int, start16: Callable[[int], int], scale: f
         s = torch.arange(t + 1)
         hi = ((s < sink) | (s >= start16(t)))[:, None, None]
         kk, vv = torch.where(hi, k[: t + 1], k2[: t + 1]), torch.where(hi, v[: t + 1], v2[: t + 1])
+        if raw_from is not None:
+            raw = (s >= raw_from(t))[:, None, None]
+            kk, vv = torch.where(raw, raw_k[: t + 1], kk), torch.where(raw, raw_v[: t + 1], vv)
         for h in range(hq):
             w = torch.softmax((kk[:, h * hkv // hq] @ q[t, h]) * scale, 0)
             out[t, h] = w @ vv[:, h * hkv // hq]
@@ -112,12 +122,14 @@ def run_steps(attn, plan, views, spec: QuantSpec, prompts: dict[str, tuple[int, 
 
 
 def check_against_masks(
-    attn, res: dict, rules: dict[str, Callable[[int], int]], spec: QuantSpec, scale: float
-):
-    """Every prompt's output rows equal :func:`masked_reference` under its rule ``rules[rid]``."""
+    attn, res: dict, rules: dict[str, Callable[[int], int]], spec: QuantSpec, scale: float,
+    window: torch.dtype | None = None, raw: dict[str, Callable[[int], int]] | None = None,
+):  # fmt: skip
+    """Every prompt's output rows equal :func:`masked_reference` under its rule ``rules[rid]``
+    (``window``, ``raw[rid]``: fp8 windows and a fresh prompt's own chunk, see there)."""
     for rid, (q, k, v) in res["data"].items():
         rot = attn._rotate
         want = masked_reference(rot(q, attn.r_k), rot(k, attn.r_k), rot(v, attn.r_v), res["seqs"][rid].sink_len,
-                                rules[rid], scale, spec)  # fmt: skip
+                                rules[rid], scale, spec, window, (raw or {}).get(rid))  # fmt: skip
         want = attn._rotate(want, attn.r_out, inverse=True)
         torch.testing.assert_close(res["outs"][rid], want, atol=1e-5, rtol=1e-5, msg=rid)

@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
@@ -444,6 +445,15 @@ def test_bad_configurations_are_refused(tmp_path: Path) -> None:
         "mla": (_fake_vllm_config(tmp_path, good, use_mla=True), "(MLA)"),
         "enc-dec": (_fake_vllm_config(tmp_path, good, is_encoder_decoder=True), "encoder-decoder"),
         "fp8": (_fake_vllm_config(tmp_path, good, cache_dtype="fp8"), "--kv-cache-dtype fp8"),
+        "fp8 windows": (
+            _fake_vllm_config(
+                tmp_path,
+                save_rotations(
+                    random_rotation_set(8, 128, replace(SPEC, window_dtype="fp8_e4m3")), tmp_path / "f8w"
+                ),
+            ),
+            "QuantSpec.window_dtype='fp8_e4m3'",
+        ),
         "tp": (_fake_vllm_config(tmp_path, good, tp=2), "tensor_parallel_size=1"),
         "absorb without loader": (
             _fake_vllm_config(tmp_path, good, load_format="auto"),

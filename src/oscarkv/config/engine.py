@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from .base import field_error, help_field, is_int, is_num
-from .spec import QuantSpec
+from .spec import WINDOW_DTYPES, QuantSpec
 
 __all__ = ["KV_DTYPES", "LOAD_FORMATS", "PREFILL_ATTENTION", "PROMPT_SCORING", "EngineConfig"]
 
@@ -78,6 +78,12 @@ class EngineConfig:
         "prefill_attention rule: fresh scores a one-chunk prompt in 16 bits)",
         default="decode",
     )
+    window_dtype: str | None = help_field(
+        "storage of the sink and recent window with int2 (overrides the artifact's "
+        "QuantSpec.window_dtype): model (the model's dtype) | fp8_e4m3 (float8_e4m3fn, no scale, "
+        "saturating at ±448: half the bytes in bf16); unset: the artifact's",
+        default=None,
+    )
     absorb_v: bool = help_field("fold R_V into v_proj and R_V^T into o_proj at load (int2)", default=True)
     decode_reserve_pages: int = help_field("pages kept free per running request at admission", default=1)
     tensor_parallel: int = help_field(
@@ -131,6 +137,14 @@ class EngineConfig:
             raise field_error(
                 n, "prefill_attention", "fresh with kv_dtype bf16 (invariant needs int2)",
                 self.prefill_attention, "drop --prefill-attention invariant, or use --kv-dtype int2",
+            )  # fmt: skip
+        wd = self.window_dtype
+        if wd is not None and wd not in WINDOW_DTYPES:
+            raise field_error(n, "window_dtype", "unset or one of " + ", ".join(WINDOW_DTYPES), wd, True)
+        if wd == "fp8_e4m3" and self.kv_dtype != "int2":  # bf16 mode has no windows
+            raise field_error(
+                n, "window_dtype", "unset or model with kv_dtype bf16 (fp8 windows need int2)", wd,
+                "drop --window-dtype, or use --kv-dtype int2",
             )  # fmt: skip
         if self.prompt_scoring not in PROMPT_SCORING:
             raise field_error(n, "prompt_scoring", " | ".join(PROMPT_SCORING), self.prompt_scoring, True)

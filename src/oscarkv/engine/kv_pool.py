@@ -6,9 +6,10 @@ contiguous ``[l]`` views the kernels read (``kernels.pool_ops.FlatPools``). Row 
 * INT2 pool, ``N = q_pages·ps`` rows: codes uint8 ``[N, Hkv, packed]``, meta ``[N, Hkv, G, 2]``
   (the spec's meta dtype), for K and V. Page 0 is ``DUMMY_Q``. The key codes are one tensor per
   layer (``k_codes[l]``): layers may store keys in different widths (per-layer key bits).
-* 16-bit pool, model dtype ``[Nh, Hkv, d]`` for K and V: pages ``0 .. hp_pages-1`` (page 0 =
-  ``DUMMY_H``, then sink pages; page ``p`` = rows ``p·ps .. p·ps+ps-1``), then one ring slab of
-  ``ring_cap`` rows per request slot from row ``ring0 = hp_pages·ps``.
+* 16-bit pool ``[Nh, Hkv, d]`` for K and V, in the window dtype (the model's, or float8_e4m3fn
+  with ``QuantSpec.window_dtype="fp8_e4m3"``: 1 byte per element): pages ``0 .. hp_pages-1``
+  (page 0 = ``DUMMY_H``, then sink pages; page ``p`` = rows ``p·ps .. p·ps+ps-1``), then one ring
+  slab of ``ring_cap`` rows per request slot from row ``ring0 = hp_pages·ps``.
 * BF16 mode (``kv_dtype="bf16"``): no INT2 rows and no rings; every token lives in 16-bit pages.
 """
 
@@ -25,11 +26,12 @@ from ..config.engine import AUTO_MAX_RUNNING, MIN_AUTO_MODEL_LEN
 from ..errors import InputError
 from ..quant import RowFormat
 from ..quant.tiers import window_limit
+from ..quant.window import window_torch_dtype
 from ..store import LayerViews, PoolPlan
 from ..store.windows import window_block
 from .kv_budget import GIB
 
-__all__ = ["DUMMY_PAGE", "GIB", "KVPool", "longest_request", "plan_pools"]
+__all__ = ["DUMMY_PAGE", "GIB", "KVPool", "hp_dtype", "longest_request", "plan_pools"]
 
 DUMMY_PAGE = 0  # page 0 of both pools: never handed out; the target of no-op writes
 _META = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -51,15 +53,15 @@ def _shape(
     layer_fmts: Sequence[tuple[RowFormat, RowFormat]] | None,
 ) -> tuple[PoolPlan, int]:
     """The page and slot sizes of a plan (no pages yet), and the bytes outside the request
-    slots: the dummy page of each pool."""
+    slots: the dummy page of each pool. INT2 mode stores the windows in ``spec.window_dtype``."""
     ps = cfg.page_tokens
-    hp_tok = 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-    hp_page = ps * hp_tok
     if cfg.kv_dtype == "bf16":
+        hp_page = ps * 2 * layers * kv_heads * head_dim * dtype.itemsize
         return PoolPlan(False, ps, 0, 0, 0, 0, 0, 0, 0, hp_page, 0), hp_page
     if spec is None:
         raise InputError("int2 KV pools need a QuantSpec (from the rotations or EngineConfig.spec)")
     cfg.check_spec(spec)
+    hp_page = ps * 2 * layers * kv_heads * head_dim * window_torch_dtype(spec.window_dtype, dtype).itemsize
     if layer_fmts is None:
         uniform = (RowFormat.from_spec(spec, head_dim, "k"), RowFormat.from_spec(spec, head_dim, "v"))
         layer_fmts = [uniform] * layers
@@ -100,7 +102,10 @@ def plan_pools(
     ps, mr, hp_page = cfg.page_tokens, cfg.max_running, shape.hp_page_bytes
     if mr is None:
         mr = _slots(
-            budget_bytes - overhead, shape.request_bytes(_length(max_model_len)), max_model_len, dtype
+            budget_bytes - overhead,
+            shape.request_bytes(_length(max_model_len)),
+            max_model_len,
+            hp_dtype(cfg, spec, dtype),
         )
     if not shape.int2:
         hp_pages = budget_bytes // hp_page
@@ -139,7 +144,7 @@ def longest_request(
     if shape.request_bytes(max_model_len) <= room:
         return max_model_len
     short = min(max_model_len, MIN_AUTO_MODEL_LEN)
-    _slots(room, shape.request_bytes(short), short, dtype)
+    _slots(room, shape.request_bytes(short), short, hp_dtype(cfg, spec, dtype))
     lo, hi = short, max_model_len  # request_bytes grows with the length: lo fits, hi does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -153,11 +158,23 @@ def _length(max_model_len: int | None) -> int:
     return max_model_len
 
 
+def hp_dtype(cfg: EngineConfig, spec: QuantSpec | None, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the 16-bit pool: the model's ``dtype``, or in INT2 mode the spec's window dtype."""
+    if cfg.kv_dtype == "bf16" or spec is None:
+        return dtype
+    return window_torch_dtype(spec.window_dtype, dtype)
+
+
 def stored_as(dtype: torch.dtype) -> str:
     """How the unquantized KV rows are stored, e.g. "fp32 (4 bytes per element)": the model dtype,
-    which is fp32 where a model runs in fp32 on a CPU."""
-    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
-    return f"{name} ({dtype.itemsize} bytes per element)"
+    which is fp32 where a model runs in fp32 on a CPU, or fp8 e4m3 with fp8 windows."""
+    names = {
+        torch.float32: "fp32",
+        torch.bfloat16: "bf16",
+        torch.float16: "fp16",
+        torch.float8_e4m3fn: "fp8 e4m3",
+    }
+    return f"{names.get(dtype, str(dtype))} ({dtype.itemsize} bytes per element)"
 
 
 def _slots(room: int, per_request: int, max_model_len: int | None, dtype: torch.dtype) -> int:
@@ -166,7 +183,7 @@ def _slots(room: int, per_request: int, max_model_len: int | None, dtype: torch.
     if n < 1:
         raise InputError(
             f"the KV budget is too small for one request of max_model_len={max_model_len} tokens: one "
-            f"needs {per_request} bytes ({per_request / GIB:.3g} GiB; its 16-bit rows stored as "
+            f"needs {per_request} bytes ({per_request / GIB:.3g} GiB; its unquantized rows stored as "
             f"{stored_as(dtype)}), the budget has {max(room, 0)} left after the dummy pages",
             "raise kv_budget_gb (--kv-budget-gb), or lower max_model_len (--max-model-len)",
         )
@@ -184,7 +201,8 @@ def _need(budget: int, need: int, what: str) -> None:
 
 class KVPool:
     """The allocated pools of all layers. ``fmts[l] = (k_fmt, v_fmt)`` (per-layer clips); in BF16
-    mode ``fmts`` may be ``None`` (a 2-bit format of one group only shapes the empty INT2 views)."""
+    mode ``fmts`` may be ``None`` (a 2-bit format of one group only shapes the empty INT2 views).
+    ``window_dtype``: the 16-bit pool's dtype (:func:`hp_dtype`; default the model's ``dtype``)."""
 
     def __init__(
         self,
@@ -195,6 +213,7 @@ class KVPool:
         dtype: torch.dtype,
         fmts: Sequence[tuple[RowFormat, RowFormat]] | None,
         device: torch.device | str,
+        window_dtype: torch.dtype | None = None,
     ):
         if fmts is None:
             if plan.int2:
@@ -222,8 +241,9 @@ class KVPool:
             self.v_codes = zeros(nq, h, fv.packed_dim, dt=torch.uint8)
             self.k_meta = zeros(nq, h, fk.groups, 2, dt=_META[fk.meta_dtype])
             self.v_meta = zeros(nq, h, fv.groups, 2, dt=_META[fv.meta_dtype])
-            self.hp_k = zeros(nh, h, d, dt=dtype)
-            self.hp_v = zeros(nh, h, d, dt=dtype)
+            hp = dtype if window_dtype is None else window_dtype
+            self.hp_k = zeros(nh, h, d, dt=hp)
+            self.hp_v = zeros(nh, h, d, dt=hp)
         except RuntimeError as e:  # torch.OutOfMemoryError, or the CPU allocator's RuntimeError
             if not isinstance(e, torch.OutOfMemoryError) and "alloc" not in str(e):
                 raise

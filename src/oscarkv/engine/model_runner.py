@@ -34,7 +34,7 @@ from ..store.windows import GATHER_ROWS_PER_TOKEN
 from .decode_buffers import DecodeStaging, HostDecode
 from .graphs import DecodeGraphs, batch_bucket, len_bucket
 from .kv_budget import kv_budget
-from .kv_pool import KVPool, longest_request, plan_pools
+from .kv_pool import KVPool, hp_dtype, longest_request, plan_pools
 from .models import load_decoder
 from .models.parallel import Comm
 from .penalties import PenaltyCounts
@@ -94,6 +94,8 @@ class ModelRunner:
         config = _config_dict(cfg.model)
         self.rotations = self._rotations(config)
         self.spec = cfg.spec or (self.rotations.spec if self.rotations is not None else QuantSpec())
+        if cfg.window_dtype is not None:  # the artifact's formats and clips stay; only the windows change
+            self.spec = dataclasses.replace(self.spec, window_dtype=cfg.window_dtype)
         absorb = self.rotations is not None and cfg.absorb_v
         r_v = {i: lr.v for i, lr in self.rotations.layers.items()} if absorb else None
         self.ops = resolve(cfg.backend, self.device)
@@ -158,7 +160,8 @@ class ModelRunner:
         self.slots_chosen = cfg.max_running is None
         if self.slots_chosen:  # every later reader (scheduler, buckets) sees the slots chosen
             self.cfg = cfg = dataclasses.replace(cfg, max_running=self.plan.max_running)
-        self.pool = KVPool(self.plan, s.num_layers, kv_heads, s.head_dim, self.dtype, fmts, self.device)
+        self.pool = KVPool(self.plan, s.num_layers, kv_heads, s.head_dim, self.dtype, fmts, self.device,
+                           hp_dtype(cfg, self.spec if fmts else None, self.dtype))  # fmt: skip
         scale = s.head_dim**-0.5
         self.attn = []
         for i in range(s.num_layers):
@@ -233,7 +236,8 @@ class ModelRunner:
         gib = 1 << 30
         if plan.int2:
             tiers = (
-                f"{plan.q_pages - 1} INT2 pages ({(plan.q_pages - 1) * ps} tokens), 16-bit sinks and rings "
+                f"{plan.q_pages - 1} INT2 pages ({(plan.q_pages - 1) * ps} tokens), "
+                f"{'fp8' if self.spec.window_dtype == 'fp8_e4m3' else '16-bit'} sinks and rings "
                 f"for {plan.max_running} requests"
             )
         else:

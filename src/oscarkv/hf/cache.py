@@ -20,6 +20,7 @@ from ..config import QuantSpec
 from ..errors import ModelError
 from ..kernels import Backend, KernelOps, resolve
 from ..quant import RowFormat
+from ..quant.window import window_torch_dtype
 from ..rotation import LayerRotation, LayerShift, RotationSet, attention_layer_ids, rotate_heads
 from ..utils.models import supports_attention_interface
 from . import attention as attn
@@ -57,10 +58,11 @@ class OscarCacheLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         b, h, _, d = key_states.shape
+        window = window_torch_dtype(self.owner.spec.window_dtype, key_states.dtype)
         if self.owner.quantize and all(layer.pools is None for layer in self.owner.layers):
             n = len(self.owner.layers)
-            check_window_memory(self.owner.spec, b, n, h, d, key_states.dtype, key_states.device)
-        self.pools = LayerPools(b, h, d, key_states.dtype, key_states.device, self.k_fmt, self.v_fmt)
+            check_window_memory(self.owner.spec, b, n, h, d, window, key_states.device)
+        self.pools = LayerPools(b, h, d, key_states.dtype, key_states.device, self.k_fmt, self.v_fmt, window)
         # kept in float32: a 16-bit copy of R is not orthogonal (see ``attend``)
         self.r_k = self.r_k.to(self.device, torch.float32)
         self.r_v = self.r_v.to(self.device, torch.float32)
@@ -256,7 +258,7 @@ class OscarCache(Cache):
 
         ``absorb_v=True`` folds ``R_V`` into the value projections (modifies the model in place,
         once; spec §5.6). A model that holds absorbed ``R_V`` only attends with the same
-        rotations (``absorb_v`` then changes nothing); other rotations raise ``ModelError``. ``quantize=False`` keeps every token in 16 bits (a passthrough used to
+        rotations (``absorb_v`` then changes nothing); other rotations raise ``ModelError``. ``quantize=False`` keeps every token in the windows (a passthrough used to
         test the plumbing). ``spec`` overrides the artifact's spec (and its per-layer clips);
         ``quantizer`` overrides the spec's codebook (``symmetric``, ``lloyd_max_centroid``, ...; the
         evaluation baselines use it).

@@ -79,14 +79,14 @@ def check_window_memory(
     dtype: torch.dtype,
     device: torch.device,
 ) -> None:
-    """Refuse (``SpecError``) windows that cannot fit: the 16-bit sink and recent ring of every
-    sequence and layer are allocated up front."""
+    """Refuse (``SpecError``) windows that cannot fit: the sink and recent ring of every sequence
+    and layer (``dtype``: the window pools') are allocated up front."""
     rows = spec.sink_tokens + window_limit(spec)
     need = batch * rows * layers * heads * head_dim * 2 * torch.tensor([], dtype=dtype).element_size()
     free = _free_bytes(device)
     if free is not None and need > free:
         raise SpecError(
-            f"the 16-bit windows (sink_tokens {spec.sink_tokens} + recent ring {window_limit(spec)} tokens, "
+            f"the windows (sink_tokens {spec.sink_tokens} + recent ring {window_limit(spec)} tokens, "
             f"batch {batch}, {layers} layers) need {need / 2**30:.1f} GiB; {device} has {free / 2**30:.1f} GiB free",
             "lower --sink-tokens / --recent-tokens (QuantSpec) or the batch size",
         )

@@ -1,4 +1,4 @@
-"""One layer's storage: packed quantized rows + 16-bit rows, laid out as :mod:`.slots` says.
+"""One layer's storage: packed quantized rows + window rows, laid out as :mod:`.slots` says.
 
 Only packed codes and their (scale, zero) metadata are kept for the quantized tier: no float
 copy of the history exists anywhere. The writes and reads themselves are
@@ -28,7 +28,8 @@ def _relayout(t: torch.Tensor, batch: int, old_cap: int, new_cap: int) -> torch.
 
 
 class LayerPools:
-    """Packed K/V codes + metadata ``[B·cap_q, H, ...]`` and 16-bit K/V ``[B·cap_h, H, d]``."""
+    """Packed K/V codes + metadata ``[B·cap_q, H, ...]`` and window K/V ``[B·cap_h, H, d]`` in
+    ``window_dtype`` (default: the model's ``dtype``; float8_e4m3fn with fp8 windows)."""
 
     def __init__(
         self,
@@ -39,8 +40,10 @@ class LayerPools:
         device: torch.device,
         k_fmt: RowFormat,
         v_fmt: RowFormat,
+        window_dtype: torch.dtype | None = None,
     ):
-        self.batch, self.heads, self.d = batch, heads, head_dim
+        self.batch, self.heads, self.d, self.dtype = batch, heads, head_dim, dtype
+        hp_dtype = dtype if window_dtype is None else window_dtype
         self.k_fmt, self.v_fmt = k_fmt, v_fmt
         self.cap_q = self.cap_h = 0
         meta = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -48,8 +51,8 @@ class LayerPools:
         self.v_codes = torch.zeros(0, heads, v_fmt.packed_dim, dtype=torch.uint8, device=device)
         self.k_meta = torch.zeros(0, heads, k_fmt.groups, 2, dtype=meta[k_fmt.meta_dtype], device=device)
         self.v_meta = torch.zeros(0, heads, v_fmt.groups, 2, dtype=meta[v_fmt.meta_dtype], device=device)
-        self.hp_k = torch.zeros(0, heads, head_dim, dtype=dtype, device=device)
-        self.hp_v = torch.zeros(0, heads, head_dim, dtype=dtype, device=device)
+        self.hp_k = torch.zeros(0, heads, head_dim, dtype=hp_dtype, device=device)
+        self.hp_v = torch.zeros(0, heads, head_dim, dtype=hp_dtype, device=device)
         self.health = KVHealth(device)
 
     def ensure(self, cap_q: int, cap_h: int) -> None:
@@ -97,13 +100,13 @@ class LayerPools:
         b: int,
         ops: KernelOps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sequence ``b``'s cached rows (16-bit + dequantized) as ``[P, H, d]`` in the model dtype."""
+        """Sequence ``b``'s cached rows (windows + dequantized) as ``[P, H, d]`` in the model dtype."""
         qi = idx[int(indptr[b]) : int(indptr[b + 1])]
         hi = hp_idx[int(hp_indptr[b]) : int(hp_indptr[b + 1])]
-        return pool_ops.gather_prefix(self, qi, hi, ops)
+        return pool_ops.gather_prefix(self, qi, hi, ops, self.dtype)
 
     def bytes(self, n_q: int, n_h: int) -> dict[str, int]:
-        """Bytes of ``n_q`` quantized and ``n_h`` 16-bit tokens (all heads, K and V)."""
+        """Bytes of ``n_q`` quantized and ``n_h`` window tokens (all heads, K and V)."""
         row_q = self._row_q_bytes()
         row_h = 2 * self.heads * self.d * self.hp_k.element_size()
         return {"quantized": n_q * row_q, "hp": n_h * row_h}

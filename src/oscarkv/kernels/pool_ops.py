@@ -1,7 +1,11 @@
 """Steps over one layer's flat slot pools: CSR lists, demote, write, gather (any slot layout).
 
 A layer's pools are flat in the slot id: INT2 codes uint8 ``[Nq, H, packed_dim]`` and their
-metadata ``[Nq, H, groups, 2]`` for K and V, and 16-bit rows ``[Nh, H, d]`` (sink and window).
+metadata ``[Nq, H, groups, 2]`` for K and V, and window rows ``[Nh, H, d]`` (sink and recent
+window; the model dtype, or float8_e4m3fn with fp8 windows, ``quant.window``). With fp8 windows a
+row's INT2 value is the quantization of its fp8 value however it reaches the INT2 tier (a
+demotion reads the fp8 ring; an INT2 write rounds through fp8 first), so it depends on the token
+alone, not on chunking or the path it took.
 Where the slots sit (per-sequence regions, pages) is the caller's business. A step writes in
 this order, which :func:`write_step` fixes: demotions, then INT2 writes, then 16-bit writes
 (a 16-bit slot freed by a demotion may receive a new token in the same step).
@@ -14,6 +18,7 @@ from typing import Protocol
 import torch
 
 from ..quant import RowFormat
+from ..quant.window import is_fp8, through_window, to_window
 from . import KernelOps
 
 __all__ = ["FlatPools", "demote", "gather_prefix", "ranges_to_csr", "write_hp", "write_int2", "write_step"]
@@ -58,7 +63,10 @@ def ranges_to_csr(ranges: list[list[tuple[int, int]]], device: torch.device) -> 
 def write_int2(
     pools: FlatPools, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ops: KernelOps
 ) -> None:
-    """Quantize rotated rows ``k, v [N, H, d]`` into INT2 ``slots`` (long ``[N]``)."""
+    """Quantize rotated rows ``k, v [N, H, d]`` into INT2 ``slots`` (long ``[N]``); with fp8
+    windows the rows are rounded through fp8 first (what a demotion of them would quantize)."""
+    if is_fp8(pools.hp_k.dtype):
+        k, v = through_window(k, pools.hp_k.dtype), through_window(v, pools.hp_v.dtype)
     ops.quantize_pack_into(k, pools.k_fmt, pools.k_codes, pools.k_meta, slots)
     ops.quantize_pack_into(v, pools.v_fmt, pools.v_codes, pools.v_meta, slots)
 
@@ -72,9 +80,10 @@ def demote(pools: FlatPools, src: torch.Tensor, dst: torch.Tensor, ops: KernelOp
 
 
 def write_hp(pools: FlatPools, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Store rotated rows ``k, v [N, H, d]`` in 16-bit ``slots`` (cast to the pool dtype)."""
-    pools.hp_k[slots] = k.to(pools.hp_k.dtype)
-    pools.hp_v[slots] = v.to(pools.hp_v.dtype)
+    """Store rotated rows ``k, v [N, H, d]`` in window ``slots`` (cast to the pool dtype; fp8
+    saturates at ±448)."""
+    pools.hp_k[slots] = to_window(k, pools.hp_k.dtype)
+    pools.hp_v[slots] = to_window(v, pools.hp_v.dtype)
 
 
 def write_step(
@@ -96,11 +105,16 @@ def write_step(
 
 
 def gather_prefix(
-    pools: FlatPools, int2_idx: torch.Tensor, hp_idx: torch.Tensor, ops: KernelOps
+    pools: FlatPools, int2_idx: torch.Tensor, hp_idx: torch.Tensor, ops: KernelOps, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's cached K and V ``[P, H, d]`` in the 16-bit pool's dtype: the rows of
-    ``hp_idx`` then the dequantized rows of ``int2_idx`` (slot ids, any int dtype)."""
-    qi, hi, dt = int2_idx.long(), hp_idx.long(), pools.hp_k.dtype
-    k = torch.cat([pools.hp_k[hi], ops.dequantize(pools.k_codes[qi], pools.k_meta[qi], pools.k_fmt, dt)])
-    v = torch.cat([pools.hp_v[hi], ops.dequantize(pools.v_codes[qi], pools.v_meta[qi], pools.v_fmt, dt)])
+    """One sequence's cached K and V ``[P, H, d]`` in ``dtype`` (the model's: the window pools
+    may be fp8): the rows of ``hp_idx`` then the dequantized rows of ``int2_idx`` (slot ids, any
+    int dtype)."""
+    qi, hi, dt = int2_idx.long(), hp_idx.long(), dtype
+    k = torch.cat(
+        [pools.hp_k[hi].to(dt), ops.dequantize(pools.k_codes[qi], pools.k_meta[qi], pools.k_fmt, dt)]
+    )
+    v = torch.cat(
+        [pools.hp_v[hi].to(dt), ops.dequantize(pools.v_codes[qi], pools.v_meta[qi], pools.v_fmt, dt)]
+    )
     return k, v

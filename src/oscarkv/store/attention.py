@@ -98,7 +98,7 @@ class TierAttention:
         if run and p.win_idx is not None:  # prefill_attention="invariant" (windows.py)
             out = invariant_prefill(
                 q_rot, k_rot, v_rot, pools, p.pre_hp.indices, p.pre_q.indices, p.win_idx, p.win_cu,
-                p.win_max, ops, self.sm_scale, p.win_groups, win_mask=p.win_mask,
+                p.win_max, ops, self.sm_scale, p.win_groups, win_mask=p.win_mask, win_raw=p.win_raw,
             )  # fmt: skip
         elif run:
             k_all, v_all, cu_k, max_k = self._keys(k_rot, v_rot, pools, p, run)
@@ -115,11 +115,11 @@ class TierAttention:
 
     def _keys(self, k_rot, v_rot, pools: LayerViews, p: PrefillTensors, run: list[int]):
         """The flat keys and values of the sequences ``run`` for the varlen prefill: per sequence
-        its cached 16-bit rows, its dequantized INT2 rows, then its new rows; with ``cu_k`` (int32
-        host ``[n+1]``) and the longest key list."""
-        ops, dt = self.ops, pools.hp_k.dtype
+        its cached window rows (upcast to the model dtype), its dequantized INT2 rows, then its new
+        rows as computed; with ``cu_k`` (int32 host ``[n+1]``) and the longest key list."""
+        ops, dt = self.ops, k_rot.dtype  # the model's: the window pools may be fp8
         hi, qi = p.pre_hp.indices.long(), p.pre_q.indices.long()
-        hk, hv = pools.hp_k[hi], pools.hp_v[hi]
+        hk, hv = pools.hp_k[hi].to(dt), pools.hp_v[hi].to(dt)
         qk = ops.dequantize(pools.k_codes[qi], pools.k_meta[qi], pools.k_fmt, dt)
         qv = ops.dequantize(pools.v_codes[qi], pools.v_meta[qi], pools.v_fmt, dt)
         hp_ptr, q_ptr, cu = p.pre_hp.indptr_host, p.pre_q.indptr_host, p.cu_host

@@ -54,6 +54,9 @@ class PrefillTensors:
     #: the masked form (CPU, :mod:`.masked_pieces`): each piece's bool ``[queries, keys]`` mask,
     #: flat in piece order (one group per piece); None: the varlen form (bottom-right causal)
     win_mask: torch.Tensor | None = None
+    #: the key bank also holds the step's new rows as computed, which fresh sequences of a step
+    #: with decode-rule ones read (the rules read them as the windows will hold them)
+    win_raw: bool = False
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,13 @@ run's queries to its list; the gather costs ``O(runs x prefix)`` memory traffic 
 a decode-rule sequence's runs are merged into pieces of up to ``PIECE_QUERIES`` queries, each one
 key list holding both forms of what its queries read and one masked attention call
 (:mod:`.masked_pieces`); invariant-rule pieces stay one window block each. Sequences under
-neither rule (fresh, in a step that has some) are one run over their keys as stored.
+neither rule (fresh, in a step that has some) are one run over their keys as stored and their
+new rows as computed.
+
+**FP8 windows** (``QuantSpec.window_dtype="fp8_e4m3"``): "16 bits" above reads "as the windows
+hold it". Stored window rows are upcast to the model dtype, and under either rule a new row's
+16-bit form is the row rounded through fp8 (its INT2 form is quantized from that), which is what
+the store will hold for it; a fresh prefill still reads its own new rows as computed.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ import torch
 from ..kernels import KernelOps
 from ..quant import RowFormat
 from ..quant.quantizer import META_TORCH_DTYPES
+from ..quant.window import through_window
 from .masked_pieces import PIECE_QUERIES, masked_attention, merge_runs, piece_keys, piece_mask
 
 __all__ = [
@@ -157,7 +164,8 @@ def window_tensors(
     offsets), ``win_max`` (host ``(longest query piece, longest key list)``) and ``win_groups``.
     A piece is one run (varlen form), or with ``masked`` runs merged as
     :mod:`.masked_pieces` says, with ``win_mask`` (bool, each piece's ``[queries, keys]`` mask
-    flat, in piece order) and one group per piece.
+    flat, in piece order) and one group per piece. ``win_raw``: the bank must also hold the new
+    rows as computed (fresh sequences in a step with decode-rule ones read them there).
 
     Raises ``AssertionError`` when a stored INT2 row falls where a query wants 16 bits (a prefix
     hit not on a block boundary, or a decode-rule chunk that :func:`decode_chunk_ok` refuses)."""
@@ -168,9 +176,12 @@ def window_tensors(
     n_hp = sum(s[0] + s[2] for s in seqs)
     n_q = sum(s[1] for s in seqs)
     n_t = sum(s[4] for s in seqs)
-    # bank rows: [hp rows | INT2 rows (dequantized) | new rows | hp rows qdq | new rows qdq]
+    # bank rows: [hp rows | INT2 rows (dequantized) | new rows | hp rows qdq | new rows qdq], then
+    # (win_raw) the new rows as computed, read by the fresh sequences of a step with a rule
     q0, t0 = n_hp, n_hp + n_q
     h2, t2 = n_hp + n_q + n_t, 2 * n_hp + n_q + n_t
+    raw = block <= 0 and not all(w.decode for w in seqs)
+    r0 = 2 * n_hp + n_q + 2 * n_t
     idx: list[torch.Tensor] = []
     masks: list[torch.Tensor] = []
     cu_q, cu_k = [0], [0]
@@ -181,8 +192,9 @@ def window_tensors(
             raise AssertionError(f"tier counts {ns}+{nq}+{nr} != the step's start {start}")
         ar = torch.arange
         # 16-bit and INT2 version of positions 0 .. end-1, in position order
+        new0 = r0 if block <= 0 and not w.decode else t0  # a fresh sequence's new rows as computed
         pos16 = torch.cat(
-            [ar(h, h + ns), ar(q0 + q, q0 + q + nq), ar(h + ns, h + ns + nr), ar(t0 + a, t0 + a + n_new)]
+            [ar(h, h + ns), ar(q0 + q, q0 + q + nq), ar(h + ns, h + ns + nr), ar(new0 + a, new0 + a + n_new)]
         )
         pos2 = torch.cat(
             [
@@ -216,6 +228,7 @@ def window_tensors(
         "win_cu": cu.to(device, non_blocking=True),
         "win_max": (max(lens_q, default=0), max(lens_k, default=0)),
         "win_groups": _groups(cu_q, cu_k, 0 if masked else GATHER_ROWS_PER_TOKEN * (n_hp + n_q + n_t)),
+        "win_raw": raw,
     }
     if masked:
         mask = torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool)
@@ -256,22 +269,26 @@ def invariant_prefill(
     sm_scale: float,
     win_groups: tuple[Group, ...] = (),
     win_mask: torch.Tensor | None = None,
+    win_raw: bool = False,
 ) -> torch.Tensor:
     """Attention of a prefill step's queries ``q_rot [T, Hq, d]`` (rotated) under the invariant
     and decode rules; ``k_rot, v_rot [T, Hkv, d]`` the step's new rows, ``pre_hp``/``pre_q`` the stored rows'
     ids (the step's pre-step lists, flat), ``win_*`` from :func:`window_tensors`: each group of
     pieces gathers its key lists and attends in one call (all pieces in one call without groups;
-    with ``win_mask``, one masked call per piece)."""
-    dt = pools.hp_k.dtype
+    with ``win_mask``, one masked call per piece). Window rows are read in the model dtype
+    (``k_rot.dtype``), the new rows as the windows will hold them (fp8 windows round them)."""
+    dt = k_rot.dtype  # the model's (the window pools may be fp8)
     hi, qi = pre_hp.long(), pre_q.long()
 
     def bank(hp: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, fmt: RowFormat, new: torch.Tensor):
-        """One side's key bank: 16-bit rows, stored INT2 rows, new rows, then the INT2 values of
-        the 16-bit and new rows (the row order :func:`window_tensors` indexes)."""
-        hp, new = hp[hi], new.to(dt)
+        """One side's key bank: window rows, stored INT2 rows, new rows, then the INT2 values of
+        the window and new rows (the row order :func:`window_tensors` indexes). New rows are read
+        as the windows will hold them (rounded through fp8 with fp8 windows)."""
+        raw = [new.to(dt)] if win_raw else []
+        hp, new = hp[hi].to(dt), through_window(new, hp.dtype).to(dt)
         deq = ops.dequantize(codes[qi], meta[qi], fmt, dt)
         return torch.cat(
-            [hp, deq, new, quantize_dequantize(hp, fmt, ops), quantize_dequantize(new, fmt, ops)]
+            [hp, deq, new, quantize_dequantize(hp, fmt, ops), quantize_dequantize(new, fmt, ops), *raw]
         )
 
     bank_k = bank(pools.hp_k, pools.k_codes, pools.k_meta, pools.k_fmt, k_rot)

@@ -116,6 +116,13 @@ def int2_setup(vllm_config: Any, opts: PluginOptions) -> Int2Setup:
         )
     if rs.num_kv_heads is not None and rs.num_kv_heads != kv_heads:
         raise InputError(f"oscarkv: rotations {path} have {rs.num_kv_heads} KV heads, the model {kv_heads}")
+    if rs.spec.window_dtype != "model":  # the companion store and its pages hold model-dtype rows
+        raise InputError(
+            f"oscarkv: rotations {path} ask for QuantSpec.window_dtype={rs.spec.window_dtype!r}, but the "
+            "vLLM plug-in keeps the sink and recent window in the model dtype; re-calibrate with "
+            "--window-dtype model (or load the artifact, set window_dtype='model' with "
+            "RotationSet.with_spec and save it), or serve fp8 windows with `oscarkv serve`"
+        )
     fmts = tuple(rs.formats(i) for i in range(n_layers))
     row = max(int2_row_bytes(kv_heads, fk, fv) for fk, fv in fmts)
     return Int2Setup(rs, rs.spec, fmts, row)

@@ -71,7 +71,8 @@ def decode_attention(
     Args:
         q_rot: ``[B, Hq, d]`` queries already rotated by ``R_K``.
         k_codes, v_codes: uint8 ``[Nq, Hkv, packed]``; k_meta, v_meta: ``[Nq, Hkv, groups, 2]``.
-        hp_k, hp_v: ``[Nh, Hkv, d]`` 16-bit rows (sink and recent window).
+        hp_k, hp_v: ``[Nh, Hkv, d]`` window rows (sink and recent window): the model dtype, or
+            float8_e4m3fn (read exactly as fp32).
         int2_indptr, hp_indptr: int ``[B + 1]``; int2_indices, hp_indices: int slot ids.
         sm_scale: softmax scale (``1/sqrt(d)``).
         k_fmt, v_fmt: formats of the quantized tier.

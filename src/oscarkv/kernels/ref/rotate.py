@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ...quant.window import to_window
 from ...rotation import rotate_heads as rotate_rows
 
 __all__ = ["check_new_rows_args", "check_rotate_args", "rotate_heads", "rotate_new_rows"]
@@ -53,6 +54,8 @@ def rotate_heads(
     consecutive heads, or ``None`` (no rotation: a copy). Without ``out``: returns the rotated rows
     in ``x.dtype``. With ``out [N, H, d]`` and ``dst`` int ``[B]``: writes row ``b`` to
     ``out[dst[b]]`` in ``out.dtype`` where ``dst[b] >= 0`` (skipped where negative); returns ``out``.
+    A float8_e4m3fn ``out`` (fp8 windows) gets the rows rounded to ``x.dtype`` first, then to fp8
+    saturating at ±448 (``quant.window.to_window``): what a prefill stores for the same row.
     """
     check_rotate_args(x, r, out, dst)
     y = x.float()
@@ -61,7 +64,10 @@ def rotate_heads(
     if out is None or dst is None:
         return y.to(x.dtype, copy=True)  # a new tensor also without rotation (fp32 x)
     keep = dst >= 0
-    out[dst[keep].long()] = y[keep].to(out.dtype)
+    rows = y[keep]
+    if out.dtype == torch.float8_e4m3fn:
+        rows = to_window(rows.to(x.dtype), out.dtype)
+    out[dst[keep].long()] = rows.to(out.dtype)
     return out
 
 
