@@ -18,6 +18,7 @@ import triton.language as tl
 
 from oscarkv.kernels import ref
 from oscarkv.kernels.triton.decode import planes
+from oscarkv.kernels.triton.rotate import fp8_e4m3
 from oscarkv.quant import RowFormat
 from oscarkv.quant.quantizer import clip_index
 from token_cases import coverage_case, drop_effects, prefill_case, rel, rows_rel, split_edges
@@ -542,13 +543,15 @@ def test_rotate_heads_matches_the_oracle(d, per_head, dtype, close_rotations):
     close_rotations(got, ref.rotate_heads(x, r, False, pool.clone(), dst.long()))
 
 
-@pytest.mark.parametrize("granularity", ["layer", "kv_head"])
-def test_oscar_cache_decodes_on_the_gpu_like_the_reference_backend(granularity):
+@pytest.mark.parametrize(("granularity", "window"), [("layer", "model"), ("kv_head", "model"),
+                                                   ("layer", "fp8_e4m3")])  # fmt: skip
+def test_oscar_cache_decodes_on_the_gpu_like_the_reference_backend(granularity, window):
     """Prefill then 30 decode steps (demotions every 8) with the Triton decode ops and with the
     torch reference on the same GPU, fed the same tokens: logits agree at every step. Both caches
     prefill with the reference attention (fp32), so the difference is the decode path's own
     (bf16 queries, fp16 probabilities for the V dot, rotations summed in another order); a wrong
-    slot, rotation or tier gives errors near 1."""
+    slot, rotation or tier gives errors near 1. ``window``: the windows' dtype (fp8: the rotation
+    into fp8 pools, the demotion from them and the 16-bit loop's widening)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from oscarkv import QuantSpec
@@ -566,7 +569,7 @@ def test_oscar_cache_decodes_on_the_gpu_like_the_reference_backend(granularity):
         q = torch.linalg.qr(torch.randn(d, d, dtype=torch.float64, generator=gen))[0].float()
         return q if granularity == "layer" else torch.stack([q, q.T])
 
-    spec = QuantSpec(sink_tokens=4, recent_tokens=16, demote_block=8)
+    spec = QuantSpec(sink_tokens=4, recent_tokens=16, demote_block=8, window_dtype=window)
     lrs = {}
     for i in range(layers):
         rk, rv = rot(), rot()
@@ -618,3 +621,115 @@ def test_rotate_new_rows_matches_the_oracle(d, close_rotations):
         want = ref.rotate_new_rows(q, k, v, r_k, r_v, pools[2], pools[3], dst)
         for a, b in ((got, want), (pools[0], pools[2]), (pools[1], pools[3])):
             close_rotations(a, b)
+
+
+# ---- fp8 windows (QuantSpec.window_dtype="fp8_e4m3") -------------------------------------------
+F8 = torch.float8_e4m3fn
+
+
+@triton.jit
+def _fp8_round(X, Y, N: tl.constexpr):
+    o = tl.program_id(0) * N + tl.arange(0, N)
+    tl.store(Y + o, fp8_e4m3(tl.load(X + o)))
+
+
+def test_fp8_rounding_equals_torchs_saturating_cast_on_the_gpu():
+    """``rotate.fp8_e4m3`` (integer ops) against ``x.clamp(-448, 448).to(float8_e4m3fn)`` on the
+    device: random magnitudes 2^-14..2^10, every fp8 value, every midpoint and its neighbours."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.exp2(torch.rand(1 << 20, device="cuda", generator=gen) * 24 - 14)
+    x = torch.where(torch.rand(x.shape, device="cuda", generator=gen) < 0.5, -x, x)
+    fin = torch.arange(256, dtype=torch.uint8, device="cuda").view(F8).float()
+    fin = fin[torch.isfinite(fin)].unique().sort().values
+    mids = (fin[1:] + fin[:-1]) / 2
+    big = torch.tensor([448.0, 449.0, 464.0, 465.0, 1e6, math.inf, -math.inf], device="cuda")
+    x = torch.cat([x, fin, mids, -mids, big, torch.nextafter(mids, torch.zeros_like(mids)),
+                   torch.nextafter(mids, torch.full_like(mids, 1e9))])  # fmt: skip
+    x = torch.cat([x, torch.zeros(-x.numel() % 256, device="cuda")])
+    y = torch.empty(x.shape, dtype=F8, device="cuda")
+    _fp8_round[(x.numel() // 256,)](x, y, N=256)
+    assert torch.equal(y.view(torch.uint8), x.clamp(-448, 448).to(F8).view(torch.uint8))
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_rotate_new_rows_into_fp8_pools(d):
+    """bf16 rows (|x| up to ~1500) rotated into fp8 pools: the kernel's bf16 result rounded to fp8
+    saturating at ±448, bit for bit; within one fp8 step of the twin."""
+    from oscarkv.kernels.triton.rotate import rotate_new_rows
+    from oscarkv.quant.window import to_window
+
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    r = torch.linalg.qr(torch.randn(d, d, device="cuda", dtype=torch.float64, generator=gen))[0].float()
+    q = torch.randn(40, 32, d, device="cuda", generator=gen).bfloat16()
+    k = (torch.randn(40, 8, d, device="cuda", generator=gen) * 300).bfloat16()
+    v = (torch.randn(40, 8, d, device="cuda", generator=gen) * 300).bfloat16()
+    dst = torch.tensor([7 * i if i % 5 else -1 for i in range(40)], device="cuda")
+    f8 = [torch.zeros(300, 8, d, device="cuda", dtype=F8) for _ in range(4)]
+    wide = [torch.zeros(300, 8, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    rotate_new_rows(q, k, v, r, r, f8[0], f8[1], dst)
+    rotate_new_rows(q, k, v, r, r, wide[0], wide[1], dst)
+    ref.rotate_new_rows(q, k, v, r, r, f8[2], f8[3], dst)
+    rows = dst[dst >= 0]
+    for got, w, want in ((f8[0], wide[0], f8[2]), (f8[1], wide[1], f8[3])):
+        assert torch.equal(got[rows].view(torch.uint8), to_window(w[rows], F8).view(torch.uint8))
+        assert (got[rows].float().abs() == 448).any() and got.float().isfinite().all()
+        step = (want[rows].float().abs() / 8).clamp_min(2**-9)
+        assert ((got[rows].float() - want[rows].float()).abs() <= step).all()
+
+
+@pytest.mark.parametrize(("d", "meta", "bits"), [(128, "bf16", 2), (64, "fp32", 2), (128, "fp16", 4)])
+def test_quantize_pack_into_from_an_fp8_ring_is_bit_exact(d, meta, bits):
+    """A demotion from fp8 windows: the twin's codes and metadata, those of the upcast rows."""
+    from oscarkv.kernels.triton import quantize_pack as tqp
+    from oscarkv.quant.window import to_window
+
+    fmt = RowFormat(d, bits, d, clip=0.92 if bits == 2 else 0.0, meta_dtype=meta)
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    hp = to_window(torch.randn(5000, 8, d, device="cuda", generator=gen) * 40, F8)
+    src = torch.randperm(5000, device="cuda", generator=gen)[:1500]
+    dst = torch.randperm(4096, device="cuda", generator=gen)[:1500]
+    mt = ref.quantize_pack(torch.zeros(1, 1, d, device="cuda"), fmt)[1].dtype
+    got = (torch.zeros(4096, 8, fmt.packed_dim, dtype=torch.uint8, device="cuda"),
+           torch.zeros(4096, 8, 1, 2, dtype=mt, device="cuda"))  # fmt: skip
+    want = (got[0].clone(), got[1].clone())
+    tqp.quantize_pack_into(hp, fmt, *got, dst, src)
+    ref.quantize_pack_into(hp, fmt, *want, dst, src)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8))
+    c, m = ref.quantize_pack(hp[src].float(), fmt)
+    assert torch.equal(got[0][dst], c) and torch.equal(got[1][dst], m)
+
+
+@pytest.mark.parametrize(
+    ("lens_q", "lens_h", "hq", "hkv", "d"),
+    [([0, 5, 129], [320, 0, 7], 32, 8, 128), ([4097] * 8, [320] * 8, 64, 8, 128), ([0] * 4, [100] * 4, 32, 8, 128),
+     ([3000, 70], [40, 320], 16, 4, 256), ([1000, 999], [50, 51], 8, 8, 64)],
+)  # fmt: skip
+@pytest.mark.parametrize("planes", ["auto", "bytes", "words", "swap", "swap-one-head", "hp-short"])
+def test_decode_attention_reads_fp8_windows(lens_q, lens_h, hq, hkv, d, planes):
+    """fp8 window pools, widened to the bf16 queries' dtype in the 16-bit loop: within a relative
+    1e-2 of the fp32 oracle on the same fp8 rows, as for bf16 windows."""
+    from oscarkv.kernels.triton import decode as dec
+    from oscarkv.quant.window import to_window
+
+    changes, loop = PLANES[planes]
+    p = dec.plan(len(lens_q), hq, hkv, d, (max(lens_q), max(lens_h)), "cuda",
+                 dataclasses.replace(dec.DEFAULT_TUNING, **changes))  # fmt: skip
+    if loop is not None and p.lp.loop != loop:
+        pytest.skip(f"{planes}: this shape takes the {p.lp.loop} loop")
+    dev, fmt = "cuda", RowFormat(d, 2, d, meta_dtype="bf16")
+    nq, nh = max(sum(lens_q), 1), max(sum(lens_h), 1)
+    kc, km = ref.quantize_pack(torch.randn(nq, hkv, d, device=dev), fmt)
+    vc, vm = ref.quantize_pack(torch.randn(nq, hkv, d, device=dev), fmt)
+    hk = to_window(torch.randn(nh, hkv, d, device=dev) * torch.logspace(-4, 2, d, device=dev), F8)
+    hv = to_window(torch.randn(nh, hkv, d, device=dev), F8)
+    qi, qx = _lists(lens_q, dev, shuffle=True)
+    hi, hx = _lists(lens_h, dev, shuffle=True)
+    q = torch.randn(len(lens_q), hq, d, device=dev, dtype=torch.bfloat16) * 0.2
+    scale = 1 / math.sqrt(d)
+    got = dec.decode_attention(q, kc, km, vc, vm, hk, hv, qi, qx, hi, hx, scale, fmt, fmt, plan=p)
+    want = ref.decode_attention(q.float(), kc, km, vc, vm, hk, hv, qi, qx, hi, hx, scale, fmt, fmt)
+    for b in range(len(lens_q)):
+        if lens_q[b] + lens_h[b] == 0:
+            assert torch.equal(got[b], torch.zeros_like(got[b]))
+        else:
+            assert _rel(got[b], want[b]) < 1e-2, (b, _rel(got[b], want[b]))

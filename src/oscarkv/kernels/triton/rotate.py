@@ -19,7 +19,7 @@ import triton.language as tl
 from ..ref.rotate import check_new_rows_args, check_rotate_args
 from .launch import Launcher
 
-__all__ = ["rotate_heads", "rotate_new_rows"]
+__all__ = ["fp8_e4m3", "rotate_heads", "rotate_new_rows"]
 
 BLOCK_B = 16  # tl.dot needs M >= 16; smaller batches are masked
 BLOCK_C = 32
@@ -27,11 +27,36 @@ BLOCK_K = 16
 
 
 @triton.jit
+def fp8_e4m3(y):
+    """fp32 ``y`` as float8_e4m3fn, rounded to nearest even and saturated at ±448 (NaN stays NaN),
+    by integer ops on the fp32 bits: the interpreter's own fp32 -> fp8 cast drops the mantissa
+    carry and rounds ties up, so a cast could not be checked against the twin on the CPU."""
+    u = y.to(tl.int32, bitcast=True)
+    sign = (u >> 24) & 0x80
+    a = tl.minimum(tl.abs(y), 448.0)
+    ua = a.to(tl.int32, bitcast=True)
+    # normal (|y| >= 2^-6): drop 20 mantissa bits to nearest even, rebias the exponent (127 -> 7)
+    normal = ((ua + 0x7FFFF + ((ua >> 20) & 1)) >> 20) - 960
+    # subnormal: the integer nearest |y|·2^9 (< 8; 8 is 2^-6's code), ties to even
+    us = (a * 512.0).to(tl.int32, bitcast=True)
+    sh = tl.minimum(150 - (us >> 23), 30)
+    m = (us & 0x7FFFFF) | 0x800000
+    q = m >> sh
+    rem = m - (q << sh)
+    half = 1 << (sh - 1)
+    q += ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
+    bits = tl.where(a < 0.015625, q, normal)
+    bits = tl.where(y != y, 0x7F, bits) | sign
+    return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
 def _rotate_rows(X, R, Y, DST, h, n_b, s_xb, s_xh, s_rh, s_yb, s_yh, D: tl.constexpr, GROUP: tl.constexpr,
                  ROTATE: tl.constexpr, INVERSE: tl.constexpr, SCATTER: tl.constexpr, BLOCK_B: tl.constexpr,
                  BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """Rows ``b`` of this program's batch block, head ``h``, output columns ``BLOCK_C·program_id(2)``
-    onwards: ``Y[b or DST[b], h] = X[b, h] @ R_(h // GROUP)`` (a copy, by the first column block)."""
+    onwards: ``Y[b or DST[b], h] = X[b, h] @ R_(h // GROUP)`` (a copy, by the first column block).
+    A float8_e4m3fn ``Y`` (fp8 windows) gets the product rounded to ``X``'s dtype, then to fp8."""
     offs_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     bmask = offs_b < n_b
     offs_d = tl.arange(0, D)
@@ -61,9 +86,13 @@ def _rotate_rows(X, R, Y, DST, h, n_b, s_xb, s_xh, s_rh, s_yb, s_yh, D: tl.const
             else:
                 m = tl.load(rh + (k0 + offs_k)[:, None] * D + (c0 + offs_c)[None, :])
             y = tl.dot(xk, m, y, input_precision="ieee")
+        if Y.dtype.element_ty == tl.float8e4nv:  # fp8 windows: as a prefill stores the row
+            y = fp8_e4m3(y.to(X.dtype.element_ty).to(tl.float32))
         tl.store(yp + (c0 + offs_c)[None, :], y.to(Y.dtype.element_ty), mask=keep[:, None])
     elif tl.program_id(2) == 0:
         x = tl.load(X + offs_b[:, None] * s_xb + h * s_xh + offs_d[None, :], mask=bmask[:, None], other=0.0)
+        if Y.dtype.element_ty == tl.float8e4nv:
+            x = fp8_e4m3(x.to(tl.float32))
         tl.store(yp + offs_d[None, :], x.to(Y.dtype.element_ty), mask=keep[:, None])
 
 

@@ -78,6 +78,30 @@ def _check_layout(
             )
 
 
+#: the window pools' dtypes the 16-bit loop reads (fp8: float8_e4m3fn windows, widened exactly)
+_HP_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
+
+
+def _check_windows(hp_k: torch.Tensor, hp_v: torch.Tensor) -> None:
+    """The window pools: one dtype of :data:`_HP_DTYPES` for K and V; fp8 needs compute
+    capability 8.9 or newer on CUDA (Triton's float8e4nv)."""
+    if hp_k.dtype != hp_v.dtype or hp_k.dtype not in _HP_DTYPES:
+        raise ValueError(
+            f"decode_attention: hp_k/hp_v must share one dtype of fp16, bf16, fp32 or float8_e4m3fn "
+            f"(fp8 windows; no other fp8 format); got {hp_k.dtype} and {hp_v.dtype}"
+        )
+    if hp_k.dtype == torch.float8_e4m3fn and hp_k.is_cuda and _capability(hp_k.device) < (8, 9):
+        raise ValueError(
+            f"decode_attention: fp8 windows need a GPU of compute capability 8.9 or newer; "
+            f"{hp_k.device} has {_capability(hp_k.device)} (use window_dtype 'model')"
+        )
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 def _check_plan(
     p: DecodePlan, shape: tuple[int, ...], lens_hint: tuple[int, int] | None, key_bits: int
 ) -> None:
@@ -118,6 +142,7 @@ def decode_attention(q_rot, k_codes, k_meta, v_codes, v_meta, hp_k, hp_v, int2_i
         )
     word, meta_id = _META_WORDS[k_meta.dtype]
     _check_layout(d, hkv, k_fmt.bits, word, (k_codes, k_meta, v_codes, v_meta, hp_k, hp_v))
+    _check_windows(hp_k, hp_v)
     if plan is None:
         if lens_hint is None:
             lens = torch.stack(

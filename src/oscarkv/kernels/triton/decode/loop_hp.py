@@ -1,5 +1,6 @@
 """The 16-bit tier's loop (sink + recent window, a few hundred tokens): one KV head's ``g`` query
-heads padded to ``G_PAD`` rows against 16-bit K/V tiles, an exact online softmax."""
+heads padded to ``G_PAD`` rows against 16-bit K/V tiles, an exact online softmax. FP8 windows
+(float8_e4m3fn pools) are widened to the queries' fp16/bf16 as loaded, which is exact."""
 
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ def hp_split(Q, K, V, INDPTR, IDX, O, LSE, qk_scale, split_size, planned, total,
         k = tl.load(K + sh[:, None] * D + offs_d[None, :], mask=nmask[:, None], other=0.0)
         p, alpha, m_i, l_i = _softmax_step(tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale, nmask, m_i, l_i)
         v = tl.load(V + sh[:, None] * D + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        if V.dtype.element_ty == tl.float8e4nv:  # fp8 windows: the 16-bit MMA of the queries' dtype
+            v = v.to(q.dtype)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     tl.store(O + row[:, None] * D + offs_d[None, :], acc * inv_sum(l_i)[:, None], mask=gmask[:, None])
     store_lse(LSE, row, gmask, m_i, l_i)
