@@ -11,7 +11,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from oscarkv.calibration.fit import fixed_layer
-from oscarkv.config import EvalConfig, QuantSpec, SpecError
+from oscarkv.config import ALL_EVAL_METHODS, EvalConfig, QuantSpec, SpecError
 from oscarkv.eval import METHODS, get_method, run_eval, write_report
 from oscarkv.eval.kivi import RESIDUAL, kivi_bits_per_element, kivi_fake_kv
 from oscarkv.eval.report import log_ppl_difference, paired_difference, summary, summary_markdown
@@ -107,6 +107,8 @@ def test_bits_per_element_of_the_baselines(model, rotations):
     # by hand, not through the functions the methods call: OSCAR stores sink + recent = 4 + 16
     # tokens at 16 bits and the rest at 2 + 2·16/128 = 2.25 (one fp16 scale and zero per row)
     assert bpe["oscar"] == pytest.approx((20 * 16 + (131072 - 20) * 2.25) / 131072)
+    # fp8 windows: the same 20 tokens at 8 bits
+    assert bpe["oscar-fp8w"] == pytest.approx((20 * 8 + (131072 - 20) * 2.25) / 131072)
     # KIVI-2: keys 2 + 2·16/32 (per-channel groups of 32 tokens), values 2 + 2·16/128, averaged
     # (2.625); the 131072 % 128 = 0 residual tokens at 16 bits
     assert bpe["kivi2"] == pytest.approx(2.625)
@@ -429,6 +431,20 @@ def test_summary_pairs_oscar_with_the_other_int2_methods():
     assert "oscar_passkey_vs_this" in s["hadamard-int2"]
 
 
+def test_summary_pairs_oscar_with_oscar_fp8w_on_chat_retrieval():
+    """The fp8-windows option against the default: OSCAR − oscar-fp8w on the same retrieval
+    prompts (and perplexity sequences), in the pairwise section."""
+    ret = [
+        {**_hits_row(m, h), "task": "chat-retrieval"}
+        for m, h in (("oscar", [1, 1, 0, 1]), ("oscar-fp8w", [1, 0, 0, 1]))
+    ]
+    rows = [_ppl_row("oscar", [11.0, 20.5, 31.0]), _ppl_row("oscar-fp8w", [11.1, 20.5, 31.2]), *ret]
+    f = {x["method"]: x for x in summary(rows)}["oscar-fp8w"]
+    assert f["oscar_retrieval_vs_this"] == 0.25 and f["oscar_retrieval_vs_this_se"] == pytest.approx(0.25)
+    assert f["oscar_ppl_dlog_vs_this"] == pytest.approx(-0.03 / 3)
+    assert "| oscar-fp8w | -0.0100 ± 0.0058 | - | +0.250 ± 0.250 |" in summary_markdown(rows)
+
+
 def test_paired_difference():
     # one prompt lost, one gained, two unchanged: mean 0, and the SE comes from the two changes only
     m, se = paired_difference([1, 0, 1, 1], [1, 1, 0, 1])
@@ -474,7 +490,7 @@ def test_cli_eval_quick_on_the_reference_model(shared_dir: Path, tmp_path: Path)
     )
     data = json.loads((out / "results.json").read_text())
     methods = {r["method"] for r in data["rows"]}
-    assert methods == set(METHODS)
+    assert methods == set(ALL_EVAL_METHODS.split(","))  # the default: every method but the optional ones
     ppl = {s["method"]: s["ppl"] for s in data["summary"]}
     assert all(math.isfinite(v) for v in ppl.values())
     # the harness must exercise the quantized history: naive INT2 is clearly worse than BF16

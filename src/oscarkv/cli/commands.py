@@ -162,20 +162,23 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from ..calibration.data import check_sources
     from ..config import EvalConfig, SpecError
     from ..eval import run_eval, summary_markdown, write_report
+    from ..eval.methods import CALIBRATED_METHODS
     from ..eval.report import REPORT_FILES, high_key_layers
     from ..hf.loading import load_model
     from ..utils.files import check_output_dir
 
     cfg = dataclass_from_args(EvalConfig, args)
     data = [str(f) for f in check_sources(args.data)]
-    if not args.rotations and "oscar" in cfg.method_list:
+    calibrated = [m for m in cfg.method_list if m in CALIBRATED_METHODS]
+    if not args.rotations and calibrated:
         raise SpecError(
-            "method 'oscar' needs --rotations DIR (from `oscarkv calibrate`)",
-            "pass --rotations, or leave oscar out of --methods",
+            f"method {calibrated[0]!r} needs --rotations DIR (from `oscarkv calibrate`)",
+            f"pass --rotations, or leave {calibrated[0]} out of --methods",
         )
-    if args.rotations and "oscar" not in cfg.method_list:
+    if args.rotations and not calibrated:
         raise SpecError(
-            f"--rotations is only used by the 'oscar' method, which --methods {cfg.methods} leaves out",
+            f"--rotations is only used by the 'oscar' method (and oscar-fp8w), which --methods {cfg.methods} "
+            "leaves out",
             "add oscar to --methods, or drop --rotations",
         )
     recipe_dirs = _recipe_dirs(args.recipe)

@@ -13,12 +13,15 @@ __all__ = [
     "ALL_EVAL_METHODS",
     "DEFAULT_CONTEXT",
     "EVAL_TASKS",
+    "OPTIONAL_EVAL_METHODS",
     "QUICK_CONTEXT",
     "EvalConfig",
     "GenerateConfig",
 ]
 
 ALL_EVAL_METHODS = "bf16,oscar,naive-int2,quarot-int2,clip-only,hadamard-int2,kivi2,turboquant-k3v3,int4"
+#: methods run only when named: oscar-fp8w is oscar with the sink and recent window in fp8 e4m3
+OPTIONAL_EVAL_METHODS = "oscar-fp8w"
 EVAL_TASKS = ("ppl", "passkey", "niah", "attn-error", "chat-retrieval", "chat-agreement")
 #: the tasks run when --tasks is not given (the chat tasks need a chat template)
 DEFAULT_EVAL_TASKS = ("ppl", "passkey", "niah", "attn-error")
@@ -32,7 +35,10 @@ QUICK_PPL_CONTINUATION = 128
 class EvalConfig:
     """What `oscarkv eval` runs (``quick`` shrinks every budget for CI)."""
 
-    methods: str = help_field("comma-separated methods: " + ALL_EVAL_METHODS, default=ALL_EVAL_METHODS)
+    methods: str = help_field(
+        f"comma-separated methods: {ALL_EVAL_METHODS} (the default), or {OPTIONAL_EVAL_METHODS}",
+        default=ALL_EVAL_METHODS,
+    )
     tasks: str = help_field(
         "comma-separated tasks: " + ", ".join(EVAL_TASKS), default=",".join(DEFAULT_EVAL_TASKS)
     )
@@ -72,7 +78,7 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         name = type(self).__name__
-        known = ALL_EVAL_METHODS.split(",")
+        known = [*ALL_EVAL_METHODS.split(","), *OPTIONAL_EVAL_METHODS.split(",")]
         if not isinstance(self.methods, str):
             raise field_error(name, "methods", "a comma-separated string of methods", self.methods, True)
         names = self.methods.split(",")
@@ -80,7 +86,7 @@ class EvalConfig:
             raise SpecError(
                 f"{name}.methods must be comma-separated method names (none empty); "
                 f"got {short_repr(self.methods)}",
-                f"known methods: {ALL_EVAL_METHODS}",
+                f"known methods: {ALL_EVAL_METHODS},{OPTIONAL_EVAL_METHODS}",
             )
         for m in names:
             if m not in known:

@@ -7,6 +7,7 @@ rotation, quantizer, clipping and windows:
 | method | rotation | quantizer | bits | clip | windows (sink/recent) |
 |---|---|---|---|---|---|
 | oscar | calibrated | asymmetric | 2 | per-layer (artifact) | 64/256 |
+| oscar-fp8w | calibrated | asymmetric | 2 | per-layer (artifact) | 64/256 in fp8 e4m3 |
 | clip-only | identity | asymmetric | 2 | 0.96/0.92 | 64/256 |
 | hadamard-int2 | Hadamard | asymmetric | 2 | 0.96/0.92 | 64/256 |
 | quarot-int2 | Hadamard | asymmetric | 2 | off | none |
@@ -15,12 +16,14 @@ rotation, quantizer, clipping and windows:
 | turboquant-k3v3 | random orthogonal | Lloyd-Max centroids | 3 | off | none |
 
 "none" means ``sink = recent = 0`` and ``demote_block = 1``: a token is quantized from the step
-after it is written. ``kivi2`` (:mod:`.kivi`) and ``bf16`` are separate caches.
+after it is written. Windows are stored as the artifact's spec says (``QuantSpec.window_dtype``,
+the model dtype by default); ``oscar-fp8w`` is ``oscar`` with fp8 e4m3 windows (8 bits per window
+element). ``kivi2`` (:mod:`.kivi`) and ``bf16`` are separate caches.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -29,10 +32,11 @@ from ..calibration.error import fake_quant_middle
 from ..calibration.fit import fixed_layer
 from ..config import QuantSpec
 from ..kernels import BackendError, resolve
+from ..quant.window import through_window, window_torch_dtype
 from ..rotation import LayerRotation, Provenance, RotationSet, rotate_heads
 from .kivi import KiviCache, kivi_bits_per_element, kivi_fake_kv
 
-__all__ = ["INT2_METHODS", "METHODS", "KVMethod", "get_method", "method_names"]
+__all__ = ["CALIBRATED_METHODS", "INT2_METHODS", "METHODS", "KVMethod", "get_method", "method_names"]
 
 
 class KVMethod(Protocol):
@@ -56,10 +60,13 @@ class Recipe:
     bits: int = 2
     clip: bool = True
     windows: bool = True
+    #: ``QuantSpec.window_dtype`` of the windows; None: the artifact's
+    window_dtype: str | None = None
 
 
 RECIPES = {
     "oscar": Recipe("calibrated"),
+    "oscar-fp8w": Recipe("calibrated", window_dtype="fp8_e4m3"),
     "clip-only": Recipe("identity"),
     "hadamard-int2": Recipe("hadamard"),
     "quarot-int2": Recipe("hadamard", clip=False, windows=False),
@@ -95,11 +102,13 @@ class CacheMethod:
             sink_tokens=base.sink_tokens if w else 0, recent_tokens=base.recent_tokens if w else 0,
             demote_block=base.demote_block if w else 1,
             k_clip=base.k_clip if recipe.clip else 0.0, v_clip=base.v_clip if recipe.clip else 0.0,
-            meta_dtype=base.meta_dtype,
+            meta_dtype=base.meta_dtype, window_dtype=recipe.window_dtype or base.window_dtype,
         )  # fmt: skip
         if recipe.rotation == "calibrated":
             if rotations is None:
                 raise ValueError(f"method {name!r} needs calibrated rotations (--rotations DIR)")
+            if recipe.window_dtype is not None:  # the artifact's clips and key bits, other windows
+                rotations = rotations.with_spec(replace(rotations.spec, window_dtype=recipe.window_dtype))
             self.rotations = rotations
             self.override_spec: QuantSpec | None = None  # keep the artifact's spec and per-layer clips
             self.spec = rotations.spec
@@ -147,9 +156,11 @@ class CacheMethod:
         kf, vf = self.rotations.formats(layer, self.override_spec, self.quantizer)
         sink, recent = self.spec.sink_tokens, self.spec.recent_tokens
         out = []
+        window = window_torch_dtype(self.spec.window_dtype, torch.float32)
         for x, r, f, off in ((k, lr.k, kf, lr.k_offset), (v, lr.v, vf, lr.v_offset)):
             c = 0.0 if off is None else off.float().to(x.device)[None, :, None, :]
             x_rot = rotate_heads(x.float(), r.float()) - c  # every tier stores x − c; read back + c
+            x_rot = through_window(x_rot, window)  # fp8 windows: every stored row goes through fp8
             out.append(rotate_heads(fake_quant_middle(x_rot, f, sink, recent) + c, r.float(), inverse=True))
         return out[0], out[1]
 
@@ -185,6 +196,8 @@ class Kivi2Method:
 
 
 METHODS = ("bf16", "oscar", *[n for n in RECIPES if n != "oscar"], "kivi2")
+#: the methods that read the calibrated artifact (``--rotations``)
+CALIBRATED_METHODS = tuple(n for n, r in RECIPES.items() if r.rotation == "calibrated")
 # the 2-bit methods OSCAR is compared with pairwise in the report (OSCAR itself included)
 INT2_METHODS = (*[n for n, r in RECIPES.items() if r.bits == 2], "kivi2")
 

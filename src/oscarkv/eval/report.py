@@ -130,6 +130,11 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 s["oscar_passkey_vs_this"], s["oscar_passkey_vs_this_se"] = _pair(
                     paired_difference(hits["oscar"], hits[m])
                 )
+            ret = hits_by["chat-retrieval"]
+            if "oscar" in ret and m in ret:
+                s["oscar_retrieval_vs_this"], s["oscar_retrieval_vs_this_se"] = _pair(
+                    paired_difference(ret["oscar"], ret[m])
+                )
         out.append(s)
     return out
 
@@ -181,6 +186,7 @@ def oscar_vs_baselines_markdown(summ: list[dict[str, Any]]) -> str:
         ("method", "baseline", "{}"),
         ("oscar_ppl_dlog_vs_this", "ppl Δlog, OSCAR − baseline (± SE)", PAIRED_LOG),
         ("oscar_passkey_vs_this", "passkey Δ, OSCAR − baseline (± SE)", PAIRED),
+        ("oscar_retrieval_vs_this", "chat retrieval Δ, OSCAR − baseline (± SE)", PAIRED),
     ]
     base = [s for s in summ if any(c[0] in s for c in cols[1:])]
     if not base:
@@ -191,8 +197,8 @@ def oscar_vs_baselines_markdown(summ: list[dict[str, Any]]) -> str:
     lines += [
         "",
         "_ppl Δlog: mean over the perplexity sequences of the per-sequence difference in mean NLL "
-        "(nats/token; negative = OSCAR better); passkey Δ: mean over the same prompts of the "
-        "per-prompt hit difference (positive = OSCAR better); ± one standard error of the mean "
+        "(nats/token; negative = OSCAR better); passkey and chat retrieval Δ: mean over the same "
+        "prompts of the per-prompt hit difference (positive = OSCAR better); ± one standard error of the mean "
         "paired difference (sequences / prompts are the unit)._",
     ]
     return "\n".join(lines)
