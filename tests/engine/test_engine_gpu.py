@@ -63,6 +63,19 @@ def test_graph_replay_equals_eager(kv: str, rot: Path) -> None:
     assert a == b
 
 
+def test_fp8_windows_graph_replay_equals_eager(rot: Path) -> None:
+    """FP8 windows (``window_dtype="fp8_e4m3"``) on CUDA: the pools are float8_e4m3fn, graph
+    replays give the eager steps' tokens, and the tokens are not the bf16 windows' (the option
+    reaches the kernels)."""
+    prompts = _prompts()
+    graph = _llm("int2", rot, cuda_graphs="on", window_dtype="fp8_e4m3")
+    eager = _llm("int2", rot, cuda_graphs="off", overlap="off", window_dtype="fp8_e4m3")
+    assert graph.engine.runner.pool.hp_k.dtype == torch.float8_e4m3fn
+    a = [o.token_ids for o in graph.generate(prompts, GREEDY)]
+    assert a == [o.token_ids for o in eager.generate(prompts, GREEDY)]
+    assert a != [o.token_ids for o in _llm("int2", rot, cuda_graphs="off").generate(prompts, GREEDY)]
+
+
 @pytest.mark.parametrize("kv", ["int2", "bf16"])
 def test_startup_capture_covers_every_step(kv: str, rot: Path) -> None:
     """graph_capture="startup" captures before the first request every graph that steps can use:
