@@ -6,7 +6,8 @@ N jobs are submitted at once to one ``Engine`` with random weights of a model's 
 every KV byte: for int2 the 16-bit sinks and rings of every request slot are paid from it. Unless
 ``--kv-budget-gb`` is given, the budget is the one where bf16 holds exactly ``--bf16-fit`` jobs at
 full length. ``--max-running auto`` gives each side the most jobs that fit at full length (no
-preemption); an integer sets it for both.
+preemption); an integer sets it for both. ``--kv-dtypes int2,int2-fp8w,bf16`` adds int2 with fp8
+e4m3 windows (``EngineConfig.window_dtype``) as a third side.
 
     python benchmarks/bench_engine.py --shape qwen3-8b --workload decode-1k --jobs 24
     python benchmarks/bench_engine.py --shape demo --device cpu --jobs 4 --prompt-len 32 --gen-len 8 \
@@ -167,6 +168,10 @@ WORKLOADS = {
 }
 
 
+#: the sides a run may compare (``--kv-dtypes``): name -> (EngineConfig.kv_dtype, .window_dtype)
+SIDES = {"int2": ("int2", None), "int2-fp8w": ("int2", "fp8_e4m3"), "bf16": ("bf16", None)}
+
+
 def model_dir(shape: str, root: Path, positions: int) -> Path:
     """A directory with the shape's config.json and the demo tokenizer (ids beyond its vocabulary
     decode to nothing; the text is not looked at)."""
@@ -200,7 +205,7 @@ def capacity(cfg: EngineConfig, shape: dict[str, Any], tokens: int, budget: int,
     at the rotations' per-layer key widths)."""
     layers, heads, d = shape["num_hidden_layers"], shape["num_key_value_heads"], shape["head_dim"]
     ps = cfg.page_tokens
-    spec = QuantSpec() if cfg.kv_dtype == "int2" else None
+    spec = QuantSpec(window_dtype=cfg.window_dtype or "model") if cfg.kv_dtype == "int2" else None
     fmts = None
     if spec is not None and cfg.rotations:
         rs = load_rotations(cfg.rotations)
@@ -369,12 +374,14 @@ def run_steady(eng: Engine, prompts: list[list[int]], warmup: int, steps: int, d
 
 
 def make_engine(
-    args, kv_dtype: str, mdir: Path, rot: Path | None, budget: int, tokens: int
+    args, side: str, mdir: Path, rot: Path | None, budget: int, tokens: int
 ) -> tuple[Engine, dict]:
     """An engine of ``max_running`` = the side's capacity at ``tokens`` (or ``--max-running``),
-    timing its steps; and the facts of its start."""
+    timing its steps; and the facts of its start. ``side``: a key of ``SIDES``."""
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    kv_dtype, window_dtype = SIDES[side]
     base = EngineConfig(model=str(mdir), rotations=str(rot) if rot else None, kv_dtype=kv_dtype,
+                        window_dtype=window_dtype,
                         device=args.device, backend=args.backend, kv_budget_gb=budget / GIB,
                         load_format="dummy", max_model_len=tokens + 1,
                         max_batched_tokens=args.max_batched_tokens, graph_capture=args.graph_capture,
@@ -503,7 +510,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     ap.add_argument("--bf16-fit", type=int, default=8)
     ap.add_argument("--max-running", default="auto", help="auto (each side's capacity) or an integer")
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
-    ap.add_argument("--kv-dtypes", default="int2,bf16")
+    ap.add_argument("--kv-dtypes", default="int2,bf16",
+                    help=f"comma list of sides: {', '.join(SIDES)} (int2 with fp8 e4m3 windows)")  # fmt: skip
     ap.add_argument("--key-bits-layers", type=int, default=0, metavar="N",
                     help="int2: N layers store 4-bit keys (a mixed recipe's bits and capacity)")  # fmt: skip
     ap.add_argument("--graph-capture", choices=("startup", "lazy"), default="startup",
@@ -521,6 +529,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         help="only write DIR/<shape> (config, tokenizer) and DIR/<shape>-rot (rotations), for serve",
     )
     args = ap.parse_args(argv)
+    if bad := [k for k in args.kv_dtypes.split(",") if k not in SIDES]:
+        ap.error(f"--kv-dtypes: unknown side(s) {', '.join(bad)}; choose from {', '.join(SIDES)}")
     if args.write_model:  # DIR/<shape> (config + tokenizer) and DIR/<shape>-rot (random rotations)
         sh, root = SHAPES[args.shape], Path(args.write_model)
         model_dir(args.shape, root, int(sh["max_position_embeddings"]))
@@ -552,7 +562,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         res: dict[str, dict] = {}
         for kv in args.kv_dtypes.split(","):
             rot = None
-            if kv == "int2":
+            if SIDES[kv][0] == "int2":
                 rot = root / "rot"
                 if not rot.exists():
                     random_rotations(layers, d, rot, high_layers=args.key_bits_layers)
@@ -578,10 +588,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         keys = ("jobs_per_min", "output_tok_s", "max_running")
     md = head + "\n\n" + table(res, STEADY_ROWS if steady else ROWS)
     ratios: dict[str, float] = {}
-    if "int2" in res and "bf16" in res:
-        a, b = res["int2"], res["bf16"]
-        ratios = {k: a[k] / b[k] for k in keys}
-        md += "\n\nint2 / bf16: " + ", ".join(f"{k} {v:.2f}×" for k, v in ratios.items())
+    for side in (s for s in res if s != "bf16" and "bf16" in res):
+        a, b = res[side], res["bf16"]
+        r = {k: a[k] / b[k] for k in keys}
+        ratios.update(r if side == "int2" else {f"{side}_{k}": v for k, v in r.items()})
+        md += f"\n\n{side} / bf16: " + ", ".join(f"{k} {v:.2f}×" for k, v in r.items())
         if steady:
             md += f" (decode tok/s next to capacity: max_running {a['max_running']} / {b['max_running']})"
     print(md)

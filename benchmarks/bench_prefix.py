@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness
 from _harness import copy_bandwidth, save
-from bench_engine import SHAPES, capacity, engine_facts, free, model_dir, pct, random_rotations, table
+from bench_engine import SHAPES, SIDES, capacity, engine_facts, free, model_dir, pct, random_rotations, table
 from roofline import ROWS as ROOF_ROWS
 from roofline import Roofline, StepBytes, step_figures
 
@@ -69,7 +69,8 @@ class Workload:
 
 def token_bytes(cfg: EngineConfig, shape: dict[str, Any], budget: int, dtype: torch.dtype) -> float:
     """Bytes one stored token costs in the side's main tier (INT2 rows, or 16-bit pages)."""
-    plan = plan_pools(dataclasses.replace(cfg, max_running=1), None if cfg.kv_dtype == "bf16" else QuantSpec(),
+    spec = QuantSpec(window_dtype=cfg.window_dtype or "model") if cfg.kv_dtype == "int2" else None
+    plan = plan_pools(dataclasses.replace(cfg, max_running=1), spec,
                       shape["num_hidden_layers"], shape["num_key_value_heads"], shape["head_dim"], dtype,
                       budget)  # fmt: skip
     return (plan.q_page_bytes if plan.int2 else plan.hp_page_bytes) / plan.page_tokens
@@ -214,13 +215,15 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
     )
     ap.add_argument("--kv-budget-gb", type=float, help="KV budget (default: bf16 holds --bf16-fit sessions)")
     ap.add_argument("--bf16-fit", type=int, default=8)
-    ap.add_argument("--kv-dtypes", default="int2,bf16")
+    ap.add_argument("--kv-dtypes", default="int2,bf16", help=f"comma list of sides: {', '.join(SIDES)}")
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--graph-capture", choices=("startup", "lazy"), default="lazy")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--name", help="result name (default: bench_prefix_<shape>)")
     args = ap.parse_args(argv)
+    if bad := [k for k in args.kv_dtypes.split(",") if k not in SIDES]:
+        ap.error(f"--kv-dtypes: unknown side(s) {', '.join(bad)}; choose from {', '.join(SIDES)}")
     w = Workload(args.system, args.turns, args.user, args.gen)
     if min(w.system, w.turns, w.user, w.gen) < 1:
         raise SystemExit("--system, --turns, --user and --gen must be >= 1")
@@ -236,7 +239,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
     try:
         mdir = model_dir(args.shape, root, w.last + 1)
         rot = random_rotations(shape["num_hidden_layers"], shape["head_dim"], root / "rot")
-        base = {kv: EngineConfig(model=str(mdir), rotations=str(rot) if kv == "int2" else None, kv_dtype=kv,
+        base = {kv: EngineConfig(model=str(mdir), rotations=str(rot) if SIDES[kv][0] == "int2" else None,
+                                 kv_dtype=SIDES[kv][0], window_dtype=SIDES[kv][1],
                                  device=args.device, backend=args.backend, kv_budget_gb=budget / GIB,
                                  load_format="dummy", max_model_len=w.last + 1,
                                  max_batched_tokens=args.max_batched_tokens, graph_capture=args.graph_capture,
@@ -244,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
                 for kv in args.kv_dtypes.split(",")}  # fmt: skip
         cap = {kv: shared_capacity(cfg, shape, w, budget, dtype) for kv, cfg in base.items()}
         conc = {kv: [cap[kv] if c == "auto" else int(c) for c in args.concurrency.split(",")] for kv in base}
-        ref = cap.get("int2", max(cap.values()))
+        ref = max((c for kv, c in cap.items() if SIDES[kv][0] == "int2"), default=max(cap.values()))
         sessions = 2 * ref if args.sessions == "auto" else int(args.sessions)
         for kv, cfg in base.items():
             eng = Engine(dataclasses.replace(cfg, max_running=max(conc[kv])))
@@ -278,10 +282,11 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
             + ", ".join(f"{kv} {c}" for kv, c in cap.items()) + ".")  # fmt: skip
     md = head + "\n\n" + table(main_pts, ROWS)
     ratios: dict[str, float] = {}
-    if "int2" in main_pts and "bf16" in main_pts:
-        a, b = main_pts["int2"], main_pts["bf16"]
-        ratios = {k: a[k] / b[k] for k in ("jobs_per_min", "output_tok_s", "concurrency")}
-        md += "\n\nint2 / bf16: " + ", ".join(f"{k} {v:.2f}×" for k, v in ratios.items())
+    for side in (s for s in main_pts if s != "bf16" and "bf16" in main_pts):
+        a, b = main_pts[side], main_pts["bf16"]
+        r = {k: a[k] / b[k] for k in ("jobs_per_min", "output_tok_s", "concurrency")}
+        ratios.update(r if side == "int2" else {f"{side}_{k}": v for k, v in r.items()})
+        md += f"\n\n{side} / bf16: " + ", ".join(f"{k} {v:.2f}×" for k, v in r.items())
     sweep = [r for p in points.values() for r in p if len(p) > 1]
     if sweep:
         md += "\n\nSweep (per-GPU against per-user throughput):\n\n| side | C | output tok/s | per-user tok/s | hit |\n|---|---|---|---|---|\n"

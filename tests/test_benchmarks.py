@@ -300,3 +300,21 @@ def test_bench_prefix_runs_sessions_turn_by_turn_and_reports_the_cache_hits(benc
     assert (bench / "prefix.png").stat().st_size > 0
     md = (bench / "prefix.md").read_text()
     assert "prefix hit ratio" in md and "int2 / bf16" in md and "% of roofline" in md
+
+
+def test_bench_engine_fp8_window_side_pays_a_byte_per_window_element(bench):
+    """``int2-fp8w``: int2 with fp8 windows; its rings cost 1 byte per element against the model
+    dtype's 4 (fp32 on the CPU), so the same budget holds more requests."""
+    import bench_engine
+
+    res = bench_engine.main(["--shape", "demo", "--device", "cpu", "--jobs", "2", "--prompt-len", "24",
+                             "--gen-len", "3", "--kv-budget-gb", "0.02", "--kv-dtypes", "int2,int2-fp8w,bf16",
+                             "--name", "fp8w"])  # fmt: skip
+    a, f = res["int2"], res["int2-fp8w"]
+    assert a["ring_bytes"] / a["max_running"] == 4 * f["ring_bytes"] / f["max_running"]
+    assert f["max_running"] > a["max_running"] and f["jobs"] == 2 and f["preemptions"] == 0
+    assert f["bits_per_element_128k"] < a["bits_per_element_128k"]
+    md = (bench / "fp8w.md").read_text()
+    assert "int2 / bf16" in md and "int2-fp8w / bf16" in md
+    with pytest.raises(SystemExit):
+        bench_engine.main(["--kv-dtypes", "int2,fp8"])
