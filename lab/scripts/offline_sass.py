@@ -5,7 +5,8 @@ compare two trees' SASS.
     python lab/scripts/offline_sass.py dump --src /path/to/tree/src --out a.json
     python lab/scripts/offline_sass.py compare a.json b.json
 
-``dump`` runs the tree's launchers on CPU tensors with a launch recorder in place of the launch
+``dump`` runs the tree's launchers (decode, quantize_pack, and the rotations of a decode step's
+new rows) on CPU tensors with a launch recorder in place of the launch
 (plans made for a 132-SM H200), then compiles every recorded specialization with the CUDA
 settings the launcher would pick on the GPU (inline PTX, dependent launches, register caps).
 ``compare`` matches cases by name and reports registers, spills, instruction counts and whether
@@ -174,7 +175,10 @@ def dump(src: str, out: str) -> None:
         fmt = RowFormat(d, 2, d, clip=clip)
         seen.clear()
         x = torch.zeros(4096, 8, d, dtype=torch.bfloat16)
-        qp.quantize_pack(x, None, fmt)
+        try:
+            qp.quantize_pack(x, fmt)
+        except TypeError:  # trees whose quantize_pack took a rotation first
+            qp.quantize_pack(x, None, fmt)
         ((fn, grid, args, kw),) = seen
         packed = bool(kw["PACKED"])
         tree = (min(d // 8, 8, max(1, 64 * d // (256 * 4))) if packed else min(d // 8, 8)).bit_length() - 1
@@ -184,6 +188,23 @@ def dump(src: str, out: str) -> None:
         r = _compile(fn, args, kw, over)
         results[name] = r
         print(name, r["regs"], r["spills"], r["n"], flush=True)
+    try:  # the rotation kernels (trees that have them): a decode step's new rows, batch 1 and 16
+        from oscarkv.kernels.triton import rotate as rot
+
+        for b, d in ((1, 128), (16, 128), (8, 64)):
+            seen.clear()
+            q, k = torch.zeros(b, 32, d, dtype=torch.bfloat16), torch.zeros(b, 8, d, dtype=torch.bfloat16)
+            pool = torch.zeros(64, 8, d, dtype=torch.bfloat16)
+            r = torch.zeros(d, d)
+            rot.rotate_new_rows(q, k, k.clone(), r, None, pool, pool.clone(), torch.zeros(b, dtype=torch.int64))
+            rot.rotate_heads(q, r, inverse=True)
+            for i, (fn, grid, args, kw) in enumerate(seen):
+                r_ = _compile(fn, args, kw, {})
+                r_["grid"] = list(grid)
+                results[f"rotate-b{b}-d{d}/{i}"] = r_
+                print(f"rotate b{b} d{d} {i}", grid, r_["regs"], r_["spills"], r_["n"], flush=True)
+    except ImportError:
+        pass
     Path(out).write_text(json.dumps(results))
 
 
