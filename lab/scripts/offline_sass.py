@@ -53,7 +53,8 @@ def _sig(fn, args, kwargs):
     import torch
 
     types = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
-             torch.int64: "i64", torch.uint8: "u8", torch.int16: "i16", torch.int8: "i8"}  # fmt: skip
+             torch.int64: "i64", torch.uint8: "u8", torch.int16: "i16", torch.int8: "i8",
+             torch.float8_e4m3fn: "fp8e4nv"}  # fmt: skip
     names = fn.arg_names
     nospec = {names[i] if isinstance(i, int) else i for i in getattr(fn, "do_not_specialize", [])}
     sig, consts, attrs = {}, {}, {}
@@ -129,7 +130,7 @@ def _compile(fn, args, kwargs, overrides):
             "constexprs": {k: repr(v) for k, v in consts.items()}}  # fmt: skip
 
 
-def dump(src: str, out: str) -> None:
+def dump(src: str, out: str, windows: str = "bf16") -> None:
     sys.path.insert(0, src)
     import torch
 
@@ -137,6 +138,7 @@ def dump(src: str, out: str) -> None:
     from oscarkv.quant import RowFormat
 
     seen = _record(launch)
+    wdt = torch.float8_e4m3fn if windows == "fp8" else torch.bfloat16  # the window pools' dtype
     try:  # the tuning API
         from oscarkv.kernels.triton import decode as dec
 
@@ -160,7 +162,7 @@ def dump(src: str, out: str) -> None:
         fmt = RowFormat(d, 2, d)
         pools = (torch.zeros(8, hkv, d // 4, dtype=torch.uint8), torch.zeros(8, hkv, 1, 2, dtype=torch.float16),
                  torch.zeros(8, hkv, d // 4, dtype=torch.uint8), torch.zeros(8, hkv, 1, 2, dtype=torch.float16),
-                 torch.zeros(8, hkv, d, dtype=torch.bfloat16), torch.zeros(8, hkv, d, dtype=torch.bfloat16))  # fmt: skip
+                 torch.zeros(8, hkv, d, dtype=wdt), torch.zeros(8, hkv, d, dtype=wdt))  # fmt: skip
         lists = (torch.zeros(b + 1, dtype=torch.int32), torch.zeros(8, dtype=torch.int32),
                  torch.zeros(b + 1, dtype=torch.int32), torch.zeros(8, dtype=torch.int32))  # fmt: skip
         seen.clear()
@@ -194,9 +196,11 @@ def dump(src: str, out: str) -> None:
         for b, d in ((1, 128), (16, 128), (8, 64)):
             seen.clear()
             q, k = torch.zeros(b, 32, d, dtype=torch.bfloat16), torch.zeros(b, 8, d, dtype=torch.bfloat16)
-            pool = torch.zeros(64, 8, d, dtype=torch.bfloat16)
+            pool = torch.zeros(64, 8, d, dtype=wdt)
             r = torch.zeros(d, d)
-            rot.rotate_new_rows(q, k, k.clone(), r, None, pool, pool.clone(), torch.zeros(b, dtype=torch.int64))
+            rot.rotate_new_rows(
+                q, k, k.clone(), r, None, pool, pool.clone(), torch.zeros(b, dtype=torch.int64)
+            )
             rot.rotate_heads(q, r, inverse=True)
             for i, (fn, grid, args, kw) in enumerate(seen):
                 r_ = _compile(fn, args, kw, {})
@@ -231,8 +235,9 @@ if __name__ == "__main__":
     d = sub.add_parser("dump")
     d.add_argument("--src", required=True)
     d.add_argument("--out", required=True)
+    d.add_argument("--windows", choices=("bf16", "fp8"), default="bf16", help="the window pools' dtype")
     c = sub.add_parser("compare")
     c.add_argument("a")
     c.add_argument("b")
     args = ap.parse_args()
-    dump(args.src, args.out) if args.cmd == "dump" else compare(args.a, args.b)
+    dump(args.src, args.out, args.windows) if args.cmd == "dump" else compare(args.a, args.b)
