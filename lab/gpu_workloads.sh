@@ -5,6 +5,9 @@
 # test, carried). A CPU smoke runs the same steps with DEVICE=cpu SHAPE=demo.
 #   bash lab/gpu_workloads.sh prefix|jobs|served [extra args]
 #   served: bash lab/gpu_workloads.sh served KV_DTYPE BUDGET_GIB PROMPT GEN JOBS CONCURRENCY
+# The device has no FastAPI stack and no network: for `served`, put the wheels in .snap/.wheels
+# (pip download fastapi uvicorn pydantic prometheus-client httpx --only-binary :all:
+#  --python-version 3.12 --platform manylinux2014_x86_64 -d .snap/.wheels; ~4 MB) and carry .snap.
 set -u
 [ -d .snap ] && cd .snap
 . lab/gpu_lib.sh
@@ -22,6 +25,8 @@ case "$what" in
     timeout 580 python benchmarks/bench_engine.py --shape "$SHAPE" --device "$DEVICE" "$@" 2>&1 | grep -v "Warn\|it/s" | tail -45 ;;
   served)
     kv=$1 budget=$2 plen=$3 glen=$4 jobs=$5 conc=$6
+    python -c "import fastapi, uvicorn" 2> /dev/null || python -m pip install -q --no-index --find-links .wheels \
+      fastapi uvicorn pydantic prometheus-client httpx || { echo "no FastAPI and no .wheels"; exit 4; }
     wm=$(mktemp -d)
     python benchmarks/bench_engine.py --shape "$SHAPE" --write-model "$wm"
     rot=(); [ "$kv" = int2 ] && rot=(--rotations "$wm/$SHAPE-rot")
