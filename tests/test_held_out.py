@@ -24,9 +24,10 @@ D, H_Q, H_KV, LAYERS = 32, 4, 2, 4
 SPEC = QuantSpec(sink_tokens=4, recent_tokens=16, group_size=D)
 
 
-def _dense(q, k, v, rot, kf, vf, sink, recent, scale):
+def _dense(q, k, v, rot, kf, vf, sink, recent, scale, window="model"):
     """The definition: scores against exact keys where a key is in a window, else against its
-    stored (clipped, quantized, dequantized) form; values likewise."""
+    stored (clipped, quantized, dequantized) form; values likewise. ``window="fp8_e4m3"``: the
+    rows minus their offsets are fp8 values, in the windows and before quantization alike."""
     b, hq, tq, d = q.shape
     hkv, t = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -34,6 +35,9 @@ def _dense(q, k, v, rot, kf, vf, sink, recent, scale):
     kr, vr = rotate_heads(k, rot.k), rotate_heads(v, rot.v)  # fp32 rows: the same codes as stored
     ck = 0.0 if rot.k_offset is None else rot.k_offset[None, :, None, :]
     cv = 0.0 if rot.v_offset is None else rot.v_offset[None, :, None, :]
+    if window == "fp8_e4m3":
+        kr = (kr - ck).clamp(-448, 448).to(torch.float8_e4m3fn).float() + ck
+        vr = (vr - cv).clamp(-448, 448).to(torch.float8_e4m3fn).float() + cv
     kq = (fake_quantize_rows(kr - ck, kf) + ck).double()
     vq = (fake_quantize_rows(vr - cv, vf) + cv).double()
     kr, vr = kr.double(), vr.double()
@@ -65,6 +69,22 @@ def test_windowed_attention_matches_its_definition(tq, t, sink, recent, per_head
     want = _dense(q, k, v, rot, kf, vf, sink, recent, D**-0.5)
     assert got.shape == (2, tq, H_Q, D) and got.dtype == q.dtype
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("tq", "t", "sink", "recent"), [(40, 600, 4, 16), (300, 300, 64, 256)])
+def test_windowed_attention_with_fp8_windows_matches_its_definition(tq, t, sink, recent):
+    """Calibration's held-out passes see fp8 windows as the cache stores them: window rows and the
+    rows INT2 quantizes are the fp8 values (minus the offsets); they move the output."""
+    g = torch.Generator().manual_seed(tq + t)
+    rot = fixed_layer("hadamard", D, H_KV, "kv_head")
+    rot.k_offset = torch.randn(H_KV, D, generator=g) * 0.5
+    kf, vf = RowFormat.from_spec(SPEC, D, "k"), RowFormat.from_spec(SPEC, D, "v")
+    q, k, v = (torch.randn(2, h, n, D, generator=g) for h, n in ((H_Q, tq), (H_KV, t), (H_KV, t)))
+    got = windowed_fake_quant_attention(q, k, v, rot, kf, vf, sink, recent, D**-0.5, "fp8_e4m3")
+    want = _dense(q, k, v, rot, kf, vf, sink, recent, D**-0.5, "fp8_e4m3")
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
+    plain = windowed_fake_quant_attention(q, k, v, rot, kf, vf, sink, recent, D**-0.5)
+    assert (got - plain).abs().max() > 1e-3
 
 
 def _qwen3() -> transformers.PreTrainedModel:

@@ -48,11 +48,19 @@ def _loss_forward(module: Any, query, key, value, attention_mask, **kwargs):
             module, query[:, :, : t - n], key[:, :, : t - n], value[:, :, : t - n], None, **kwargs
         )
         tail = windowed_fake_quant_attention(
-            query[:, :, t - n :], key, value, rot, *fmts, sp.sink_tokens, sp.recent_tokens, scale
+            query[:, :, t - n :],
+            key,
+            value,
+            rot,
+            *fmts,
+            sp.sink_tokens,
+            sp.recent_tokens,
+            scale,
+            sp.window_dtype,
         )
         return torch.cat([head, tail], 1), None
     out = windowed_fake_quant_attention(
-        query, key, value, rot, *fmts, sp.sink_tokens, sp.recent_tokens, scale
+        query, key, value, rot, *fmts, sp.sink_tokens, sp.recent_tokens, scale, sp.window_dtype
     )
     return out, None
 

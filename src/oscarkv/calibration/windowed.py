@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..quant import RowFormat, fake_quantize_rows
+from ..quant.window import FP8_WINDOW, through_window
 from ..rotation import LayerRotation, rotate_heads
 
 __all__ = ["windowed_fake_quant_attention"]
@@ -31,11 +32,14 @@ def windowed_fake_quant_attention(
     sink: int,
     recent: int,
     scale: float,
+    window: str = "model",
 ) -> torch.Tensor:
     """Causal attention of the last ``T_q`` positions over ``T`` keys with OSCAR's windows.
 
     ``q [B, H_q, T_q, d]`` (positions ``T - T_q .. T - 1``), ``k/v [B, H_kv, T, d]``;
-    returns ``[B, T_q, H_q, d]`` in ``q``'s dtype (the math in fp32).
+    returns ``[B, T_q, H_q, d]`` in ``q``'s dtype (the math in fp32). ``window``: the spec's
+    ``window_dtype``; with ``fp8_e4m3`` every stored row (window or INT2) starts from its fp8
+    value, as the cache stores it (``quant.window``).
     """
     b, hq, tq, d = q.shape
     hkv, t = k.shape[1], k.shape[2]
@@ -46,6 +50,8 @@ def windowed_fake_quant_attention(
     # the quantized tier stores rows minus the layer's channel offsets (read back plus them)
     ck = 0.0 if rot.k_offset is None else rot.k_offset.float().to(q.device)[None, :, None, :]
     cv = 0.0 if rot.v_offset is None else rot.v_offset.float().to(q.device)[None, :, None, :]
+    if window == "fp8_e4m3":  # the windows hold the offset rows in fp8, and INT2 rows quantize those
+        kr, vr = through_window(kr - ck, FP8_WINDOW) + ck, through_window(vr - cv, FP8_WINDOW) + cv
     kq, vq = fake_quantize_rows(kr - ck, kf) + ck, fake_quantize_rows(vr - cv, vf) + cv
     dk, dv = (kr - kq)[:, :, None], (vr - vq)[:, :, None]  # [B, H_kv, 1, T, d]: exact minus stored
 
