@@ -3,7 +3,8 @@
 # jobs (bench_engine.py), and a served run (oscarkv serve on a random-weight shape, driven over HTTP by
 # bench_serving.py, then the same jobs in-process). Runs from .snap (a `git archive` of the commit under
 # test, carried). A CPU smoke runs the same steps with DEVICE=cpu SHAPE=demo.
-#   bash lab/gpu_workloads.sh prefix|jobs|served [extra args]
+#   bash lab/gpu_workloads.sh prefix|jobs|served|fp8 [extra args]
+#   fp8: the fp8-window GPU tests, then steady decode at 4K and 1.5K with int2, int2-fp8w and bf16
 #   served: bash lab/gpu_workloads.sh served KV_DTYPE BUDGET_GIB PROMPT GEN JOBS CONCURRENCY
 # The device has no FastAPI stack and no network: for `served`, put the wheels in .snap/.wheels
 # (pip download fastapi uvicorn pydantic prometheus-client httpx --only-binary :all:
@@ -50,6 +51,16 @@ case "$what" in
     timeout 500 python benchmarks/bench_engine.py --shape "$SHAPE" --device "$DEVICE" --kv-dtypes "$kv" \
       --kv-budget-gb "$budget" --max-running "$conc" --prompt-len "$plen" --gen-len "$glen" --jobs "$jobs" \
       --graph-capture lazy --name "inproc_${SHAPE}_${kv}" 2>&1 | grep -v "Warn\|it/s" | tail -30 ;;
+  fp8)
+    step "fp8-window GPU tests"
+    timeout 300 python -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_gpu.py tests/engine/test_engine_gpu.py \
+      -k "fp8 or window or rotate" 2>&1 | grep -E "^E  |^FAILED|passed|failed|error" | head -20
+    for L in 4096 1536; do
+      step "steady $L: int2, int2-fp8w, bf16"
+      timeout 200 python benchmarks/bench_engine.py --shape "$SHAPE" --device "$DEVICE" --steady $L --steps 24 --warmup 4 \
+        --graph-capture lazy --kv-dtypes int2,int2-fp8w,bf16 --name "bench_engine_${SHAPE}_steady_${L}_fp8w" "$@" 2>&1 \
+        | grep -E "decode tok/s|requests held|roofline|step ms|/ bf16"
+    done ;;
   *) echo "unknown $what"; exit 2 ;;
 esac
 sync_out
