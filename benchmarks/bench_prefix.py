@@ -18,7 +18,8 @@ prompt, and plots per-GPU throughput (output tok/s of the whole run) against per
 Reports per side and point: jobs/min, output tok/s, per-user tok/s, TTFT p50/p90, the prefix-hit
 ratio (prompt tokens the cache served over all prompt tokens) next to the share a perfect cache
 would serve (the tokens earlier turns or sessions sent), preemptions, and the decode-only steps
-against their memory roofline (``roofline.py``).
+against their memory roofline (``roofline.py``). ``--graph-capture startup`` (the default) captures
+every decode graph before the timed runs, so neither side pays a capture inside them.
 
     python benchmarks/bench_prefix.py --shape qwen3-8b --system 2048 --turns 4 --user 512 --gen 256
     python benchmarks/bench_prefix.py --shape demo --device cpu --system 48 --turns 2 --user 16 \\
@@ -217,7 +218,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
     ap.add_argument("--bf16-fit", type=int, default=8)
     ap.add_argument("--kv-dtypes", default="int2,bf16", help=f"comma list of sides: {', '.join(SIDES)}")
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
-    ap.add_argument("--graph-capture", choices=("startup", "lazy"), default="lazy")
+    ap.add_argument("--graph-capture", choices=("startup", "lazy"), default="startup",
+                    help="startup: every decode graph before the timed runs; lazy: as the runs need them")  # fmt: skip
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--name", help="result name (default: bench_prefix_<shape>)")
