@@ -543,6 +543,30 @@ def test_rotate_heads_matches_the_oracle(d, per_head, dtype, close_rotations):
     close_rotations(got, ref.rotate_heads(x, r, False, pool.clone(), dst.long()))
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rotate_rows_matches_the_oracle_and_ignores_the_row_count(d, per_head, dtype, close_rotations):
+    """A prefill's rows: the torch twin's fp32 result within one rounding step of the output dtype
+    (bf16 rows run three exact bf16 pieces of R on the tensor cores), and each row's result the
+    same whatever rows come with it, bit for bit (a chunked prefill rotates the rows it would
+    rotate unchunked)."""
+    from oscarkv.kernels.triton.rotate import rotate_rows
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    r = torch.linalg.qr(torch.randn(d, d, device="cuda", dtype=torch.float64, generator=gen))[0].float()
+    if per_head:
+        r = torch.stack([r, r.T, -r, r.flip(0)])
+    x = (4 * torch.randn(3000, 32, d, device="cuda", generator=gen)).to(dtype)
+    for inverse in (False, True):
+        got, want = rotate_rows(x, r, inverse), ref.rotate_rows(x, r, inverse)
+        if dtype == torch.float16:
+            torch.testing.assert_close(got.float(), want.float(), rtol=2**-10, atol=1e-5)
+        else:
+            close_rotations(got, want)
+        assert torch.equal(rotate_rows(x[1000:1777], r, inverse), got[1000:1777])
+
+
 @pytest.mark.parametrize(("granularity", "window"), [("layer", "model"), ("kv_head", "model"),
                                                    ("layer", "fp8_e4m3")])  # fmt: skip
 def test_oscar_cache_decodes_on_the_gpu_like_the_reference_backend(granularity, window):

@@ -128,8 +128,8 @@ def check_against_masks(
     """Every prompt's output rows equal :func:`masked_reference` under its rule ``rules[rid]``
     (``window``, ``raw[rid]``: fp8 windows and a fresh prompt's own chunk, see there)."""
     for rid, (q, k, v) in res["data"].items():
-        rot = attn._rotate
+        rot = attn.ops.rotate_rows
         want = masked_reference(rot(q, attn.r_k), rot(k, attn.r_k), rot(v, attn.r_v), res["seqs"][rid].sink_len,
                                 rules[rid], scale, spec, window, (raw or {}).get(rid))  # fmt: skip
-        want = attn._rotate(want, attn.r_out, inverse=True)
+        want = attn.ops.rotate_rows(want, attn.r_out, inverse=True)
         torch.testing.assert_close(res["outs"][rid], want, atol=1e-5, rtol=1e-5, msg=rid)

@@ -316,6 +316,33 @@ def test_rotate_heads_matches_reference(d, per_head, inverse, dtype, close_rotat
     close_rotations(got, want)
 
 
+@pytest.mark.parametrize("d", [16, 128, 256])
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rotate_rows_matches_reference(d, per_head, dtype, close_rotations):
+    """A prefill's rows (70: two 64-row blocks) in both directions. bf16 rows run the kernel's exact
+    three-piece split of R (here with fp32 dots, as the interpreter's bf16 dot is wrong)."""
+    from oscarkv.kernels.triton.rotate import rotate_rows
+
+    r = _rotation(d, d + 1)
+    if per_head:
+        r = torch.stack([r, r.T, -r, r.flip(0)])
+    x = torch.randn(70, 8, d, generator=torch.Generator().manual_seed(2)).to(dtype)
+    strided = torch.randn(70, 12, d).to(dtype)[:, 2:10]  # heads of a wider tensor: not contiguous
+
+    def close(got, want):
+        assert got.dtype == dtype and got.shape == want.shape
+        if dtype == torch.float16:  # one fp16 rounding step
+            torch.testing.assert_close(got.float(), want.float(), rtol=2**-10, atol=1e-5)
+        else:
+            close_rotations(got, want)
+
+    for inverse in (False, True):
+        close(rotate_rows(x, r, inverse), ref.rotate_rows(x, r, inverse))
+    close(rotate_rows(strided, r), ref.rotate_rows(strided, r))
+    assert rotate_rows(x, None) is x and ref.rotate_rows(x, None) is x
+
+
 @pytest.mark.parametrize("rotate", [True, False])
 def test_rotate_heads_scatters_rows_to_their_slots(rotate, close_rotations):
     from oscarkv.kernels.triton.rotate import rotate_heads

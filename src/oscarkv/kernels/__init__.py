@@ -19,6 +19,7 @@ from ..errors import OscarkvError
 from .ref import moe as _ref_moe
 from .ref import norm as _ref_norm
 from .ref import rope as _ref_rope
+from .ref import rotate as _ref_rotate
 from .ref import router as _ref_router
 from .ref.quantize_pack import quantize_pack_into as _ref_quantize_into
 
@@ -51,6 +52,8 @@ class KernelOps:
     rms_norm: Callable[..., Any] = _ref_norm.rms_norm
     silu_and_mul: Callable[..., torch.Tensor] = _ref_norm.silu_and_mul
     qk_norm_rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] = _ref_rope.qk_norm_rope
+    #: a prefill's rotations of ``[T, H, d]`` rows (``kernels.ref.rotate.rotate_rows``)
+    rotate_rows: Callable[..., torch.Tensor] = _ref_rotate.rotate_rows
     #: ``(k_fmt, v_fmt) -> None``; raises ``ValueError`` naming what these kernels cannot store or read
     check_formats: Callable[[Any, Any], None] = lambda k_fmt, v_fmt: None
     #: quantize pool rows into INT2 pool slots in place (a demotion's gather, quantize and scatter)

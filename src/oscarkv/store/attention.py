@@ -19,7 +19,7 @@ import torch
 
 from ..kernels import KernelOps, pool_ops
 from ..quant import RowFormat
-from ..rotation import LayerShift, rotate_heads
+from ..rotation import LayerShift
 from .layout import LayerViews
 from .steps import DecodeTensors, PrefillTensors
 from .windows import invariant_prefill
@@ -64,13 +64,6 @@ class TierAttention:
         # the output rotation back, unless o_proj carries it
         self.r_out = None if outputs_rotated else self.r_v
 
-    def _rotate(self, x: torch.Tensor, r: torch.Tensor | None, inverse: bool = False) -> torch.Tensor:
-        """Rows ``x [T, H, d]`` rotated by ``r`` in float32, rounded once to ``x.dtype``."""
-        if r is None:
-            return x
-        y = rotate_heads(x.float().transpose(0, 1).unsqueeze(0), r, inverse=inverse)
-        return y.squeeze(0).transpose(0, 1).to(x.dtype)
-
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pools: LayerViews, p: PrefillTensors
     ) -> torch.Tensor:
@@ -90,8 +83,8 @@ class TierAttention:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pools: LayerViews, p: PrefillTensors
     ) -> torch.Tensor:
         ops = self.ops
-        q_rot, k_rot = self._rotate(q, self.r_k), self._rotate(k, self.r_k)
-        v_rot = v if self.values_prerotated else self._rotate(v, self.r_v)
+        q_rot, k_rot = ops.rotate_rows(q, self.r_k), ops.rotate_rows(k, self.r_k)
+        v_rot = v if self.values_prerotated else ops.rotate_rows(v, self.r_v)
         # sequences without new tokens have no query rows: the others' rows are all of q, in order
         run = [i for i in range(len(p.cu_host) - 1) if p.cu_host[i + 1] > p.cu_host[i]]
         out = torch.zeros_like(q_rot)
@@ -111,7 +104,7 @@ class TierAttention:
         q_rows = (k_rot[p.q_tok], v_rot[p.q_tok])
         hp_rows = (k_rot[p.hp_tok], v_rot[p.hp_tok])
         pool_ops.write_step(pools, p.demote_src, p.demote_dst, p.q_dst, q_rows, p.hp_dst, hp_rows, ops)
-        return self._rotate(out, self.r_out, inverse=True)
+        return ops.rotate_rows(out, self.r_out, inverse=True)
 
     def _keys(self, k_rot, v_rot, pools: LayerViews, p: PrefillTensors, run: list[int]):
         """The flat keys and values of the sequences ``run`` for the varlen prefill: per sequence

@@ -7,7 +7,7 @@ from .norm import rms_norm, silu_and_mul
 from .prefill_attention import prefill_attention, prefill_attention_varlen
 from .quantize_pack import dequantize, quantize_pack, quantize_pack_into
 from .rope import apply_rotary, qk_norm_rope
-from .rotate import rotate_heads, rotate_new_rows
+from .rotate import rotate_heads, rotate_new_rows, rotate_rows
 from .router import route_topk
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "rms_norm",
     "rotate_heads",
     "rotate_new_rows",
+    "rotate_rows",
     "route_topk",
     "silu_and_mul",
 ]

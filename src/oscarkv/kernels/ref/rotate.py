@@ -1,7 +1,9 @@
-"""Torch twin of the decode step's rotations: rows of a head rotated in fp32, rounded once.
+"""Torch twins of the rotations: rows of a head rotated in fp32, rounded once.
 
 A decode step rotates the new query, key and value rows into the cache's basis and the attention
-output back (spec §5.6); the key and value rows go straight to their 16-bit slots.
+output back (spec §5.6); the key and value rows go straight to their 16-bit slots. A prefill
+rotates its query and key rows (``rotate_rows``), and its value rows unless ``v_proj`` carries
+``R_V``.
 """
 
 from __future__ import annotations
@@ -9,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from ...quant.window import to_window
-from ...rotation import rotate_heads as rotate_rows
+from ...rotation import rotate_heads as rotate_rows_fp32
 
-__all__ = ["check_new_rows_args", "check_rotate_args", "rotate_heads", "rotate_new_rows"]
+__all__ = ["check_new_rows_args", "check_rotate_args", "rotate_heads", "rotate_new_rows", "rotate_rows"]
 
 
 def check_rotate_args(
@@ -60,7 +62,7 @@ def rotate_heads(
     check_rotate_args(x, r, out, dst)
     y = x.float()
     if r is not None:  # the prefill's rotation, of one token
-        y = rotate_rows(y.unsqueeze(2), r.to(y.device), inverse=inverse).squeeze(2)
+        y = rotate_rows_fp32(y.unsqueeze(2), r.to(y.device), inverse=inverse).squeeze(2)
     if out is None or dst is None:
         return y.to(x.dtype, copy=True)  # a new tensor also without rotation (fp32 x)
     keep = dst >= 0
@@ -117,3 +119,15 @@ def rotate_new_rows(
     rotate_heads(key, r_k, False, k_out, dst)
     rotate_heads(value, r_v, False, v_out, dst)
     return rotate_heads(query, r_k)
+
+
+def rotate_rows(x: torch.Tensor, r: torch.Tensor | None, inverse: bool = False) -> torch.Tensor:
+    """A prefill's rows ``x [T, H, d]`` (16-bit or fp32) times ``r`` (``rᵀ`` if ``inverse``; float32
+    ``[d, d]`` or ``[H_r, d, d]``, as in :func:`rotate_heads`) in fp32, rounded once to ``x.dtype``;
+    ``x`` itself when ``r`` is ``None``. Computed per head over all ``T`` rows at once, as
+    ``hf/cache.py`` rotates a prompt, so the engine's prefill matches ``OscarCache`` bit for bit."""
+    if r is None:
+        return x
+    check_rotate_args(x, r, None, None)
+    y = rotate_rows_fp32(x.float().transpose(0, 1).unsqueeze(0), r.to(x.device), inverse=inverse)
+    return y.squeeze(0).transpose(0, 1).to(x.dtype)

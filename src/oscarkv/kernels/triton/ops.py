@@ -23,7 +23,7 @@ from .norm import rms_norm, silu_and_mul
 from .quantize_pack import _check as _quantize_check
 from .quantize_pack import quantize_pack, quantize_pack_into
 from .rope import qk_norm_rope
-from .rotate import rotate_heads, rotate_new_rows
+from .rotate import rotate_heads, rotate_new_rows, rotate_rows
 from .router import route_topk
 
 __all__ = ["KERNEL_OPS", "prefill_attention", "prefill_attention_varlen"]
@@ -107,6 +107,7 @@ KERNEL_OPS = KernelOps(
     rms_norm,
     silu_and_mul,
     qk_norm_rope,
+    rotate_rows,
     check_formats,
     quantize_pack_into=quantize_pack_into,
     moe_experts=moe_experts,

@@ -1,13 +1,15 @@
-"""Triton twins of ``kernels.ref.rotate_heads`` / ``rotate_new_rows``: a decode step's rotations.
+"""Triton twins of ``kernels.ref.rotate_heads`` / ``rotate_new_rows`` / ``rotate_rows``: the rotations
+of a decode step's rows and of a prefill's.
 
-Program ``(head, batch block, column block)`` loads ``BLOCK_B`` rows of one head, multiplies them by
-``BLOCK_C`` columns of the head's fp32 matrix with an IEEE fp32 ``tl.dot`` (no TF32: R·Rᵀ must stay
-I to fp32 rounding; R of d=256 is 256 KB), rounds once to the output dtype and stores the rows
-densely or to their slots ``dst[b]`` (skipping negative ones). ``rotate_new_rows`` does a decode
-step's query, key and value rows in one launch (program axis 0 runs over the query heads, then the
-key heads, then the value heads). They replace the 3-4 PyTorch ops per rotation (upcast, matmul,
-downcast, scatter) whose launches dominated an eager decode step's host time (34 -> 22 µs of
-host time per rotation on the H200 machine).
+Program ``(head, row block, column block)`` loads a block of one head's rows, multiplies them by a
+block of columns of the head's fp32 matrix, rounds once to the output dtype and stores the rows
+densely or to their slots ``dst[b]`` (skipping negative ones). The product is fp32 math (R·Rᵀ must
+stay I to fp32 rounding): bf16 rows take three bf16 ``tl.dot``s against ``R = R1 + R2 + R3``, R's
+exact split into bf16 pieces (8 significant bits each; bf16 × bf16 products are exact in fp32), so
+the tensor cores run it with fp32 accumulation; other dtypes take an IEEE fp32 ``tl.dot`` (no TF32).
+``rotate_new_rows`` does a decode step's query, key and value rows in one launch (program axis 0
+runs over the query heads, then the key heads, then the value heads). ``rotate_rows`` takes a
+prefill's thousands of rows in 64-row blocks and 128 columns at a time.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import triton.language as tl
 from ..ref.rotate import check_new_rows_args, check_rotate_args
 from .launch import Launcher
 
-__all__ = ["fp8_e4m3", "rotate_heads", "rotate_new_rows"]
+__all__ = ["fp8_e4m3", "rotate_heads", "rotate_new_rows", "rotate_rows"]
 
 BLOCK_B = 16  # tl.dot needs M >= 16; smaller batches are masked
 BLOCK_C = 32
 BLOCK_K = 16
+ROWS_B, ROWS_C = 64, 128  # rotate_rows' blocks: a prefill's rows
 
 
 @triton.jit
@@ -53,7 +56,7 @@ def fp8_e4m3(y):
 @triton.jit
 def _rotate_rows(X, R, Y, DST, h, n_b, s_xb, s_xh, s_rh, s_yb, s_yh, D: tl.constexpr, GROUP: tl.constexpr,
                  ROTATE: tl.constexpr, INVERSE: tl.constexpr, SCATTER: tl.constexpr, BLOCK_B: tl.constexpr,
-                 BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+                 BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, BF16_DOT: tl.constexpr):  # fmt: skip
     """Rows ``b`` of this program's batch block, head ``h``, output columns ``BLOCK_C·program_id(2)``
     onwards: ``Y[b or DST[b], h] = X[b, h] @ R_(h // GROUP)`` (a copy, by the first column block).
     A float8_e4m3fn ``Y`` (fp8 windows) gets the product rounded to ``X``'s dtype, then to fp8."""
@@ -80,12 +83,28 @@ def _rotate_rows(X, R, Y, DST, h, n_b, s_xb, s_xh, s_rh, s_yb, s_yh, D: tl.const
         # (FMA path) spilled kilobytes per thread. A runtime loop (pipelined): unrolled, the three
         # bodies of _rotate_new took 34 s to compile at d = 256 (1.7 MB of cubin, Triton 3.6)
         for k0 in tl.range(0, D, BLOCK_K, num_stages=2):
-            xk = tl.load(xp + (k0 + offs_k)[None, :], mask=bmask[:, None], other=0.0).to(tl.float32)
+            xk = tl.load(xp + (k0 + offs_k)[None, :], mask=bmask[:, None], other=0.0)
             if INVERSE:  # (Rᵀ)[k, c] = R[c, k]
                 m = tl.load(rh + (c0 + offs_c)[None, :] * D + (k0 + offs_k)[:, None])
             else:
                 m = tl.load(rh + (k0 + offs_k)[:, None] * D + (c0 + offs_c)[None, :])
-            y = tl.dot(xk, m, y, input_precision="ieee")
+            if X.dtype.element_ty == tl.bfloat16:
+                # m's 24 significant bits in three bf16 pieces, exactly (each remainder fits the next)
+                m1 = m.to(tl.bfloat16)
+                rest = m - m1.to(tl.float32)
+                m2 = rest.to(tl.bfloat16)
+                m3 = (rest - m2.to(tl.float32)).to(tl.bfloat16)
+                if BF16_DOT:
+                    y = tl.dot(xk, m1, y)
+                    y = tl.dot(xk, m2, y)
+                    y = tl.dot(xk, m3, y)
+                else:  # the interpreter's bf16 tl.dot is wrong; the same exact products in fp32
+                    xf = xk.to(tl.float32)
+                    y = tl.dot(xf, m1.to(tl.float32), y, input_precision="ieee")
+                    y = tl.dot(xf, m2.to(tl.float32), y, input_precision="ieee")
+                    y = tl.dot(xf, m3.to(tl.float32), y, input_precision="ieee")
+            else:
+                y = tl.dot(xk.to(tl.float32), m, y, input_precision="ieee")
         if Y.dtype.element_ty == tl.float8e4nv:  # fp8 windows: as a prefill stores the row
             y = fp8_e4m3(y.to(X.dtype.element_ty).to(tl.float32))
         tl.store(yp + (c0 + offs_c)[None, :], y.to(Y.dtype.element_ty), mask=keep[:, None])
@@ -99,27 +118,27 @@ def _rotate_rows(X, R, Y, DST, h, n_b, s_xb, s_xh, s_rh, s_yb, s_yh, D: tl.const
 @triton.jit
 def _rotate(X, R, Y, DST, n_b, s_xb, s_xh, s_rh, s_yb, s_yh, D: tl.constexpr, GROUP: tl.constexpr,
             ROTATE: tl.constexpr, INVERSE: tl.constexpr, SCATTER: tl.constexpr, BLOCK_B: tl.constexpr,
-            BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+            BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, BF16_DOT: tl.constexpr):  # fmt: skip
     _rotate_rows(X, R, Y, DST, tl.program_id(0), n_b, s_xb, s_xh, s_rh, s_yb, s_yh, D, GROUP, ROTATE, INVERSE,
-                 SCATTER, BLOCK_B, BLOCK_C, BLOCK_K)  # fmt: skip
+                 SCATTER, BLOCK_B, BLOCK_C, BLOCK_K, BF16_DOT)  # fmt: skip
 
 
 @triton.jit
 def _rotate_new(Q, K, V, RK, RV, QO, KO, VO, DST, n_b, s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_rkh, s_rvh, s_ob,
                 s_pb, s_ph, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GQ: tl.constexpr,
                 GK: tl.constexpr, GV: tl.constexpr, ROT_V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr,
-                BLOCK_K: tl.constexpr):  # fmt: skip
+                BLOCK_K: tl.constexpr, BF16_DOT: tl.constexpr):  # fmt: skip
     # program_id(0) runs over the query heads, then the key heads, then the value heads
     h = tl.program_id(0)
     if h < HQ:
         _rotate_rows(Q, RK, QO, DST, h, n_b, s_qb, s_qh, s_rkh, s_ob, D, D, GQ, True, False, False, BLOCK_B,
-                     BLOCK_C, BLOCK_K)  # fmt: skip
+                     BLOCK_C, BLOCK_K, BF16_DOT)  # fmt: skip
     elif h < HQ + HKV:
         _rotate_rows(K, RK, KO, DST, h - HQ, n_b, s_kb, s_kh, s_rkh, s_pb, s_ph, D, GK, True, False, True,
-                     BLOCK_B, BLOCK_C, BLOCK_K)  # fmt: skip
+                     BLOCK_B, BLOCK_C, BLOCK_K, BF16_DOT)  # fmt: skip
     else:
         _rotate_rows(V, RV, VO, DST, h - HQ - HKV, n_b, s_vb, s_vh, s_rvh, s_pb, s_ph, D, GV, ROT_V, False, True,
-                     BLOCK_B, BLOCK_C, BLOCK_K)  # fmt: skip
+                     BLOCK_B, BLOCK_C, BLOCK_K, BF16_DOT)  # fmt: skip
 
 
 _ROTATE, _ROTATE_NEW = Launcher(_rotate), Launcher(_rotate_new)
@@ -165,7 +184,29 @@ def rotate_heads(
     _ROTATE(
         (h, -(-b // BLOCK_B), d // min(d, BLOCK_C)), x, r, y, dst if scatter else x, b, x.stride(0), x.stride(1), s_rh, y.stride(0),
         y.stride(1), D=d, GROUP=group, ROTATE=rotate, INVERSE=inverse, SCATTER=scatter, BLOCK_B=BLOCK_B,
-        BLOCK_C=min(d, BLOCK_C), BLOCK_K=BLOCK_K, num_warps=4,
+        BLOCK_C=min(d, BLOCK_C), BLOCK_K=BLOCK_K, BF16_DOT=x.is_cuda, num_warps=4,
+    )  # fmt: skip
+    return y
+
+
+def rotate_rows(x: torch.Tensor, r: torch.Tensor | None, inverse: bool = False) -> torch.Tensor:
+    """Same contract as ``kernels.ref.rotate_rows``: a prefill's rows ``x [T, H, d]`` rotated, in new
+    memory laid out like ``x`` (``x`` itself when ``r`` is ``None``)."""
+    if r is None:
+        return x
+    check_rotate_args(x, r, None, None)
+    t, h, d = x.shape
+    _check_dim(d)
+    x = _unit_stride(x)
+    y = torch.empty_like(x)
+    if t == 0:
+        return y
+    r, group, s_rh = _matrix(r, h, d, x)
+    cols = min(d, ROWS_C)
+    _ROTATE(
+        (h, -(-t // ROWS_B), d // cols), x, r, y, x, t, x.stride(0), x.stride(1), s_rh, y.stride(0), y.stride(1),
+        D=d, GROUP=group, ROTATE=True, INVERSE=inverse, SCATTER=False, BLOCK_B=ROWS_B, BLOCK_C=cols,
+        BLOCK_K=BLOCK_K, BF16_DOT=x.is_cuda, num_warps=4,
     )  # fmt: skip
     return y
 
@@ -202,6 +243,6 @@ def rotate_new_rows(
     _ROTATE_NEW(
         (hq + 2 * hkv, -(-b // BLOCK_B), d // min(d, BLOCK_C)), query, key, value, r_k, r_v, q_out, k_out, v_out, dst, b, qs[0], qs[1],
         ks[0], ks[1], vs[0], vs[1], s_rk, s_rv, hq * d, ps[0], ps[1], HQ=hq, HKV=hkv, D=d, GQ=gq, GK=gk, GV=gv,
-        ROT_V=rot_v, BLOCK_B=BLOCK_B, BLOCK_C=min(d, BLOCK_C), BLOCK_K=BLOCK_K, num_warps=4,
+        ROT_V=rot_v, BLOCK_B=BLOCK_B, BLOCK_C=min(d, BLOCK_C), BLOCK_K=BLOCK_K, BF16_DOT=query.is_cuda, num_warps=4,
     )  # fmt: skip
     return q_out
