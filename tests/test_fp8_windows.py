@@ -31,6 +31,24 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---- the spec -----------------------------------------------------------------------------------
+def test_fp8_windows_on_a_gpu_before_sm89_are_refused_at_start_up(monkeypatch):
+    """The Triton backend's check (Triton's float8e4nv needs compute capability 8.9) runs when an
+    engine or cache starts, with the fix, not at its first decode; other dtypes and devices pass."""
+    pytest.importorskip("triton")
+    from oscarkv.kernels import BackendError
+    from oscarkv.kernels.triton.decode import attention
+
+    monkeypatch.setattr(attention, "_capability", lambda device: (8, 0))
+    ops = dataclasses.replace(resolve("torch", "cpu"), check_windows=attention.check_windows)
+    with pytest.raises(
+        BackendError, match=r"compute capability 8.9 or newer; cuda:0 has \(8, 0\); use --window"
+    ):
+        ops.require_windows("fp8_e4m3", "cuda:0", "use --window-dtype model")
+    ops.require_windows("model", "cuda:0", "")
+    ops.require_windows("fp8_e4m3", "cpu", "")
+    resolve("torch", "cpu").require_windows("fp8_e4m3", "cuda:0", "")  # the reference reads fp8 anywhere
+
+
 def test_window_dtype_is_validated_and_round_trips():
     assert QuantSpec().window_dtype == "model"
     for bad in ("fp8", "bf16", 8, None):

@@ -238,6 +238,7 @@ class OscarCache(Cache):
         if quantize:
             fix = "use backend='torch', or calibrate with --high-key-bits 4"
             self.ops.require_formats([(la.k_fmt, la.v_fmt) for la in layers], fix)
+            self.ops.require_windows(self.spec.window_dtype, device, "use QuantSpec(window_dtype='model')")
         super().__init__(layers=layers)
         self.table: SlotTable | None = None
         self._plan_key: tuple[int, int] | None = None

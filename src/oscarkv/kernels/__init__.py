@@ -56,6 +56,9 @@ class KernelOps:
     rotate_rows: Callable[..., torch.Tensor] = _ref_rotate.rotate_rows
     #: ``(k_fmt, v_fmt) -> None``; raises ``ValueError`` naming what these kernels cannot store or read
     check_formats: Callable[[Any, Any], None] = lambda k_fmt, v_fmt: None
+    #: ``(window_dtype, device) -> None``; raises ``ValueError`` if these kernels cannot read windows
+    #: stored in ``window_dtype`` (``QuantSpec.window_dtype``) on ``device``
+    check_windows: Callable[[str, torch.device], None] = lambda window_dtype, device: None
     #: quantize pool rows into INT2 pool slots in place (a demotion's gather, quantize and scatter)
     quantize_pack_into: Callable[..., None] = _ref_quantize_into
     #: a few tokens through their chosen experts (``kernels.ref.moe``), used by MoE layers for
@@ -78,6 +81,14 @@ class KernelOps:
                 self.check_formats(kf, vf)
             except ValueError as e:
                 raise BackendError(f"layer {i}: {e}; {fix}") from None
+
+    def require_windows(self, window_dtype: str, device: torch.device | str, fix: str) -> None:
+        """Fail at start-up, not at the first decode: raises :class:`BackendError` if these kernels
+        cannot read windows stored in ``window_dtype`` on ``device``, with ``fix``."""
+        try:
+            self.check_windows(window_dtype, torch.device(device))
+        except ValueError as e:
+            raise BackendError(f"{e}; {fix}") from None
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:

@@ -14,7 +14,7 @@ import torch
 from ...quant import RowFormat
 from .. import Backend, KernelOps
 from ..ref.prefill_attention import per_sequence
-from .decode import decode_attention
+from .decode import check_windows, decode_attention
 from .decode.attention import _check_format as _decode_check
 from .dequantize import dequantize
 from .fp8 import fp8_linear, fp8_moe_experts
@@ -109,6 +109,7 @@ KERNEL_OPS = KernelOps(
     qk_norm_rope,
     rotate_rows,
     check_formats,
+    check_windows,
     quantize_pack_into=quantize_pack_into,
     moe_experts=moe_experts,
     moe_small_tokens=MoeTuning().small_tokens,

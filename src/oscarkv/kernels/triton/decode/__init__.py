@@ -8,8 +8,8 @@
   :mod:`.common`, :mod:`.planes` and :mod:`.padded`.
 """
 
-from .attention import decode_attention
+from .attention import check_windows, decode_attention
 from .planner import DecodePlan, plan
 from .tuning import DEFAULT_TUNING, DecodeTuning
 
-__all__ = ["DEFAULT_TUNING", "DecodePlan", "DecodeTuning", "decode_attention", "plan"]
+__all__ = ["DEFAULT_TUNING", "DecodePlan", "DecodeTuning", "check_windows", "decode_attention", "plan"]

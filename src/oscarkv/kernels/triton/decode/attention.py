@@ -18,7 +18,7 @@ from .planner import LOOPS, DecodePlan
 from .planner import plan as make_plan
 from .stages import merge, stage1
 
-__all__ = ["decode_attention"]
+__all__ = ["check_windows", "decode_attention"]
 
 LOG2E = 1.4426950408889634
 _STAGE1, _MERGE = Launcher(stage1), Launcher(merge)
@@ -90,10 +90,18 @@ def _check_windows(hp_k: torch.Tensor, hp_v: torch.Tensor) -> None:
             f"decode_attention: hp_k/hp_v must share one dtype of fp16, bf16, fp32 or float8_e4m3fn "
             f"(fp8 windows; no other fp8 format); got {hp_k.dtype} and {hp_v.dtype}"
         )
-    if hp_k.dtype == torch.float8_e4m3fn and hp_k.is_cuda and _capability(hp_k.device) < (8, 9):
+    if hp_k.dtype == torch.float8_e4m3fn:
+        try:
+            check_windows("fp8_e4m3", hp_k.device)
+        except ValueError as e:
+            raise ValueError(f"decode_attention: {e} (use window_dtype 'model')") from None
+
+
+def check_windows(window_dtype: str, device: torch.device) -> None:
+    """``KernelOps.check_windows``: fp8 windows need compute capability 8.9 or newer."""
+    if window_dtype == "fp8_e4m3" and device.type == "cuda" and _capability(device) < (8, 9):
         raise ValueError(
-            f"decode_attention: fp8 windows need a GPU of compute capability 8.9 or newer; "
-            f"{hp_k.device} has {_capability(hp_k.device)} (use window_dtype 'model')"
+            f"fp8 windows need a GPU of compute capability 8.9 or newer; {device} has {_capability(device)}"
         )
 
 
