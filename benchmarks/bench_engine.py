@@ -244,10 +244,46 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
 
 
+def kv_token_bytes(shape: dict[str, Any], elt: int) -> int:
+    """Bytes of one token's K and V over every layer at ``elt`` bytes per element (bf16: 2)."""
+    return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * elt
+
+
 def default_budget(shape: dict[str, Any], tokens: int, fit: int, elt: int) -> int:
     """The budget where bf16 holds ``fit`` requests of ``tokens`` tokens (plus the dummy page)."""
-    per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * elt
-    return (1 + fit * -(-tokens // 16)) * 16 * per_token
+    return (1 + fit * -(-tokens // 16)) * 16 * kv_token_bytes(shape, elt)
+
+
+@dataclasses.dataclass
+class StepLog:
+    """Per-step figures of an engine run: requests running before each step, the wall time of the
+    steps that ran decode tokens only with what each reads (the roofline's snapshots), the wall
+    time of the steps that ran prompt tokens, and the engine's step timings."""
+
+    running: list[int] = dataclasses.field(default_factory=list)
+    decode_ms: list[float] = dataclasses.field(default_factory=list)
+    snaps: list[StepBytes] = dataclasses.field(default_factory=list)
+    prefill_s: float = 0.0
+    timings: list[Any] = dataclasses.field(default_factory=list)
+
+    def step(self, eng: Engine, rf: Roofline) -> list[Any]:
+        """One ``eng.step()``, logged; returns its outputs."""
+        self.running.append(len(eng.scheduler.running))
+        snap = rf.snapshot(eng.scheduler.running)
+        pre, dec, t = eng.stats["prefill_tokens"], eng.stats["decode_tokens"], time.perf_counter()
+        outs = eng.step()
+        dt = time.perf_counter() - t
+        if eng.stats["prefill_tokens"] == pre and eng.stats["decode_tokens"] > dec:
+            self.decode_ms.append(1e3 * dt)
+            self.snaps.append(snap)
+        elif eng.stats["prefill_tokens"] > pre:
+            self.prefill_s += dt
+        self.timings += eng.step_timings()
+        return outs
+
+    def running_mean(self) -> float:
+        busy = [r for r in self.running if r]
+        return statistics.fmean(busy) if busy else 0.0
 
 
 def run_jobs(eng: Engine, prompts: list[list[int]], gen: int, device: str, rf: Roofline) -> dict[str, Any]:
@@ -261,41 +297,28 @@ def run_jobs(eng: Engine, prompts: list[list[int]], gen: int, device: str, rf: R
     t0 = time.perf_counter()
     rids = [eng.add_request(p, params) for p in prompts]
     done: dict[str, Any] = {}
-    running: list[int] = []
-    decode_ms: list[float] = []  # wall time of the steps that ran decode tokens only
-    prefill_s = 0.0  # wall time of the steps that ran prompt tokens
-    snaps: list[StepBytes] = []  # what each of those steps reads (roofline)
-    timings: list[Any] = []
+    log = StepLog()
     total = len(prompts) * gen
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} tok"),
                   TimeElapsedColumn(), transient=True) as bar:  # fmt: skip
         task = bar.add_task(eng.cfg.kv_dtype, total=total)
         produced = 0
         while eng.has_unfinished():
-            running.append(len(eng.scheduler.running))
-            snap = rf.snapshot(eng.scheduler.running)
-            pre, dec, t = eng.stats["prefill_tokens"], eng.stats["decode_tokens"], time.perf_counter()
-            for out in eng.step():
+            for out in log.step(eng, rf):
                 if out.finished:
                     done[out.rid] = out
-            if eng.stats["prefill_tokens"] == pre and eng.stats["decode_tokens"] > dec:
-                decode_ms.append(1e3 * (time.perf_counter() - t))
-                snaps.append(snap)
-            elif eng.stats["prefill_tokens"] > pre:
-                prefill_s += time.perf_counter() - t
-            timings += eng.step_timings()
             n = sum(len(s.out) for s in eng.scheduler.running) + sum(len(o.token_ids) for o in done.values())
             bar.advance(task, n - produced)
             produced = n
     if device == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    timings += eng.step_timings()
+    log.timings += eng.step_timings()
+    decode_ms, prefill_s, running = log.decode_ms, log.prefill_s, log.running
     outs = [done[r] for r in rids]
     ntok = sum(len(o.token_ids) for o in outs)
     ttft = [o.ttft_s for o in outs if o.ttft_s is not None]
     tpot = [(o.e2e_s - o.ttft_s) / (len(o.token_ids) - 1) for o in outs if len(o.token_ids) > 1]
-    busy = [r for r in running if r]
     return {
         "jobs": len(outs),
         "wall_s": wall,
@@ -308,12 +331,12 @@ def run_jobs(eng: Engine, prompts: list[list[int]], gen: int, device: str, rf: R
         "tpot_p90_ms": 1e3 * pct(tpot, 90),
         "decode_step_p50_ms": pct(decode_ms, 50),
         "decode_steps": len(decode_ms),
-        "running_mean": statistics.fmean(busy) if busy else 0.0,
+        "running_mean": log.running_mean(),
         "running_peak": max(running, default=0),
         "steps": eng.stats["steps"],
         "preemptions": eng.stats["preemptions"],
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / GIB if device == "cuda" else float("nan"),
-        **step_figures(rf, snaps, pct(decode_ms, 50), timings),
+        **step_figures(rf, log.snaps, pct(decode_ms, 50), log.timings),
     }
 
 

@@ -44,7 +44,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness
 from _harness import copy_bandwidth, save
-from bench_engine import SHAPES, SIDES, capacity, engine_facts, free, model_dir, pct, random_rotations, table
+from bench_engine import (
+    SHAPES,
+    SIDES,
+    StepLog,
+    capacity,
+    engine_facts,
+    free,
+    kv_token_bytes,
+    model_dir,
+    pct,
+    random_rotations,
+    table,
+)
 from roofline import ROWS as ROOF_ROWS
 from roofline import Roofline, StepBytes, step_figures
 
@@ -90,9 +102,8 @@ def shared_capacity(
 
 def default_budget(shape: dict[str, Any], w: Workload, fit: int, elt: int) -> int:
     """The budget where bf16 holds ``fit`` sessions at their last turn, the system prompt once."""
-    per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * elt
     pages = 1 + -(-w.system // 16) + fit * (-(-(w.last - w.system) // 16) + 1)
-    return pages * 16 * per_token
+    return pages * 16 * kv_token_bytes(shape, elt)
 
 
 def run_sessions(eng: Engine, rf: Roofline, w: Workload, sessions: int, conc: int, seed: int,
@@ -118,20 +129,12 @@ def run_sessions(eng: Engine, rf: Roofline, w: Workload, sessions: int, conc: in
     cuda = str(eng.runner.device).startswith("cuda")
     if cuda:
         torch.cuda.synchronize()
-    turns, decode_ms, snaps, timings, running = [], [], [], [], []
+    turns, log = [], StepLog()
     t0 = time.perf_counter()
     while waiting and len(active) < conc:
         submit(waiting.popleft())
     while eng.has_unfinished():
-        running.append(len(eng.scheduler.running))
-        snap = rf.snapshot(eng.scheduler.running)
-        pre, dec, t = eng.stats["prefill_tokens"], eng.stats["decode_tokens"], time.perf_counter()
-        outs = eng.step()
-        if eng.stats["prefill_tokens"] == pre and eng.stats["decode_tokens"] > dec:
-            decode_ms.append(1e3 * (time.perf_counter() - t))
-            snaps.append(snap)
-        timings += eng.step_timings()
-        for out in outs:
+        for out in log.step(eng, rf):
             if not out.finished:
                 continue
             s = active.pop(out.rid)
@@ -149,7 +152,7 @@ def run_sessions(eng: Engine, rf: Roofline, w: Workload, sessions: int, conc: in
     ntok = sum(len(o.token_ids) for o in turns)
     ttft = [o.ttft_s for o in turns if o.ttft_s is not None]
     user_rate = [len(o.token_ids) / o.e2e_s for o in turns if o.e2e_s]
-    busy = [r for r in running if r]
+    decode_ms = log.decode_ms
     return {
         "concurrency": min(conc, sessions),
         "sessions": sessions,
@@ -164,9 +167,9 @@ def run_sessions(eng: Engine, rf: Roofline, w: Workload, sessions: int, conc: in
         "reusable_ratio": seen / prompt,
         "prompt_tokens": prompt,
         "decode_step_p50_ms": pct(decode_ms, 50),
-        "running_mean": statistics.fmean(busy) if busy else 0.0,
+        "running_mean": log.running_mean(),
         "preemptions": eng.stats["preemptions"],
-        **step_figures(rf, snaps or [StepBytes(0, 0)], pct(decode_ms, 50), timings),
+        **step_figures(rf, log.snaps or [StepBytes(0, 0)], pct(decode_ms, 50), log.timings),
     }
 
 
