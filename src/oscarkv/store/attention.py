@@ -6,8 +6,10 @@ The engine and the vLLM plug-in run this class; the rows it reads and writes com
 
 Everything stored is in the rotated basis: keys by ``R_K``, values by ``R_V`` (or already
 rotated, when ``R_V`` was absorbed into ``v_proj``); queries are rotated by ``R_K`` and outputs
-back by ``R_Vᵀ`` (or left rotated, when ``R_Vᵀ`` was absorbed into ``o_proj``). Rotations run in float32 and round once to the model dtype, exactly as
-``hf/cache.py`` does, so the engine matches the HF cache bit for bit on the same inputs.
+back by ``R_Vᵀ`` (or left rotated, when ``R_Vᵀ`` was absorbed into ``o_proj``). Rotations run in
+float32 and round once to the model dtype (``ops.rotate_rows`` in a prefill, ``ops.rotate_new_rows``
+in decode): with the torch ops exactly as ``hf/cache.py`` does, so the engine matches the HF cache
+bit for bit on the same inputs; the Triton kernels sum the same products in another order.
 BF16 mode passes ``r_k = r_v = None``: plain 16-bit rows, no rotation at all.
 """
 
