@@ -1,12 +1,13 @@
 # Sourced by the lab/gpu_run*.sh device calls: the checkout's package on the path, the commit for
 # the results' provenance, `step NAME` headers, and `sync_out`, which copies to $OUT only the
-# results written since the call began (the device returns a limited number of files).
+# results written since the call began (the device returns a limited number of files), and
+# benchmarks/history.csv when a run appended to it (its new rows go into the checkout's copy).
 # Give COMMIT as a literal hash in the run command: the device copy's git history can be stale.
 export PYTHONPATH=$PWD/src
 echo "${COMMIT:-unknown}" > benchmarks/results/.commit
 _MARK=$(mktemp)
 step() { echo "== $1 ($(date +%T))"; }
-sync_out() { find benchmarks/results -type f -newer "$_MARK" -exec cp --parents {} "$OUT/" \; ; }
+sync_out() { find benchmarks/results benchmarks/history.csv -type f -newer "$_MARK" -exec cp --parents {} "$OUT/" \; ; }
 # SmolLM2 on the device at /tmp/smollm2: join the parts copied to /tmp by the two calls before
 # (.gl/a/p1, .gl/c/p2) with .gl/b/p3, check, and convert from GGUF (skipped when already there).
 smollm2() {
