@@ -105,7 +105,6 @@ class ModelRunner:
                 [rs.formats(i, cfg.spec) for i in rs.layer_ids],
                 "use backend='torch', or calibrate with --high-key-bits 4",
             )
-        if self.rotations is not None:
             self.ops.require_windows(self.spec.window_dtype, self.device, "use --window-dtype model")
         self.model, self.shape = load_decoder(
             cfg.model,

@@ -170,23 +170,11 @@ def rotate_heads(
 ) -> torch.Tensor:
     """Same contract as ``kernels.ref.rotate_heads`` (tensors on one CUDA device)."""
     check_rotate_args(x, r, out, dst)
-    b, h, d = x.shape
-    _check_dim(d)
     x = _unit_stride(x)
-    scatter = out is not None
     y = out if out is not None else torch.empty_like(x)
     if y.stride(-1) != 1:
         raise ValueError("rotate_heads: out must have unit stride in its last dim")
-    if b == 0:
-        return y
-    rotate = r is not None
-    r, group, s_rh = _matrix(r, h, d, x)
-    _ROTATE(
-        (h, -(-b // BLOCK_B), d // min(d, BLOCK_C)), x, r, y, dst if scatter else x, b, x.stride(0), x.stride(1), s_rh, y.stride(0),
-        y.stride(1), D=d, GROUP=group, ROTATE=rotate, INVERSE=inverse, SCATTER=scatter, BLOCK_B=BLOCK_B,
-        BLOCK_C=min(d, BLOCK_C), BLOCK_K=BLOCK_K, BF16_DOT=x.is_cuda, num_warps=4,
-    )  # fmt: skip
-    return y
+    return _launch(x, r, inverse, y, dst, BLOCK_B, BLOCK_C)
 
 
 def rotate_rows(x: torch.Tensor, r: torch.Tensor | None, inverse: bool = False) -> torch.Tensor:
@@ -195,18 +183,26 @@ def rotate_rows(x: torch.Tensor, r: torch.Tensor | None, inverse: bool = False) 
     if r is None:
         return x
     check_rotate_args(x, r, None, None)
-    t, h, d = x.shape
-    _check_dim(d)
     x = _unit_stride(x)
-    y = torch.empty_like(x)
-    if t == 0:
+    return _launch(x, r, inverse, torch.empty_like(x), None, ROWS_B, ROWS_C)
+
+
+def _launch(x: torch.Tensor, r: torch.Tensor | None, inverse: bool, y: torch.Tensor, dst: torch.Tensor | None,
+            block_b: int, block_c: int) -> torch.Tensor:  # fmt: skip
+    """``_rotate`` over ``x [B, H, d]`` (unit last stride) into ``y`` (rows ``dst[b]`` if given) in
+    ``block_b``-row, ``block_c``-column programs; returns ``y``."""
+    b, h, d = x.shape
+    _check_dim(d)
+    if b == 0:
         return y
+    scatter = dst is not None
+    rotate = r is not None
     r, group, s_rh = _matrix(r, h, d, x)
-    cols = min(d, ROWS_C)
+    cols = min(d, block_c)
     _ROTATE(
-        (h, -(-t // ROWS_B), d // cols), x, r, y, x, t, x.stride(0), x.stride(1), s_rh, y.stride(0), y.stride(1),
-        D=d, GROUP=group, ROTATE=True, INVERSE=inverse, SCATTER=False, BLOCK_B=ROWS_B, BLOCK_C=cols,
-        BLOCK_K=BLOCK_K, BF16_DOT=x.is_cuda, num_warps=4,
+        (h, -(-b // block_b), d // cols), x, r, y, dst if scatter else x, b, x.stride(0), x.stride(1), s_rh,
+        y.stride(0), y.stride(1), D=d, GROUP=group, ROTATE=rotate, INVERSE=inverse, SCATTER=scatter,
+        BLOCK_B=block_b, BLOCK_C=cols, BLOCK_K=BLOCK_K, BF16_DOT=x.is_cuda, num_warps=4,
     )  # fmt: skip
     return y
 
