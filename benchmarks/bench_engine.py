@@ -93,6 +93,14 @@ _GLM_AIR_FP8 = dict(architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe",
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-8b": {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "tie_word_embeddings": False},
     "qwen3-4b": {**_QWEN3, "hidden_size": 2560, "intermediate_size": 9728, "tie_word_embeddings": True},
+    "qwen3-1.7b": {
+        **_QWEN3,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "tie_word_embeddings": True,
+    },
     "smollm2-135m": dict(
         architectures=["LlamaForCausalLM"],
         model_type="llama",
