@@ -19,8 +19,9 @@ from ..config import EngineConfig
 from ..errors import InputError
 from .check import check
 from .detok import IncrementalDetokenizer
+from .launched import Launched, prompt_logprobs_of, token_logprobs_of, tokens_of
 from .load import EngineLoad, PoolLoad
-from .model_runner import Launched, ModelRunner
+from .model_runner import ModelRunner
 from .pages import PagePool
 from .prefix_cache import PrefixCache
 from .request import RequestOutput, SamplingParams, Sequence, TokenLogprob
@@ -181,11 +182,11 @@ class Engine:
     def _process(self, launched: Launched) -> list[RequestOutput]:
         """Read a launched step's tokens and apply them: finishes, text, outputs."""
         with self.timer.waiting(), self._guard():
-            toks = self.runner.collect(launched)
-            for it, scored in self.runner.collect_prompt_logprobs(launched):  # idempotent on recompute
+            toks = tokens_of(launched)
+            for it, scored in prompt_logprobs_of(launched):  # idempotent on recompute
                 it.seq.prompt_lps[it.start + 1 : it.start + 1 + len(scored)] = scored
         lps = {} if launched.logprobs is None else {
-            it.seq.rid: lp for it, lp in zip(launched.batch.items, self.runner.collect_logprobs(launched), strict=True)
+            it.seq.rid: lp for it, lp in zip(launched.batch.items, token_logprobs_of(launched), strict=True)
             if lp is not None
         }  # fmt: skip
         gained: dict[str, Sequence] = {}

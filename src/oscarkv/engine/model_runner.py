@@ -35,23 +35,22 @@ from .decode_buffers import DecodeStaging, HostDecode
 from .graphs import DecodeGraphs, batch_bucket, len_bucket
 from .kv_budget import kv_budget
 from .kv_pool import KVPool, hp_dtype, longest_request, plan_pools
+from .launched import Launched, Scored, pinned
 from .models import load_decoder
 from .models.parallel import Comm
 from .penalties import PenaltyCounts
 from .planner import fill_lists, plan_decode_host, plan_prefill
 from .prefix_cache import tokens_between
-from .request import Batch, SamplingParams, StepSeq, TokenLogprob
+from .request import Batch, SamplingParams
 from .sampler import make_generator, sample, to_device, token_logprobs
 from .tokenizer import load_tokenizer
 from .tp_step import StepMsg, prefill_to, rank_rotation
 
-__all__ = ["Launched", "ModelRunner"]
+__all__ = ["ModelRunner"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: bytes of fp32 logits that exist at once when scoring a prompt (``score_rows`` rows of the vocab)
 SCORE_BYTES = 64 << 20
-#: log-probabilities of ``R`` rows: the scored token's ``[R]``, the top values and ids ``[R, K]``
-Scored = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _config_dict(model_dir: str) -> dict[str, Any]:
@@ -59,22 +58,6 @@ def _config_dict(model_dir: str) -> dict[str, Any]:
     if not p.is_file():
         raise InputError(f"model {model_dir}: no config.json", "pass a model directory")
     return json.loads(p.read_text(encoding="utf-8"))
-
-
-@dataclasses.dataclass
-class Launched:
-    """A step queued on the device: its batch and its sampled tokens (``tokens`` on the device,
-    ``host`` their pinned copy once ``event`` has passed; on the CPU ``tokens`` is final)."""
-
-    batch: Batch
-    tokens: torch.Tensor | None  # long [R]: one per item that samples, in item order
-    host: torch.Tensor | None = None
-    event: torch.cuda.Event | None = None
-    # (chosen [R], top values [R, K], top ids [R, K]) where a row asked for log-probabilities;
-    # host copies on CUDA, read after ``event``
-    logprobs: Scored | None = None
-    # the same for the prompt rows a prefill scores (``StepSeq.n_prompt_scored`` per item)
-    prompt_logprobs: Scored | None = None
 
 
 class ModelRunner:
@@ -437,7 +420,7 @@ class ModelRunner:
         """Queue ``batch`` on the device (a decode with its host part ``host`` from
         :meth:`plan_decode`, made here when not given): the forward, the sampling of one token
         per item that ends its prompt (every decode item), the tokens written to their slots'
-        ``last_tok`` and copied to pinned host memory. :meth:`collect` reads them."""
+        ``last_tok`` and copied to pinned host memory. :func:`~.launched.tokens_of` reads them."""
         prompt_lps = None
         if batch.is_decode:
             logits = self._decode(batch, host if host is not None else self.plan_decode(batch))
@@ -447,7 +430,7 @@ class ModelRunner:
         if not rows:
             ev = None
             if prompt_lps is not None and self.device.type == "cuda":
-                prompt_lps, ev = self._to_host(prompt_lps), torch.cuda.Event()
+                prompt_lps, ev = pinned(prompt_lps), torch.cuda.Event()
                 ev.record()
             return Launched(batch, None, event=ev, prompt_logprobs=prompt_lps)
         params = [it.seq.params for it in rows]
@@ -466,71 +449,10 @@ class ModelRunner:
             return Launched(batch, toks, logprobs=lps, prompt_logprobs=prompt_lps)
         out = torch.empty(toks.shape, dtype=toks.dtype, pin_memory=True)
         out.copy_(toks, non_blocking=True)
-        lps, prompt_lps = self._to_host(lps), self._to_host(prompt_lps)
+        lps, prompt_lps = pinned(lps), pinned(prompt_lps)
         ev = torch.cuda.Event()
         ev.record()
         return Launched(batch, toks, out, ev, lps, prompt_lps)
-
-    def _to_host(self, t: Scored | None) -> Scored | None:
-        """Pinned host copies of ``t`` on CUDA (read after the step's event), else ``t``."""
-        if t is None or self.device.type != "cuda":
-            return t
-        return tuple(torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x, non_blocking=True)
-                     for x in t)  # type: ignore[return-value]  # fmt: skip
-
-    @staticmethod
-    def collect(step: Launched) -> list[int | None]:
-        """The tokens of a launched step, one per item (None for chunks that do not end a prompt);
-        blocks until the device has produced them."""
-        if step.tokens is None:
-            return [None] * len(step.batch.items)
-        if step.event is not None:
-            assert step.host is not None
-            step.event.synchronize()
-            toks = iter(step.host.tolist())
-        else:
-            toks = iter(step.tokens.tolist())
-        return [next(toks) if it.ends_prompt else None for it in step.batch.items]
-
-    @staticmethod
-    def collect_logprobs(step: Launched) -> list[TokenLogprob | None]:
-        """Each item's sampled-token log-probability and its top ``params.logprobs`` (None where
-        the item samples nothing or asked for none); call after :meth:`collect`."""
-        if step.logprobs is None:
-            return [None] * len(step.batch.items)
-        chosen, vals, ids = (t.tolist() for t in step.logprobs)
-        out: list[TokenLogprob | None] = []
-        r = 0
-        for it in step.batch.items:
-            if not it.ends_prompt:
-                out.append(None)
-                continue
-            k = it.seq.params.logprobs
-            out.append(None if k is None else (chosen[r], tuple(zip(ids[r][:k], vals[r][:k], strict=True))))
-            r += 1
-        return out
-
-    @staticmethod
-    def collect_prompt_logprobs(step: Launched) -> list[tuple[StepSeq, list[TokenLogprob]]]:
-        """For each item that scores prompt rows: the item and, per row, the next prompt token's
-        log-probability and the top ``params.prompt_logprobs`` (the row at position ``p`` scores
-        prompt token ``p + 1``)."""
-        if step.prompt_logprobs is None:
-            return []
-        if step.event is not None:
-            step.event.synchronize()
-        chosen, vals, ids = (t.tolist() for t in step.prompt_logprobs)
-        out, r = [], 0
-        for it in step.batch.items:
-            k = it.seq.params.prompt_logprobs
-            if k is None:
-                continue
-            n = it.n_prompt_scored
-            out.append(
-                (it, [(chosen[j], tuple(zip(ids[j][:k], vals[j][:k], strict=True))) for j in range(r, r + n)])
-            )
-            r += n
-        return out
 
     def memory_report(self, tokens_quantized: int = 0, tokens_hp: int = 0) -> dict[str, Any]:
         return self.pool.memory_report(tokens_quantized, tokens_hp)
