@@ -27,34 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from _harness import copy_bandwidth, save
 
 from oscarkv.kernels.triton import decode as tdec
-from oscarkv.kernels.triton.decode.common import SUBNORMAL, inv_sum, meta_pair, rescale, store_lse
-from oscarkv.kernels.triton.decode.planes import (
-    dot8,
-    dot_i8,
-    key_planes_i8,
-    qparts8,
-    qparts_i8,
-    scale8,
-    store8,
-    vp8,
-    word_planes,
-    zeros8,
-)
+from oscarkv.kernels.triton.decode.common import inv_sum, store_lse
+from oscarkv.kernels.triton.decode.loop_swap import meta_cols, query_operands, softmax_step
+from oscarkv.kernels.triton.decode.planes import dot8, dot_i8, key_planes_i8, store8, vp8, word_planes, zeros8
 from oscarkv.kernels.triton.decode.stages import merge
 from oscarkv.quant import RowFormat
 
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _meta(M, sh, nmask, HP: tl.constexpr, GP: tl.constexpr):
-    if HP == 1:
-        w = tl.load(M + sh, mask=nmask, other=0)[:, None]
-    else:
-        offs_j = tl.arange(0, HP)
-        w = tl.load(M + sh[:, None] + offs_j[None, :], mask=nmask[:, None], other=0)
-        w = tl.reshape(tl.broadcast_to(w[:, :, None], (w.shape[0], HP, GP)), (w.shape[0], HP * GP))
-    return meta_pair(w, 1)
 
 
 @triton.jit
@@ -76,24 +55,12 @@ def page_stage1(Q, kdesc, KM, vdesc, VM, KC, VC, PT, NTOK, O, LSE, qk_scale, pt_
     gmask = offs_c % GP < G
     qrow = b * HKV * G + (h0 + offs_c // GP) * G + offs_c % GP
     row = qrow.to(tl.int64) * total + sp
-    offs_r = tl.arange(0, HP * D8)
-    diag = (offs_r // D8)[:, None] == (offs_c // GP)[None, :]
     offs_t = tl.arange(0, PS)
-    if KI8:
-        offs_k = tl.arange(0, HP * D4)
-        diag_k = (offs_k // D4)[:, None] == (offs_c // GP)[None, :]
-        qk = Q + qrow[None, :] * D + (offs_k % D4)[:, None]
-        q00, q01, q10, q11, q20, q21, q30, q31, sig, qsum = qparts_i8(qk, diag_k & gmask[None, :], D4)
-        kscale = (sig * qk_scale)[None, :]
-        KROW: tl.constexpr = HKV * D4
-        kcol = h0 * D4
-    else:
-        qp = Q + qrow[None, :] * D + 2 * (offs_r % D8)[:, None]
-        q00, q01, q10, q11, q20, q21, q30, q31, qsum = qparts8(qp, diag & gmask[None, :], D4, 0)
-        kscale = qk_scale * SUBNORMAL
-        offs_k = offs_r
-        KROW: tl.constexpr = HKV * D8
-        kcol = h0 * D8
+    q00, q01, q10, q11, q20, q21, q30, q31, qsum, kscale, offs_k, offs_r, diag = query_operands(
+        Q, qrow, offs_c, gmask, qk_scale, HP, GP, D, KI8
+    )
+    KROW: tl.constexpr = HKV * D4 if KI8 else HKV * D8
+    kcol = h0 * D4 if KI8 else h0 * D8
     zq = qsum * qk_scale
     m_i = tl.full([HP * GP], float("-inf"), tl.float32)
     l_i = tl.zeros([HP * GP], tl.float32)
@@ -110,28 +77,37 @@ def page_stage1(Q, kdesc, KM, vdesc, VM, KC, VC, PT, NTOK, O, LSE, qk_scale, pt_
         else:
             kc = tl.load(KC + (row0 + offs_t)[:, None] * KROW + kcol + offs_k[None, :])
             vc = tl.load(VC + (row0 + offs_t)[None, :] * (HKV * D8) + h0 * D8 + offs_r[:, None])
-        ks, kz = _meta(KM, sh, nmask, HP, GP)
+        ks, kz = meta_cols(KM, sh, nmask, HP, GP, 1)
         if KI8:
             k0, k1, k2, k3 = key_planes_i8(kc, ASM)
             t = dot_i8(k0, k1, k2, k3, q00, q01, q10, q11, q20, q21, q30, q31)
         else:
             k00, k01, k10, k11, k20, k21, k30, k31 = word_planes(kc, ASM)
             t = dot8(k00, k01, k10, k11, k20, k21, k30, k31, q00, q01, q10, q11, q20, q21, q30, q31)
-        s = (t * kscale - kz * zq[None, :]) * ks
-        s = tl.where(nmask[:, None], s, float("-inf"))
-        if tl.max((s > m_i[None, :] + 8.0).to(tl.int32)) > 0:
-            m_new = tl.maximum(m_i, tl.max(s, 0))
-            alpha, l_i, zacc = rescale(m_i, m_new, l_i, zacc)
-            a00, a01, a10, a11, a20, a21, a30, a31 = scale8(
-                a00, a01, a10, a11, a20, a21, a30, a31, alpha[None, :]
-            )
-            m_i = m_new
-        p = tl.exp2(s - m_i[None, :])
-        l_i = l_i + tl.sum(p, 0)
-        vs, vz = _meta(VM, sh, nmask, HP, GP)
-        ps = p * vs
-        zacc = zacc + tl.sum(ps * vz, 0)
-        ps = ps.to(tl.float16)
+        ps, m_i, l_i, zacc, a00, a01, a10, a11, a20, a21, a30, a31 = softmax_step(
+            t,
+            kscale,
+            ks,
+            kz,
+            zq,
+            nmask,
+            VM,
+            sh,
+            m_i,
+            l_i,
+            zacc,
+            a00,
+            a01,
+            a10,
+            a11,
+            a20,
+            a21,
+            a30,
+            a31,
+            HP,
+            GP,
+            1,
+        )
         v00, v01, v10, v11, v20, v21, v30, v31 = word_planes(vc, ASM)
         a00, a01, a10, a11, a20, a21, a30, a31 = vp8(
             ps, v00, v01, v10, v11, v20, v21, v30, v31, a00, a01, a10, a11, a20, a21, a30, a31
