@@ -322,7 +322,6 @@ def run_jobs(eng: Engine, prompts: list[list[int]], gen: int, device: str, rf: R
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     log.timings += eng.step_timings()
-    decode_ms, prefill_s, running = log.decode_ms, log.prefill_s, log.running
     outs = [done[r] for r in rids]
     ntok = sum(len(o.token_ids) for o in outs)
     ttft = [o.ttft_s for o in outs if o.ttft_s is not None]
@@ -334,17 +333,17 @@ def run_jobs(eng: Engine, prompts: list[list[int]], gen: int, device: str, rf: R
         "output_tok_s": ntok / wall,
         "ttft_p50_s": pct(ttft, 50),
         "ttft_p90_s": pct(ttft, 90),
-        "prefill_share": prefill_s / wall,
+        "prefill_share": log.prefill_s / wall,
         "tpot_p50_ms": 1e3 * pct(tpot, 50),
         "tpot_p90_ms": 1e3 * pct(tpot, 90),
-        "decode_step_p50_ms": pct(decode_ms, 50),
-        "decode_steps": len(decode_ms),
+        "decode_step_p50_ms": pct(log.decode_ms, 50),
+        "decode_steps": len(log.decode_ms),
         "running_mean": log.running_mean(),
-        "running_peak": max(running, default=0),
+        "running_peak": max(log.running, default=0),
         "steps": eng.stats["steps"],
         "preemptions": eng.stats["preemptions"],
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / GIB if device == "cuda" else float("nan"),
-        **step_figures(rf, log.snaps, pct(decode_ms, 50), log.timings),
+        **step_figures(rf, log.snaps, pct(log.decode_ms, 50), log.timings),
     }
 
 

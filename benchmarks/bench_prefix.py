@@ -152,7 +152,6 @@ def run_sessions(eng: Engine, rf: Roofline, w: Workload, sessions: int, conc: in
     ntok = sum(len(o.token_ids) for o in turns)
     ttft = [o.ttft_s for o in turns if o.ttft_s is not None]
     user_rate = [len(o.token_ids) / o.e2e_s for o in turns if o.e2e_s]
-    decode_ms = log.decode_ms
     return {
         "concurrency": min(conc, sessions),
         "sessions": sessions,
@@ -166,10 +165,10 @@ def run_sessions(eng: Engine, rf: Roofline, w: Workload, sessions: int, conc: in
         "hit_ratio": sum(o.num_cached_tokens for o in turns) / prompt,
         "reusable_ratio": seen / prompt,
         "prompt_tokens": prompt,
-        "decode_step_p50_ms": pct(decode_ms, 50),
+        "decode_step_p50_ms": pct(log.decode_ms, 50),
         "running_mean": log.running_mean(),
         "preemptions": eng.stats["preemptions"],
-        **step_figures(rf, log.snaps or [StepBytes(0, 0)], pct(decode_ms, 50), log.timings),
+        **step_figures(rf, log.snaps or [StepBytes(0, 0)], pct(log.decode_ms, 50), log.timings),
     }
 
 
